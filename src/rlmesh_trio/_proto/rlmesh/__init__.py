@@ -1,0 +1,1 @@
+# Generated from proto/ by `nox -s codegen` (betterproto2-compiler) -- do not edit.
