@@ -33,8 +33,14 @@ class ActionError(CodecError):
 class PolicyViolation(RlmeshTrioError):
     """A soft conformance violation turned into an error by the ``strict`` policy.
 
-    ``str(error)`` is the violation's ``detail`` text (SPEC §3.7.8).
+    ``str(error)`` is the violation's ``detail`` text (SPEC §3.7.8). ``kind`` says
+    whether the action (``INVALID_ACTION``, recoverable) or the observation
+    (``INTERNAL``, fatal) violated its space.
     """
+
+    def __init__(self, detail: str, kind: str = "observation") -> None:
+        super().__init__(detail)
+        self.kind = kind
 
 
 class ContractMismatchError(RlmeshTrioError):

@@ -1,40 +1,92 @@
 """The Join protocol as a sans-IO state machine (SPEC §6, §7, §9).
 
-INTERFACE SKELETON -- being implemented. The service drives it:
+Nothing here does I/O, starts a thread or reads a clock it was not given. The service
+module drives it:
 
-* ``Endpoint``: server-wide state shared by every Join of one server (contract,
-  conformance ledger, editions, peer info); answers Handshake and Shutdown.
-* ``Session``: one per Join stream. Feed it events, perform the actions it returns:
+* :class:`Endpoint` -- server-wide state shared by every Join of one server (the env
+  contract, the conformance ledger, editions, peer info); it answers Handshake and
+  Shutdown.
+* :class:`Session` -- one per Join stream. Feed it events, perform the actions it
+  returns:
 
-  - ``session.on_request(request)``  -- a JoinRequest was decoded
+  - ``session.on_request(request)`` -- a JoinRequest was decoded;
   - ``session.on_lane_reply(token, reply)`` -- a lane answered a job (call it on the
-    transport loop; the ``ReplyFn`` given to the lane comes from ``reply_to(token)``)
-  - ``session.on_timer(token)`` -- a ``StartTimer`` expired
-  - ``session.on_stream_end()`` -- the client half-closed, cancelled or vanished
+    transport loop; the ``ReplyFn`` handed to the lane comes from ``reply_to(token)``);
+  - ``session.on_timer(token)`` -- a :class:`StartTimer` expired;
+  - ``session.on_stream_end()`` -- the client half-closed, cancelled or vanished.
 
-  Actions: ``Send(response)``, ``StartTimer(token, seconds)``, ``CancelTimer(token)``,
-  ``EndStream()``. Lane jobs are posted by the session itself through the ``post``
-  callable it was given (``LaneEngine.post``: thread-safe, never blocks).
+  Actions: :class:`Send`, :class:`StartTimer`, :class:`CancelTimer`, :class:`EndStream`.
+  Lane jobs are posted by the session itself through the ``post`` callable it was given
+  (``LaneEngine.post``: thread-safe and non-blocking), so a unit test can pass a list's
+  ``append``.
+
+Request classes (SPEC §7.4): a reset or step with ``env_indices`` is *lane-scoped*: it
+is posted at once, lanes run concurrently, replies go out when each request completes
+(out of order), and requests for one lane queue in that lane's mailbox. Everything else
+is *serial*: it waits until every posted lane job has finished (a barrier), runs alone,
+and no later request is looked at until it has been answered.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Union
+import itertools
+import platform
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Union
 
-from ._jobs import EnvContract, Job, LaneReply, ReplyFn
-from ._options import Policy
+import betterproto2
+import outcome
+
+from ._codec import Candidate, from_meta_map
+from ._errors import (
+    ActionError,
+    InvalidRequestError,
+    LaneError,
+    PolicyViolation,
+)
+from ._jobs import (
+    EnvContract,
+    Job,
+    LaneReply,
+    Phases,
+    RenderJob,
+    RenderResult,
+    ReplyFn,
+    ResetJob,
+    ResetResult,
+    StepJob,
+    StepResult,
+)
+from ._lanes import batch_infos, fold_phases
+from ._options import WORKFLOW_EDITION, Policy
+from ._proto.rlmesh.core import v1 as core_v1
 from ._proto.rlmesh.env import v1 as env_v1
+from ._proto.rlmesh.spaces import v1 as spaces_v1
+from ._version import __version__
+
+PROTOCOL_GENERATION = "rlmesh-wire-v1"
+CONFORMANCE_KEY = "rlmesh.conformance.warning"
+
+_UNRECOGNIZED = "empty or unrecognized Join request (a newer-edition arm this build does not implement?)"
+
+Code = env_v1.EnvErrorCode
 
 
 @dataclass(frozen=True, slots=True)
 class Send:
+    """Send this JoinResponse (in the order the actions were returned)."""
+
     response: env_v1.JoinResponse
 
 
 @dataclass(frozen=True, slots=True)
 class StartTimer:
+    """Call ``on_timer(token)`` after ``seconds``, unless cancelled first."""
+
     token: int
     seconds: float
 
@@ -52,8 +104,94 @@ class EndStream:
 Action = Union[Send, StartTimer, CancelTimer, EndStream]
 
 
+# --------------------------------------------------------------------------- endpoint
+
+
+class ConformanceLedger:
+    """The (kind, path) pairs already reported, per lane and server-wide (SPEC §3.7.6).
+
+    Lives as long as the server: not cleared by resets, Close or a new Join.
+    """
+
+    def __init__(self, num_envs: int) -> None:
+        self.lanes: list[set[tuple[str, str]]] = [set() for _ in range(num_envs)]
+        self.server: set[tuple[str, str]] = set()
+
+    def place(
+        self, lanes: Sequence[int], candidates: Sequence[Sequence[Candidate]]
+    ) -> tuple[list[list[Candidate]], list[Candidate]]:
+        """Apply de-duplication for one reply (SPEC §3.7.7).
+
+        ``candidates[i]`` are lane ``lanes[i]``'s candidates, action first. Returns each
+        lane's surviving list R(i) and the reply-level list N of server-new pairs.
+        """
+        survivors: list[list[Candidate]] = []
+        for lane, cands in zip(lanes, candidates):
+            seen = self.lanes[lane]
+            kept = []
+            for cand in cands:
+                key = (cand.kind, cand.path)
+                if key not in seen:
+                    seen.add(key)
+                    kept.append(cand)
+            survivors.append(kept)
+        fresh: list[Candidate] = []
+        new_keys: set[tuple[str, str]] = set()
+        for kind in ("action", "observation"):
+            for kept in survivors:
+                for cand in kept:
+                    key = (cand.kind, cand.path)
+                    if cand.kind == kind and key not in self.server and key not in new_keys:
+                        new_keys.add(key)
+                        fresh.append(cand)
+        self.server |= new_keys
+        return survivors, fresh
+
+
+def _warning_value(cands: Iterable[Candidate]) -> spaces_v1.MetaValue:
+    items = [
+        spaces_v1.MetaValue(
+            map=spaces_v1.MetaMap(
+                entries={
+                    "kind": spaces_v1.MetaValue(text=c.kind),
+                    "path": spaces_v1.MetaValue(text=c.path),
+                    "detail": spaces_v1.MetaValue(text=c.detail),
+                }
+            )
+        )
+        for c in cands
+    ]
+    return spaces_v1.MetaValue(list=spaces_v1.MetaList(items=items))
+
+
+def _peer_info() -> core_v1.PeerInfo:
+    import gymnasium
+    import numpy
+
+    return core_v1.PeerInfo(
+        component="rlmesh-env",
+        package_version=__version__,
+        language="python",
+        language_version=platform.python_version(),
+        os=sys.platform if sys.platform != "darwin" else "macos",
+        os_version=platform.release(),
+        arch=platform.machine(),
+        framework_versions={"gymnasium": gymnasium.__version__, "numpy": numpy.__version__},
+        extra={
+            "rlmesh.workflow.base": WORKFLOW_EDITION,
+            "rlmesh.workflow.edition": WORKFLOW_EDITION,
+            "rlmesh.build.cohort": "stable",
+            "rlmesh.build.source": "release",
+            "rlmesh.server.implementation": f"rlmesh-trio {__version__}",
+        },
+    )
+
+
 class Endpoint:
-    """Server-wide state: one per server, shared by its successive Join sessions."""
+    """Server-wide state: one per server, shared by its successive Join sessions.
+
+    Not thread-safe: used from the transport loop only.
+    """
 
     def __init__(
         self,
@@ -64,22 +202,127 @@ class Endpoint:
         workflow_edition: str | None = None,
         allow_remote_shutdown: bool = False,
     ) -> None:
-        raise NotImplementedError
+        edition = workflow_edition or WORKFLOW_EDITION
+        if edition != WORKFLOW_EDITION:
+            raise ValueError(
+                f"workflow edition {edition!r} is not implemented (implements [{WORKFLOW_EDITION!r}])"
+            )
+        self.contract = contract
+        self.num_envs = num_envs
+        self.policy: Policy = policy
+        self.edition = edition
+        self.allow_remote_shutdown = allow_remote_shutdown
+        self.ledger = ConformanceLedger(num_envs)
+        self.peer_info = _peer_info()
+        self.env_contract = core_v1.EnvContract(
+            spec=core_v1.EnvSpec(
+                id=contract.env_id,
+                action_space=contract.action_codec.spec,
+                observation_space=contract.observation_codec.spec,
+                metadata=contract.metadata,
+            ),
+            num_envs=num_envs,
+            render_mode=contract.render_mode,
+            autoreset_mode=core_v1.AutoresetMode.DISABLED,
+        )
 
     def handshake(self, request: env_v1.HandshakeRequest) -> env_v1.HandshakeResponse:
-        """Answer a Handshake. Raises InvalidRequestError("handshake request missing base")."""
-        raise NotImplementedError
+        """Answer a Handshake (SPEC §6). A generation mismatch is an answer, not an error.
+
+        Raises InvalidRequestError("handshake request missing base").
+        """
+        base = request.base
+        if base is None:
+            raise InvalidRequestError("handshake request missing base")
+        reply = core_v1.HandshakeResponse(
+            peer_info=self.peer_info,
+            capabilities={"subset_step": "true"},
+            supported_workflow_editions=[self.edition],
+            preferred_workflow_edition=self.edition,
+        )
+        if base.protocol_generation != PROTOCOL_GENERATION:
+            reply.error_message = (
+                f"protocol generation {base.protocol_generation} not compatible with server "
+                f"{PROTOCOL_GENERATION}"
+            )
+            return env_v1.HandshakeResponse(base=reply)
+        reply.compatible = True
+        return env_v1.HandshakeResponse(base=reply, env_contract=self.env_contract)
 
     def shutdown(self, request: env_v1.ShutdownRequest) -> tuple[env_v1.ShutdownResponse, bool]:
-        """Answer a Shutdown; the bool says whether the server must now stop.
+        """Answer a Shutdown (SPEC §10.1-10.2); the bool says whether the server must stop.
 
         Raises InvalidRequestError("shutdown request missing base").
         """
-        raise NotImplementedError
+        base = request.base
+        if base is None:
+            raise InvalidRequestError("shutdown request missing base")
+        if not self.allow_remote_shutdown:
+            message = "remote shutdown is disabled for this environment endpoint"
+            return env_v1.ShutdownResponse(base=core_v1.ShutdownResponse(message=message)), False
+        message = f"shutdown accepted: {base.reason}" if base.reason else "shutdown accepted"
+        response = core_v1.ShutdownResponse(accepted=True, message=message)
+        return env_v1.ShutdownResponse(base=response), True
+
+
+# --------------------------------------------------------------------------- session
+
+
+@dataclass
+class _Episode:
+    episode_id: str
+    seed: int | None
+    lane: int
+    start_ns: int
+    steps: int = 0
+    reward: float = 0.0
+
+    def record(
+        self,
+        end_ns: int,
+        *,
+        terminated: bool = False,
+        truncated: bool = False,
+        final_info: spaces_v1.MetaMap | None = None,
+    ) -> env_v1.EpisodeMetadata:
+        return env_v1.EpisodeMetadata(
+            episode_id=self.episode_id,
+            seed=self.seed,
+            env_index=self.lane,
+            step_count=self.steps,
+            cumulative_reward=self.reward,
+            terminated=terminated,
+            truncated=truncated,
+            start_timestamp_ns=self.start_ns,
+            end_timestamp_ns=end_ns,
+            final_info=final_info,
+        )
+
+
+@dataclass
+class _Op:
+    """A reset, step or render whose lane jobs are out."""
+
+    token: int
+    request_id: str
+    verb: str  # "reset" | "step" | "render"
+    lanes: list[int]
+    serial: bool
+    started_ns: int
+    echo_indices: list[int] | None = None
+    seeds: list[int | None] = field(default_factory=list)
+    episode_ids: list[str] = field(default_factory=list)
+    pre_decode_ns: int = 0
+    replies: list[LaneReply | None] = field(default_factory=list)
+    remaining: int = 0
+    timeout_ms: int = 0
+    timed_out: bool = False
+    # lane position -> (episode, terminated, truncated, end_ns) of an episode completed by this op
+    completions: dict[int, tuple[_Episode, bool, bool, int]] = field(default_factory=dict)
 
 
 class Session:
-    """One Join stream's state."""
+    """One Join stream's state (SPEC §7). Not thread-safe: transport loop only."""
 
     def __init__(
         self,
@@ -87,27 +330,483 @@ class Session:
         *,
         post: Callable[[int, Job], None],
         reply_to: Callable[[int], ReplyFn],
+        clock_ns: Callable[[], int] = time.perf_counter_ns,
+        wall_ns: Callable[[], int] = time.time_ns,
     ) -> None:
-        raise NotImplementedError
+        self._endpoint = endpoint
+        self._post = post
+        self._reply_to = reply_to
+        self._clock_ns = clock_ns
+        self._wall_ns = wall_ns
+        self._n = endpoint.num_envs
+        self._pending: deque[tuple[env_v1.JoinRequest, int]] = deque()
+        self._ops: dict[int, _Op] = {}
+        self._serial: _Op | None = None
+        self._outstanding = 0  # lane jobs posted and not answered yet (timed-out ones too)
+        self._tokens = itertools.count(1)
+        self._episodes: list[_Episode | None] = [None] * self._n
+        self._interrupted: list[env_v1.EpisodeMetadata] = []
+        self._finished = False
+
+    # ----------------------------------------------------------------- events
 
     def on_request(self, request: env_v1.JoinRequest) -> list[Action]:
-        raise NotImplementedError
+        if self._finished:
+            return []
+        self._pending.append((request, self._clock_ns()))
+        return self._pump()
 
     def on_lane_reply(self, token: int, reply: LaneReply) -> list[Action]:
-        raise NotImplementedError
+        actions = self._deliver(token, reply)
+        actions.extend(self._pump())
+        return actions
 
     def on_timer(self, token: int) -> list[Action]:
-        raise NotImplementedError
+        op = self._ops.get(token)
+        if op is None or op.timed_out or self._finished:
+            return []
+        op.timed_out = True
+        actions: list[Action] = [
+            self._error(
+                op.request_id,
+                op.started_ns,
+                Code.TIMEOUT,
+                f"env.{op.verb} timed out after {op.timeout_ms}ms",
+                recoverable=True,
+            )
+        ]
+        if op.serial:
+            # The reply is out, so the next request may be read; the barrier still waits
+            # for the env call itself (``_outstanding``) before another serial op runs.
+            self._serial = None
+            actions.extend(self._pump())
+        return actions
 
     def on_stream_end(self) -> list[Action]:
-        raise NotImplementedError
+        """The stream ended without Close: drop the episode records (SPEC §7.9)."""
+        self._finish()
+        return []
 
     @property
     def busy(self) -> bool:
-        """True while any request is in flight or queued (holds the idle timer)."""
-        raise NotImplementedError
+        """True while any request is queued or in flight, or a lane job is outstanding."""
+        return bool(self._pending or self._ops or self._outstanding)
 
     @property
     def finished(self) -> bool:
-        """True once the session has ended its stream (or the stream ended)."""
-        raise NotImplementedError
+        return self._finished
+
+    # ----------------------------------------------------------------- scheduling
+
+    def _pump(self) -> list[Action]:
+        actions: list[Action] = []
+        while self._pending and not self._finished and self._serial is None:
+            request, read_ns = self._pending[0]
+            kind, body = betterproto2.which_one_of(request, "kind")
+            lane_scoped = kind in ("reset", "step") and bool(body.env_indices)  # type: ignore[union-attr]
+            if not lane_scoped and self._outstanding:
+                break  # serial barrier: wait for every lane job to finish
+            self._pending.popleft()
+            actions.extend(self._dispatch(request, kind, body, read_ns))
+        return actions
+
+    def _dispatch(
+        self, request: env_v1.JoinRequest, kind: str, body: Any, read_ns: int
+    ) -> list[Action]:
+        rid = request.request_id
+        if kind == "reset":
+            return self._start_reset(rid, body, read_ns)
+        if kind == "step":
+            return self._start_step(rid, body, read_ns)
+        if kind == "render":
+            return self._start_render(rid, body, read_ns)
+        if kind == "configure":
+            return self._configure(rid, body, read_ns)
+        if kind == "close":
+            return self._close(rid, read_ns)
+        return [self._error(rid, read_ns, Code.UNSUPPORTED, _UNRECOGNIZED, recoverable=True)]
+
+    def _new_op(
+        self, rid: str, verb: str, lanes: list[int], serial: bool, read_ns: int, timeout_ms: int
+    ) -> _Op:
+        op = _Op(
+            token=next(self._tokens),
+            request_id=rid,
+            verb=verb,
+            lanes=lanes,
+            serial=serial,
+            started_ns=read_ns,
+            timeout_ms=timeout_ms,
+        )
+        op.replies = [None] * len(lanes)
+        op.remaining = len(lanes)
+        return op
+
+    def _launch(self, op: _Op, jobs: Sequence[Job]) -> list[Action]:
+        """Post one job per lane of ``op``; a lane that refuses answers at once."""
+        self._ops[op.token] = op
+        if op.serial:
+            self._serial = op
+        actions: list[Action] = []
+        if op.timeout_ms:
+            actions.append(StartTimer(op.token, op.timeout_ms / 1000.0))
+        for lane, job in zip(op.lanes, jobs):
+            self._outstanding += 1
+            try:
+                self._post(lane, job)
+            except LaneError as exc:
+                actions.extend(self._deliver(op.token, LaneReply(lane, outcome.Error(exc), Phases())))
+        return actions
+
+    def _deliver(self, token: int, reply: LaneReply) -> list[Action]:
+        """Record one lane's answer; complete the op when it was the last one."""
+        self._outstanding -= 1
+        op = self._ops.get(token)
+        if op is None or self._finished:
+            return []
+        pos = op.lanes.index(reply.lane) if len(op.lanes) > 1 else 0
+        op.replies[pos] = reply
+        op.remaining -= 1
+        if isinstance(reply.outcome, outcome.Value):
+            self._account(op, pos, reply.outcome.value)
+        actions: list[Action] = []
+        if op.remaining == 0:
+            del self._ops[token]
+            if not op.timed_out:
+                if op.timeout_ms:
+                    actions.append(CancelTimer(token))
+                actions.extend(self._complete(op))
+        return actions
+
+    # ----------------------------------------------------------------- requests
+
+    def _check_indices(self, prefix: str, indices: Sequence[int]) -> str | None:
+        seen: set[int] = set()
+        for i in indices:
+            if i >= self._n:
+                return f"{prefix}: env_index {i} out of range for num_envs {self._n}"
+            if i in seen:
+                return f"{prefix}: duplicate env_index {i}"
+            seen.add(i)
+        return None
+
+    def _start_reset(self, rid: str, body: env_v1.ResetRequest, read_ns: int) -> list[Action]:
+        indices = list(body.env_indices)
+        seeds: list[int | None]
+        ids: list[str]
+        if indices:
+            problem = self._check_indices("partial reset", indices)
+            if problem is None and body.seeds and len(body.seeds) != len(indices):
+                problem = (
+                    f"partial reset: seeds length {len(body.seeds)} does not match env_indices "
+                    f"length {len(indices)} (provide one seed per reset lane, or none)"
+                )
+            if problem is None and body.episode_ids and len(body.episode_ids) != len(indices):
+                problem = (
+                    f"partial reset: episode_ids length {len(body.episode_ids)} does not match "
+                    f"env_indices length {len(indices)} (provide one episode id per reset lane, "
+                    "or none)"
+                )
+            if problem is not None:
+                return [self._error(rid, read_ns, Code.INVALID_ACTION, problem, recoverable=True)]
+            lanes = indices
+        else:
+            lanes = list(range(self._n))
+        k = len(lanes)
+        seeds = [body.seeds[i] if i < len(body.seeds) else None for i in range(k)]
+        ids = [body.episode_ids[i] if i < len(body.episode_ids) else "" for i in range(k)]
+        t0 = self._clock_ns()
+        options = from_meta_map(body.options) if body.options is not None else None
+        op = self._new_op(rid, "reset", lanes, not indices, read_ns, body.timeout_ms)
+        op.seeds, op.episode_ids = seeds, ids
+        op.pre_decode_ns = self._clock_ns() - t0
+        reply = self._reply_to(op.token)
+        jobs = [
+            ResetJob(seed=seed, options=dict(options) if options is not None else None, reply=reply)
+            for seed in seeds
+        ]
+        return self._launch(op, jobs)
+
+    def _start_step(self, rid: str, body: env_v1.StepRequest, read_ns: int) -> list[Action]:
+        indices = list(body.env_indices)
+        if indices:
+            problem = self._check_indices("subset step", indices)
+            if problem is not None:
+                return [self._error(rid, read_ns, Code.INVALID_ACTION, problem, recoverable=True)]
+            lanes = indices
+        else:
+            lanes = list(range(self._n))
+        k = len(lanes)
+        if body.action is None:
+            message = f"expected {k} actions, got 0"
+            return [self._error(rid, read_ns, Code.INVALID_ACTION, message, recoverable=True)]
+        leaves = list(body.action.leaves)
+        op = self._new_op(rid, "step", lanes, not indices, read_ns, body.timeout_ms)
+        op.echo_indices = indices or None
+        validated = False
+        if k > 1:
+            # Validate every row before any lane steps: a bad row must not leave the
+            # other lanes half-stepped. One-lane requests validate on the lane thread.
+            t0 = self._clock_ns()
+            try:
+                self._endpoint.contract.action_codec.validate_action(leaves, k)
+            except ActionError as exc:
+                return [self._error(rid, read_ns, Code.INVALID_ACTION, str(exc), recoverable=True)]
+            op.pre_decode_ns = self._clock_ns() - t0
+            validated = True
+        reply = self._reply_to(op.token)
+        jobs = [
+            StepJob(leaves=leaves, n=k, row=row, validated=validated, reply=reply)
+            for row in range(k)
+        ]
+        return self._launch(op, jobs)
+
+    def _start_render(self, rid: str, body: env_v1.RenderRequest, read_ns: int) -> list[Action]:
+        indices = list(body.env_indices)
+        if len(indices) > 1:
+            message = "render requests support at most one env_index"
+            return [self._error(rid, read_ns, Code.UNSUPPORTED, message, recoverable=True)]
+        lane = indices[0] if indices else 0
+        if lane != 0 and self._n > 1:
+            message = f"single-env render only supports env_index 0, got {lane}"
+            return [self._error(rid, read_ns, Code.INVALID_ACTION, message, recoverable=True)]
+        op = self._new_op(rid, "render", [lane], True, read_ns, body.timeout_ms)
+        return self._launch(op, [RenderJob(reply=self._reply_to(op.token))])
+
+    def _configure(
+        self, rid: str, body: env_v1.ConfigureEnvRequest, read_ns: int
+    ) -> list[Action]:
+        edition = body.selected_workflow_edition
+        implemented = self._endpoint.edition
+        if edition and edition != implemented and not edition.startswith(implemented + "-"):
+            message = (
+                f'runtime pinned this env to workflow edition "{edition}", which this env build '
+                f'does not implement (implements ["{implemented}"])'
+            )
+            actions: list[Action] = [
+                self._error(rid, read_ns, Code.INVALID_ACTION, message, recoverable=False)
+            ]
+            return actions + self._end()
+        response = env_v1.JoinResponse(
+            request_id=rid,
+            configure=env_v1.ConfigureEnvResponse(),
+            endpoint_total_ns=self._elapsed(read_ns),
+        )
+        return [Send(response)]
+
+    def _close(self, rid: str, read_ns: int) -> list[Action]:
+        now = self._wall_ns()
+        final = list(self._interrupted)
+        self._interrupted.clear()
+        for lane, episode in enumerate(self._episodes):
+            if episode is not None:
+                final.append(episode.record(now, truncated=True))
+                self._episodes[lane] = None
+        response = env_v1.JoinResponse(
+            request_id=rid,
+            close=env_v1.CloseEnvsResponse(final_episodes=final),
+            endpoint_total_ns=self._elapsed(read_ns),
+        )
+        return [Send(response), *self._end()]
+
+    # ----------------------------------------------------------------- results
+
+    def _account(self, op: _Op, pos: int, result: object) -> None:
+        """Episode bookkeeping for one lane's successful result, in lane order (SPEC §7.7)."""
+        lane = op.lanes[pos]
+        if isinstance(result, ResetResult):
+            previous = self._episodes[lane]
+            if previous is not None:
+                self._interrupted.append(previous.record(self._wall_ns(), truncated=True))
+            self._episodes[lane] = _Episode(
+                episode_id=op.episode_ids[pos],
+                seed=op.seeds[pos],
+                lane=lane,
+                start_ns=self._wall_ns(),
+            )
+        elif isinstance(result, StepResult):
+            episode = self._episodes[lane]
+            if episode is None:
+                return  # an idle lane was stepped: passed to the env, no record
+            episode.steps += 1
+            episode.reward += result.reward
+            if result.terminated or result.truncated:
+                self._episodes[lane] = None
+                op.completions[pos] = (
+                    episode,
+                    result.terminated,
+                    result.truncated,
+                    self._wall_ns(),
+                )
+
+    def _complete(self, op: _Op) -> list[Action]:
+        if op.serial:
+            self._serial = None
+        replies = [r for r in op.replies if r is not None]
+        for reply in replies:
+            if isinstance(reply.outcome, outcome.Error):
+                code, message, recoverable = self._classify(op.verb, reply.outcome.error)
+                actions: list[Action] = [
+                    self._error(op.request_id, op.started_ns, code, message, recoverable)
+                ]
+                if not recoverable and op.serial:
+                    actions.extend(self._end())
+                return actions
+        results = [r.outcome.unwrap() for r in replies]
+        phases, skew = fold_phases([r.phases for r in replies])
+        if op.verb == "render":
+            render = results[0]
+            assert isinstance(render, RenderResult)
+            body = (
+                env_v1.RenderResponse()
+                if render.frame is None
+                else env_v1.RenderResponse(frame=render.frame, format=env_v1.RenderFormat.PNG)
+            )
+            response = env_v1.JoinResponse(request_id=op.request_id, render=body)
+            self._stamp(response, op, phases, None, decode=False)
+            return [Send(response)]
+        if op.verb == "reset":
+            return [Send(self._reset_response(op, results, phases, skew))]
+        return [Send(self._step_response(op, results, phases, skew))]
+
+    def _place_warnings(
+        self, op: _Op, results: Sequence[ResetResult | StepResult]
+    ) -> tuple[list[spaces_v1.MetaMap], list[Candidate]]:
+        """Put conformance entries into the lane maps; return the maps and the list N."""
+        candidates = []
+        for result in results:
+            cands = []
+            if isinstance(result, StepResult) and result.action_warning is not None:
+                cands.append(result.action_warning)
+            if result.obs_warning is not None:
+                cands.append(result.obs_warning)
+            candidates.append(cands)
+        maps = [result.info for result in results]
+        if not any(candidates):
+            return maps, []
+        survivors, fresh = self._endpoint.ledger.place(op.lanes, candidates)
+        for info, kept in zip(maps, survivors):
+            if kept:
+                info.entries[CONFORMANCE_KEY] = _warning_value(kept)
+        if fresh and len(maps) == 1:
+            maps[0].entries[CONFORMANCE_KEY] = _warning_value(fresh)
+        return maps, fresh
+
+    def _infos(
+        self, maps: list[spaces_v1.MetaMap], fresh: list[Candidate], done: Sequence[bool] | None
+    ) -> spaces_v1.MetaMap:
+        if len(maps) == 1:
+            return maps[0]
+        infos = batch_infos(maps, done)
+        if fresh:
+            infos.entries[CONFORMANCE_KEY] = _warning_value(fresh)
+        return infos
+
+    def _reset_response(
+        self, op: _Op, results: Sequence[Any], phases: Phases, skew: int | None
+    ) -> env_v1.JoinResponse:
+        codec = self._endpoint.contract.observation_codec
+        observation = results[0].observation if len(results) == 1 else codec.join(
+            [r.observation for r in results]
+        )
+        maps, fresh = self._place_warnings(op, results)
+        body = env_v1.ResetResponse(
+            observation=spaces_v1.SpaceValue(leaves=observation),
+            infos=self._infos(maps, fresh, None),
+        )
+        response = env_v1.JoinResponse(request_id=op.request_id, reset=body)
+        self._stamp(response, op, phases, skew, decode=True)
+        return response
+
+    def _step_response(
+        self, op: _Op, results: Sequence[Any], phases: Phases, skew: int | None
+    ) -> env_v1.JoinResponse:
+        codec = self._endpoint.contract.observation_codec
+        observation = results[0].observation if len(results) == 1 else codec.join(
+            [r.observation for r in results]
+        )
+        terminated = [bool(r.terminated) for r in results]
+        truncated = [bool(r.truncated) for r in results]
+        maps, fresh = self._place_warnings(op, results)
+        done = [t or u for t, u in zip(terminated, truncated)]
+        completed = list(self._interrupted)
+        self._interrupted.clear()
+        for pos in sorted(op.completions):
+            episode, term, trunc, end_ns = op.completions[pos]
+            completed.append(
+                episode.record(end_ns, terminated=term, truncated=trunc, final_info=maps[pos])
+            )
+        body = env_v1.StepResponse(
+            observation=spaces_v1.SpaceValue(leaves=observation),
+            rewards=[float(r.reward) for r in results],
+            terminated_mask=bytes(terminated),
+            truncated_mask=bytes(truncated),
+            infos=self._infos(maps, fresh, done),
+            completed_episodes=completed,
+            env_indices=op.echo_indices or [],
+        )
+        response = env_v1.JoinResponse(request_id=op.request_id, step=body)
+        self._stamp(response, op, phases, skew, decode=True)
+        return response
+
+    # ----------------------------------------------------------------- helpers
+
+    def _classify(
+        self, verb: str, exc: BaseException
+    ) -> tuple[env_v1.EnvErrorCode, str, bool]:
+        """The one place lane failures become EnvError codes (SPEC §9)."""
+        if isinstance(exc, PolicyViolation):
+            if exc.kind == "action":
+                return Code.INVALID_ACTION, str(exc), True
+            return Code.INTERNAL, str(exc), False
+        if isinstance(exc, ActionError):
+            return Code.INVALID_ACTION, str(exc), True
+        if isinstance(exc, LaneError):
+            return Code.INTERNAL, str(exc), False
+        return Code.INTERNAL, f"{verb} failed: {type(exc).__name__}: {exc}", False
+
+    def _elapsed(self, read_ns: int) -> int:
+        return max(self._clock_ns() - read_ns, 1)
+
+    def _stamp(
+        self,
+        response: env_v1.JoinResponse,
+        op: _Op,
+        phases: Phases,
+        skew: int | None,
+        *,
+        decode: bool,
+    ) -> None:
+        if decode:
+            response.decode_ns = phases.decode_ns + op.pre_decode_ns
+        response.user_ns = phases.user_ns
+        response.encode_ns = phases.encode_ns
+        response.queue_ns = phases.queue_ns
+        if skew is not None:
+            response.lane_skew_ns = skew
+        response.endpoint_total_ns = self._elapsed(op.started_ns)
+
+    def _error(
+        self,
+        rid: str,
+        read_ns: int,
+        code: env_v1.EnvErrorCode,
+        message: str,
+        recoverable: bool,
+    ) -> Send:
+        error = env_v1.EnvError(code=code, message=message, is_recoverable=recoverable)
+        return Send(
+            env_v1.JoinResponse(request_id=rid, error=error, endpoint_total_ns=self._elapsed(read_ns))
+        )
+
+    def _end(self) -> list[Action]:
+        self._finish()
+        return [EndStream()]
+
+    def _finish(self) -> None:
+        self._finished = True
+        self._pending.clear()
+        self._ops.clear()
+        self._serial = None
+        self._episodes = [None] * self._n
+        self._interrupted.clear()

@@ -1,0 +1,671 @@
+"""The sans-IO Join session: events in, actions out. No loop, no thread, no socket."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import outcome
+import pytest
+
+from rlmesh_trio._codec import Candidate, SpaceCodec, from_meta_map, to_meta_map
+from rlmesh_trio._errors import ActionError, InvalidRequestError, LaneError, PolicyViolation
+from rlmesh_trio._jobs import (
+    EnvContract,
+    LaneReply,
+    Phases,
+    RenderJob,
+    RenderResult,
+    ResetJob,
+    ResetResult,
+    StepJob,
+    StepResult,
+)
+from rlmesh_trio._proto.rlmesh.core import v1 as core_v1
+from rlmesh_trio._proto.rlmesh.env import v1 as env_v1
+from rlmesh_trio._proto.rlmesh.spaces import v1 as spaces_v1
+from rlmesh_trio._session import (
+    CancelTimer,
+    EndStream,
+    Endpoint,
+    Send,
+    Session,
+    StartTimer,
+)
+
+Code = env_v1.EnvErrorCode
+
+OBS = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+ACT = gym.spaces.Discrete(2)
+
+
+def make_contract() -> EnvContract:
+    return EnvContract(
+        env_id="Fake-v0",
+        action_space=ACT,
+        observation_space=OBS,
+        action_codec=SpaceCodec(ACT),
+        observation_codec=SpaceCodec(OBS),
+        metadata=to_meta_map({"render_fps": 4}),
+        render_mode="",
+    )
+
+
+class Harness:
+    """A session wired to fake lanes: posted jobs are kept for the test to answer."""
+
+    def __init__(self, num_envs: int = 1, **endpoint_kwargs: Any) -> None:
+        self.endpoint = Endpoint(make_contract(), num_envs, **endpoint_kwargs)
+        self.posted: list[tuple[int, Any]] = []
+        self.tokens: dict[int, int] = {}
+        self._job_tokens: list[int] = []
+        self.num_envs = num_envs
+        self.clock = itertools.count(1_000, 1_000)
+        self.session = Session(
+            self.endpoint,
+            post=self._post,
+            reply_to=self._reply_to,
+            clock_ns=lambda: next(self.clock),
+            wall_ns=lambda: 1_700_000_000_000_000_000,
+        )
+
+    def _reply_to(self, token: int) -> Any:
+        def reply(lane_reply: LaneReply) -> None:  # pragma: no cover - lanes call it
+            raise AssertionError("the fake lanes answer through answer()")
+
+        reply.token = token  # type: ignore[attr-defined]
+        return reply
+
+    def _post(self, lane: int, job: Any) -> None:
+        if lane >= self.num_envs:
+            raise LaneError(f"lane {lane} out of range for {self.num_envs} lanes")
+        self.posted.append((lane, job))
+
+    def request(self, **kind: Any) -> list[Any]:
+        rid = kind.pop("request_id", "r")
+        return self.session.on_request(env_v1.JoinRequest(request_id=rid, **kind))
+
+    def take(self) -> list[tuple[int, Any]]:
+        jobs, self.posted = self.posted, []
+        return jobs
+
+    def answer(self, lane: int, job: Any, value: Any, phases: Phases | None = None) -> list[Any]:
+        result = value if isinstance(value, outcome.Outcome) else outcome.Value(value)
+        token = job.reply.token
+        return self.session.on_lane_reply(token, LaneReply(lane, result, phases or Phases(1, 2, 30, 4)))
+
+
+def obs_leaf(*values: float) -> list[bytes]:
+    return [np.asarray(values, dtype=np.float32).tobytes()]
+
+
+def reset_result(x: float = 0.0, **info: Any) -> ResetResult:
+    return ResetResult(observation=obs_leaf(x, x), info=to_meta_map(info), obs_warning=None)
+
+
+def step_result(
+    x: float = 0.5,
+    reward: float = 1.0,
+    terminated: bool = False,
+    truncated: bool = False,
+    action_warning: Candidate | None = None,
+    obs_warning: Candidate | None = None,
+    **info: Any,
+) -> StepResult:
+    return StepResult(
+        observation=obs_leaf(x, x),
+        reward=reward,
+        terminated=terminated,
+        truncated=truncated,
+        info=to_meta_map(info),
+        action_warning=action_warning,
+        obs_warning=obs_warning,
+    )
+
+
+def action(*values: int) -> spaces_v1.SpaceValue:
+    return spaces_v1.SpaceValue(leaves=[np.asarray(values, dtype=np.int64).tobytes()])
+
+
+def sends(actions: list[Any]) -> list[env_v1.JoinResponse]:
+    return [a.response for a in actions if isinstance(a, Send)]
+
+
+def only(actions: list[Any]) -> env_v1.JoinResponse:
+    responses = sends(actions)
+    assert len(responses) == 1, actions
+    return responses[0]
+
+
+def error_of(actions: list[Any]) -> tuple[Code, str, bool]:
+    err = only(actions).error
+    assert err is not None
+    return err.code, err.message, err.is_recoverable
+
+
+# ----------------------------------------------------------------- handshake / shutdown
+
+
+def test_handshake_compatible_carries_contract() -> None:
+    endpoint = Endpoint(make_contract(), 3)
+    req = env_v1.HandshakeRequest(base=core_v1.HandshakeRequest(protocol_generation="rlmesh-wire-v1"))
+    resp = endpoint.handshake(req)
+    assert resp.base is not None and resp.base.compatible
+    assert resp.base.capabilities == {"subset_step": "true"}
+    assert resp.base.supported_workflow_editions == ["2026.06"]
+    assert resp.base.preferred_workflow_edition == "2026.06"
+    assert resp.base.error_message is None
+    contract = resp.env_contract
+    assert contract is not None and contract.num_envs == 3
+    assert contract.autoreset_mode == core_v1.AutoresetMode.DISABLED
+    assert contract.spec is not None and contract.spec.id == "Fake-v0"
+    assert from_meta_map(contract.spec.metadata) == {"render_fps": 4}
+
+
+@pytest.mark.parametrize("generation", ["", "rlmesh-wire-v2"])
+def test_handshake_mismatch_is_an_answer(generation: str) -> None:
+    endpoint = Endpoint(make_contract(), 1)
+    req = env_v1.HandshakeRequest(base=core_v1.HandshakeRequest(protocol_generation=generation))
+    resp = endpoint.handshake(req)
+    assert resp.base is not None and not resp.base.compatible
+    assert resp.base.error_message == (
+        f"protocol generation {generation} not compatible with server rlmesh-wire-v1"
+    )
+    assert resp.env_contract is None
+    # compatible=false is omitted on the wire
+    assert b"\x08\x01" not in bytes(resp.base)[:2]
+
+
+def test_handshake_and_shutdown_missing_base() -> None:
+    endpoint = Endpoint(make_contract(), 1)
+    with pytest.raises(InvalidRequestError, match="^handshake request missing base$"):
+        endpoint.handshake(env_v1.HandshakeRequest())
+    with pytest.raises(InvalidRequestError, match="^shutdown request missing base$"):
+        endpoint.shutdown(env_v1.ShutdownRequest())
+
+
+def test_shutdown_refused_and_accepted() -> None:
+    req = env_v1.ShutdownRequest(base=core_v1.ShutdownRequest(reason="done"))
+    refused, stop = Endpoint(make_contract(), 1).shutdown(req)
+    assert not stop and refused.base is not None and not refused.base.accepted
+    assert refused.base.message == "remote shutdown is disabled for this environment endpoint"
+    allowed = Endpoint(make_contract(), 1, allow_remote_shutdown=True)
+    accepted, stop = allowed.shutdown(req)
+    assert stop and accepted.base is not None and accepted.base.accepted
+    assert accepted.base.message == "shutdown accepted: done"
+    bare, _ = allowed.shutdown(env_v1.ShutdownRequest(base=core_v1.ShutdownRequest()))
+    assert bare.base is not None and bare.base.message == "shutdown accepted"
+
+
+# ----------------------------------------------------------------- configure / unknown
+
+
+@pytest.mark.parametrize("edition", ["2026.06", "", "2026.06-dev.abc"])
+def test_configure_accepted(edition: str) -> None:
+    h = Harness()
+    resp = only(h.request(request_id="c", configure=env_v1.ConfigureEnvRequest(edition)))
+    assert resp.request_id == "c" and resp.configure is not None
+    assert bytes(resp).startswith(b"\x3a\x00")  # configure {} is on the wire even though empty
+    assert resp.endpoint_total_ns and resp.user_ns is None
+
+
+def test_configure_unknown_edition_ends_stream() -> None:
+    h = Harness()
+    actions = h.request(configure=env_v1.ConfigureEnvRequest("1999.01"))
+    assert error_of(actions) == (
+        Code.INVALID_ACTION,
+        'runtime pinned this env to workflow edition "1999.01", which this env build does not '
+        'implement (implements ["2026.06"])',
+        False,
+    )
+    assert isinstance(actions[-1], EndStream)
+    assert h.request(reset=env_v1.ResetRequest()) == []
+    assert h.session.finished
+
+
+def test_unknown_kind_is_recoverable() -> None:
+    h = Harness()
+    actions = h.session.on_request(env_v1.JoinRequest(request_id="x"))
+    assert error_of(actions) == (
+        Code.UNSUPPORTED,
+        "empty or unrecognized Join request (a newer-edition arm this build does not implement?)",
+        True,
+    )
+    assert not any(isinstance(a, EndStream) for a in actions)
+    resp = only(actions)
+    assert resp.endpoint_total_ns and resp.decode_ns is None and resp.queue_ns is None
+
+
+# ----------------------------------------------------------------- reset / step
+
+
+def test_whole_reset_seeds_and_infos_on_two_lanes() -> None:
+    h = Harness(2)
+    assert h.request(reset=env_v1.ResetRequest(seeds=[5], episode_ids=["a", "b", "c"])) == []
+    jobs = h.take()
+    assert [lane for lane, _ in jobs] == [0, 1]
+    assert [job.seed for _, job in jobs] == [5, None]
+    assert all(isinstance(job, ResetJob) and job.options is None for _, job in jobs)
+    assert h.answer(1, jobs[1][1], reset_result(0.25, lane=1)) == []
+    resp = only(h.answer(0, jobs[0][1], reset_result(0.5, lane=0)))
+    assert resp.reset is not None
+    assert resp.reset.observation is not None
+    assert resp.reset.observation.leaves == [np.array([0.5, 0.5, 0.25, 0.25], np.float32).tobytes()]
+    assert from_meta_map(resp.reset.infos) == {
+        "final_info": [{"lane": 0}, {"lane": 1}],
+        "_final_info": [True, True],
+    }
+    assert resp.lane_skew_ns is None  # both lanes took 30 ns of user time
+    assert resp.user_ns == 30 and resp.encode_ns == 8 and resp.queue_ns == 1
+
+
+def test_reset_options_reach_every_lane() -> None:
+    h = Harness(2)
+    options = to_meta_map({"difficulty": 3, "name": "x"})
+    h.request(reset=env_v1.ResetRequest(options=options, env_indices=[1]))
+    (lane, job), = h.take()
+    assert lane == 1 and job.options == {"difficulty": 3, "name": "x"}
+
+
+def test_one_lane_endpoint_step_passes_infos_through() -> None:
+    h = Harness(1)
+    h.request(reset=env_v1.ResetRequest())
+    h.answer(0, h.take()[0][1], reset_result())
+    h.request(request_id="s", step=env_v1.StepRequest(action=action(1)))
+    (lane, job), = h.take()
+    assert isinstance(job, StepJob) and (job.n, job.row, job.validated) == (1, 0, False)
+    resp = only(h.answer(0, job, step_result(t=1)))
+    assert resp.request_id == "s" and resp.step is not None
+    assert resp.step.rewards == [1.0]
+    assert resp.step.terminated_mask == b"\x00" and resp.step.truncated_mask == b"\x00"
+    assert from_meta_map(resp.step.infos) == {"t": 1}
+    assert resp.step.env_indices == []
+    assert resp.decode_ns == 2 and resp.lane_skew_ns is None
+
+
+def test_lane_scoped_steps_answer_out_of_order() -> None:
+    h = Harness(3)
+    h.request(request_id="a", step=env_v1.StepRequest(action=action(1), env_indices=[2]))
+    h.request(request_id="b", step=env_v1.StepRequest(action=action(0), env_indices=[0]))
+    jobs = h.take()
+    assert [lane for lane, _ in jobs] == [2, 0]  # both posted at once
+    first = only(h.answer(0, jobs[1][1], step_result()))
+    assert first.request_id == "b" and first.step is not None and first.step.env_indices == [0]
+    second = only(h.answer(2, jobs[0][1], step_result()))
+    assert second.request_id == "a" and second.step is not None and second.step.env_indices == [2]
+
+
+def test_lane_scoped_multi_lane_step_validates_first_and_echoes_order() -> None:
+    h = Harness(3)
+    h.request(request_id="s", step=env_v1.StepRequest(action=action(1, 0), env_indices=[2, 0]))
+    jobs = h.take()
+    assert [(lane, job.row, job.n, job.validated) for lane, job in jobs] == [
+        (2, 0, 2, True),
+        (0, 1, 2, True),
+    ]
+    h.answer(0, jobs[1][1], step_result(0.0, reward=2.0, terminated=True), Phases(5, 0, 10, 1))
+    resp = only(h.answer(2, jobs[0][1], step_result(1.0, reward=3.0), Phases(7, 0, 40, 1)))
+    assert resp.step is not None
+    assert resp.step.env_indices == [2, 0]
+    assert resp.step.rewards == [3.0, 2.0]
+    assert resp.step.terminated_mask == b"\x00\x01"
+    assert from_meta_map(resp.step.infos)["_final_info"] == [False, True]
+    assert resp.lane_skew_ns == 30 and resp.user_ns == 40 and resp.queue_ns == 7
+
+
+def test_bad_row_rejects_the_whole_step_before_any_lane_runs() -> None:
+    h = Harness(2)
+    actions = h.request(step=env_v1.StepRequest(action=action(0, 5)))
+    assert error_of(actions) == (Code.INVALID_ACTION, "$: value 5 not in range [0, 2)", True)
+    assert h.take() == []
+
+
+@pytest.mark.parametrize(
+    ("leaves", "message"),
+    [
+        ([b"\x00" * 4], "length mismatch: slab: got 4 bytes, expected 2 lanes * 8"),
+        ([b"\x00" * 16, b""], "length mismatch: got 2 leaf slabs, spec expects 1"),
+    ],
+)
+def test_multi_lane_slab_errors(leaves: list[bytes], message: str) -> None:
+    h = Harness(2)
+    actions = h.request(step=env_v1.StepRequest(action=spaces_v1.SpaceValue(leaves=leaves)))
+    assert error_of(actions) == (Code.INVALID_ACTION, message, True)
+
+
+def test_step_without_action() -> None:
+    h = Harness(1)
+    assert error_of(h.request(step=env_v1.StepRequest())) == (
+        Code.INVALID_ACTION,
+        "expected 1 actions, got 0",
+        True,
+    )
+
+
+def test_one_lane_action_error_comes_back_from_the_lane() -> None:
+    h = Harness(1)
+    h.request(step=env_v1.StepRequest(action=action(7)))
+    (lane, job), = h.take()
+    failure = outcome.Error(ActionError("$: value 7 not in range [0, 2)"))
+    actions = h.answer(0, job, failure)
+    assert error_of(actions) == (Code.INVALID_ACTION, "$: value 7 not in range [0, 2)", True)
+    assert not any(isinstance(a, EndStream) for a in actions)
+
+
+@pytest.mark.parametrize(
+    ("request_kwargs", "message"),
+    [
+        (dict(env_indices=[0, 0]), "partial reset: duplicate env_index 0"),
+        (dict(env_indices=[2]), "partial reset: env_index 2 out of range for num_envs 2"),
+        (
+            dict(env_indices=[0], seeds=[1, 2]),
+            "partial reset: seeds length 2 does not match env_indices length 1 (provide one seed "
+            "per reset lane, or none)",
+        ),
+        (
+            dict(env_indices=[0, 1], episode_ids=["x"]),
+            "partial reset: episode_ids length 1 does not match env_indices length 2 (provide one "
+            "episode id per reset lane, or none)",
+        ),
+    ],
+)
+def test_partial_reset_validation(request_kwargs: dict[str, Any], message: str) -> None:
+    h = Harness(2)
+    actions = h.request(reset=env_v1.ResetRequest(**request_kwargs))
+    assert error_of(actions) == (Code.INVALID_ACTION, message, True)
+    assert h.take() == []
+
+
+@pytest.mark.parametrize(
+    ("indices", "message"),
+    [
+        ([0, 0], "subset step: duplicate env_index 0"),
+        ([5], "subset step: env_index 5 out of range for num_envs 2"),
+        ([4294967295], "subset step: env_index 4294967295 out of range for num_envs 2"),
+    ],
+)
+def test_subset_step_validation(indices: list[int], message: str) -> None:
+    h = Harness(2)
+    actions = h.request(step=env_v1.StepRequest(action=action(0), env_indices=indices))
+    assert error_of(actions) == (Code.INVALID_ACTION, message, True)
+
+
+# ----------------------------------------------------------------- barriers
+
+
+def test_whole_op_waits_for_lane_ops_and_blocks_later_requests() -> None:
+    h = Harness(2)
+    h.request(request_id="lane", step=env_v1.StepRequest(action=action(0), env_indices=[1]))
+    lane_job = h.take()[0][1]
+    # a serial request must wait for the in-flight lane op
+    assert h.request(request_id="whole", reset=env_v1.ResetRequest()) == []
+    # and so must everything after it, even lane-scoped requests and configure
+    assert h.request(request_id="later", step=env_v1.StepRequest(action=action(0), env_indices=[0])) == []
+    assert h.request(request_id="cfg", configure=env_v1.ConfigureEnvRequest()) == []
+    assert h.take() == []
+    assert h.session.busy
+    actions = h.answer(1, lane_job, step_result())
+    assert [r.request_id for r in sends(actions)] == ["lane"]
+    reset_jobs = h.take()
+    assert [lane for lane, _ in reset_jobs] == [0, 1]  # the whole reset is now posted, alone
+    h.answer(0, reset_jobs[0][1], reset_result())
+    actions = h.answer(1, reset_jobs[1][1], reset_result())
+    # after its reply the next request is read: a lane-scoped step, then configure must wait
+    assert [r.request_id for r in sends(actions)] == ["whole"]
+    later = h.take()
+    assert [lane for lane, _ in later] == [0]
+    actions = h.answer(0, later[0][1], step_result())
+    assert [r.request_id for r in sends(actions)] == ["later", "cfg"]
+    assert not h.session.busy
+
+
+# ----------------------------------------------------------------- episodes
+
+
+def test_episode_accounting_completion_and_idle_steps() -> None:
+    h = Harness(1)
+    h.request(reset=env_v1.ResetRequest(seeds=[42], episode_ids=["ep"]))
+    h.answer(0, h.take()[0][1], reset_result())
+    for reward in (1.0, 2.0):
+        h.request(step=env_v1.StepRequest(action=action(0)))
+        resp = only(h.answer(0, h.take()[0][1], step_result(reward=reward)))
+        assert resp.step is not None and resp.step.completed_episodes == []
+    h.request(step=env_v1.StepRequest(action=action(0)))
+    resp = only(h.answer(0, h.take()[0][1], step_result(reward=0.5, terminated=True, why="pole")))
+    assert resp.step is not None
+    (ep,) = resp.step.completed_episodes
+    assert (ep.episode_id, ep.seed, ep.env_index, ep.step_count) == ("ep", 42, 0, 3)
+    assert ep.cumulative_reward == 3.5 and ep.terminated and not ep.truncated
+    assert from_meta_map(ep.final_info) == {"why": "pole"}
+    assert ep.start_timestamp_ns and ep.end_timestamp_ns
+    # stepping the finished lane reaches the env but records nothing
+    h.request(step=env_v1.StepRequest(action=action(0)))
+    resp = only(h.answer(0, h.take()[0][1], step_result(terminated=True)))
+    assert resp.step is not None and resp.step.completed_episodes == []
+    # natural completion with an empty info still carries an (empty) final_info
+    h.request(reset=env_v1.ResetRequest())
+    h.answer(0, h.take()[0][1], reset_result())
+    h.request(step=env_v1.StepRequest(action=action(0)))
+    resp = only(h.answer(0, h.take()[0][1], step_result(truncated=True)))
+    assert resp.step is not None
+    (ep,) = resp.step.completed_episodes
+    assert ep.seed is None and ep.episode_id == "" and ep.truncated
+    assert ep.final_info is not None and from_meta_map(ep.final_info) == {}
+
+
+def test_interrupted_episode_surfaces_on_next_step_of_any_lane_then_close() -> None:
+    h = Harness(2)
+    h.request(reset=env_v1.ResetRequest(seeds=[1, 2], episode_ids=["a", "b"]))
+    for lane, job in h.take():
+        h.answer(lane, job, reset_result())
+    # reset lane 1 again: its episode "b" is interrupted, not reported in the reset reply
+    h.request(reset=env_v1.ResetRequest(env_indices=[1], episode_ids=["b2"]))
+    resp = only(h.answer(1, h.take()[0][1], reset_result()))
+    assert resp.reset is not None
+    # the next step reply, here for lane 0 only, reports it
+    h.request(step=env_v1.StepRequest(action=action(0), env_indices=[0]))
+    resp = only(h.answer(0, h.take()[0][1], step_result()))
+    assert resp.step is not None
+    (ep,) = resp.step.completed_episodes
+    assert (ep.episode_id, ep.seed, ep.env_index, ep.truncated, ep.final_info) == ("b", 2, 1, True, None)
+    # close reports the active ones, truncated, with their counts
+    actions = h.request(request_id="bye", close=env_v1.CloseEnvsRequest(reason="client close"))
+    assert isinstance(actions[-1], EndStream)
+    resp = only(actions)
+    assert resp.close is not None
+    got = sorted((e.episode_id, e.env_index, e.step_count, e.truncated) for e in resp.close.final_episodes)
+    assert got == [("a", 0, 1, True), ("b2", 1, 0, True)]
+    assert h.request(reset=env_v1.ResetRequest()) == []  # after Close nothing is answered
+
+
+def test_close_without_episodes_is_still_a_close_reply() -> None:
+    h = Harness(1)
+    actions = h.request(close=env_v1.CloseEnvsRequest())
+    resp = only(actions)
+    assert resp.close is not None and resp.close.final_episodes == []
+    assert bytes(resp).startswith(b"\x22\x00")
+
+
+def test_stream_end_drops_records() -> None:
+    h = Harness(1)
+    h.request(reset=env_v1.ResetRequest(episode_ids=["x"]))
+    job = h.take()[0][1]
+    assert h.session.on_stream_end() == []
+    assert h.answer(0, job, reset_result()) == []
+    assert not h.session.busy and h.session.finished
+
+
+# ----------------------------------------------------------------- failures
+
+
+def test_env_exception_on_serial_request_ends_stream() -> None:
+    h = Harness(2)
+    h.request(step=env_v1.StepRequest(action=action(0, 1)))
+    jobs = h.take()
+    h.answer(0, jobs[0][1], step_result())
+    actions = h.answer(1, jobs[1][1], outcome.Error(RuntimeError("boom in step")))
+    assert error_of(actions) == (Code.INTERNAL, "step failed: RuntimeError: boom in step", False)
+    assert isinstance(actions[-1], EndStream)
+    assert only(actions).user_ns is None  # errors carry only endpoint_total_ns
+
+
+def test_env_exception_on_lane_request_keeps_stream() -> None:
+    h = Harness(2)
+    h.request(reset=env_v1.ResetRequest(seeds=[666], env_indices=[0]))
+    actions = h.answer(0, h.take()[0][1], outcome.Error(ValueError("boom in reset (seed 666)")))
+    assert error_of(actions) == (Code.INTERNAL, "reset failed: ValueError: boom in reset (seed 666)", False)
+    assert not any(isinstance(a, EndStream) for a in actions)
+    assert only(h.request(configure=env_v1.ConfigureEnvRequest())).configure is not None
+
+
+def test_policy_violations_map_by_kind() -> None:
+    h = Harness(1)
+    h.request(step=env_v1.StepRequest(action=action(0)))
+    detail = "$: Box value at element 0 out of bounds: above high bound"
+    actions = h.answer(0, h.take()[0][1], outcome.Error(PolicyViolation(detail, "action")))
+    assert error_of(actions) == (Code.INVALID_ACTION, detail, True)
+    h.request(step=env_v1.StepRequest(action=action(0)))
+    actions = h.answer(0, h.take()[0][1], outcome.Error(PolicyViolation(detail)))
+    assert error_of(actions) == (Code.INTERNAL, detail, False)
+
+
+def test_render_rules() -> None:
+    h = Harness(2)
+    assert error_of(h.request(render=env_v1.RenderRequest(env_indices=[0, 1]))) == (
+        Code.UNSUPPORTED,
+        "render requests support at most one env_index",
+        True,
+    )
+    assert error_of(h.request(render=env_v1.RenderRequest(env_indices=[1]))) == (
+        Code.INVALID_ACTION,
+        "single-env render only supports env_index 0, got 1",
+        True,
+    )
+    h.request(request_id="png", render=env_v1.RenderRequest())
+    (lane, job), = h.take()
+    assert lane == 0 and isinstance(job, RenderJob)
+    resp = only(h.answer(0, job, RenderResult(frame=b"\x89PNG...")))
+    assert resp.render is not None
+    assert resp.render.frame == b"\x89PNG..." and resp.render.format == env_v1.RenderFormat.PNG
+    assert resp.decode_ns is None and resp.user_ns == 30
+    h.request(render=env_v1.RenderRequest())
+    resp = only(h.answer(0, h.take()[0][1], RenderResult(frame=None)))
+    assert resp.render is not None and resp.render.frame is None
+    assert bytes(resp.render) == b""
+
+
+def test_render_out_of_range_on_one_lane_is_fatal() -> None:
+    h = Harness(1)
+    actions = h.request(render=env_v1.RenderRequest(env_indices=[1]))
+    assert error_of(actions) == (Code.INTERNAL, "lane 1 out of range for 1 lanes", False)
+    assert isinstance(actions[-1], EndStream)
+
+
+# ----------------------------------------------------------------- deadlines
+
+
+def test_timeout_replies_then_env_still_finishes_before_next_serial() -> None:
+    h = Harness(1)
+    actions = h.request(request_id="slow", reset=env_v1.ResetRequest(timeout_ms=100))
+    (timer,) = [a for a in actions if isinstance(a, StartTimer)]
+    assert timer.seconds == pytest.approx(0.1)
+    job = h.take()[0][1]
+    assert error_of(h.session.on_timer(timer.token)) == (
+        Code.TIMEOUT,
+        "env.reset timed out after 100ms",
+        True,
+    )
+    # the next serial request waits for the env call itself
+    assert h.request(request_id="close", close=env_v1.CloseEnvsRequest()) == []
+    actions = h.answer(0, job, reset_result())
+    resp = only(actions)
+    assert resp.request_id == "close" and resp.close is not None
+    (ep,) = resp.close.final_episodes  # the late reset still started its episode
+    assert ep.truncated
+
+
+def test_timer_cancelled_when_lane_answers_in_time() -> None:
+    h = Harness(1)
+    actions = h.request(step=env_v1.StepRequest(action=action(0), timeout_ms=2500))
+    (timer,) = [a for a in actions if isinstance(a, StartTimer)]
+    actions = h.answer(0, h.take()[0][1], step_result())
+    assert CancelTimer(timer.token) in actions
+    assert h.session.on_timer(timer.token) == []
+
+
+# ----------------------------------------------------------------- conformance
+
+
+def cand(kind: str, path: str, what: str = "above high bound") -> Candidate:
+    return Candidate(kind, path, f"{path}: Box value at element 0 out of bounds: {what}")
+
+
+def test_conformance_one_lane_reported_once_per_pair_for_the_server() -> None:
+    h = Harness(1)
+    h.request(step=env_v1.StepRequest(action=action(0)))
+    resp = only(h.answer(0, h.take()[0][1], step_result(action_warning=cand("action", "$"), own="x")))
+    assert resp.step is not None
+    info = from_meta_map(resp.step.infos)
+    assert info["rlmesh.conformance.warning"] == [
+        {"kind": "action", "path": "$", "detail": "$: Box value at element 0 out of bounds: above high bound"}
+    ]
+    assert info["own"] == "x"
+    # the same pair again, with another detail: silent, even in a new session
+    h2 = Session(h.endpoint, post=h._post, reply_to=h._reply_to)
+    h2.on_request(env_v1.JoinRequest(step=env_v1.StepRequest(action=action(0))))
+    job = h.take()[0][1]
+    actions = h2.on_lane_reply(
+        job.reply.token,
+        LaneReply(0, outcome.Value(step_result(action_warning=cand("action", "$", "below low bound"))), Phases()),
+    )
+    resp = only(actions)
+    assert resp.step is not None and "rlmesh.conformance.warning" not in from_meta_map(resp.step.infos)
+
+
+def test_conformance_multi_lane_placement() -> None:
+    h = Harness(3)
+    h.request(step=env_v1.StepRequest(action=action(0, 0), env_indices=[2, 0]))
+    jobs = h.take()
+    obs_cand = cand("observation", "$")
+    h.answer(2, jobs[0][1], step_result(obs_warning=obs_cand, own="env"))
+    resp = only(h.answer(0, jobs[1][1], step_result(action_warning=cand("action", "$"), obs_warning=obs_cand)))
+    assert resp.step is not None
+    info = from_meta_map(resp.step.infos)
+    # reply-level list: actions first, then observations, first lane in reply order
+    assert [(e["kind"], e["path"]) for e in info["rlmesh.conformance.warning"]] == [
+        ("action", "$"),
+        ("observation", "$"),
+    ]
+    lane2, lane0 = info["final_info"]
+    assert [e["kind"] for e in lane2["rlmesh.conformance.warning"]] == ["observation"]
+    assert [e["kind"] for e in lane0["rlmesh.conformance.warning"]] == ["action", "observation"]
+    assert info["_final_info"] == [False, False]
+    # lane 1 now shows the known observation pair in its own map only
+    h.request(step=env_v1.StepRequest(action=action(0, 0), env_indices=[1, 0]))
+    jobs = h.take()
+    h.answer(1, jobs[0][1], step_result(obs_warning=obs_cand))
+    resp = only(h.answer(0, jobs[1][1], step_result()))
+    assert resp.step is not None
+    info = from_meta_map(resp.step.infos)
+    assert "rlmesh.conformance.warning" not in info
+    assert [e["kind"] for e in info["final_info"][0]["rlmesh.conformance.warning"]] == ["observation"]
+
+
+def test_conformance_one_lane_reply_lists_only_server_new_pairs() -> None:
+    h = Harness(2)
+    h.request(step=env_v1.StepRequest(action=action(0), env_indices=[0]))
+    h.answer(0, h.take()[0][1], step_result(action_warning=cand("action", "$")))
+    h.request(step=env_v1.StepRequest(action=action(0), env_indices=[1]))
+    resp = only(
+        h.answer(
+            1,
+            h.take()[0][1],
+            step_result(action_warning=cand("action", "$"), obs_warning=cand("observation", "$")),
+        )
+    )
+    assert resp.step is not None
+    entries = from_meta_map(resp.step.infos)["rlmesh.conformance.warning"]
+    assert [e["kind"] for e in entries] == ["observation"]
+    assert ("action", "$") in h.endpoint.ledger.lanes[1]
