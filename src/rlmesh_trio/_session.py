@@ -36,7 +36,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import betterproto2
 import outcome
@@ -71,7 +71,9 @@ from ._version import __version__
 PROTOCOL_GENERATION = "rlmesh-wire-v1"
 CONFORMANCE_KEY = "rlmesh.conformance.warning"
 
-_UNRECOGNIZED = "empty or unrecognized Join request (a newer-edition arm this build does not implement?)"
+_UNRECOGNIZED = (
+    "empty or unrecognized Join request (a newer-edition arm this build does not implement?)"
+)
 
 Code = env_v1.EnvErrorCode
 
@@ -101,7 +103,7 @@ class EndStream:
     """Finish the Join stream with grpc-status 0 after the sends before it."""
 
 
-Action = Union[Send, StartTimer, CancelTimer, EndStream]
+Action = Send | StartTimer | CancelTimer | EndStream
 
 
 # --------------------------------------------------------------------------- endpoint
@@ -126,7 +128,7 @@ class ConformanceLedger:
         lane's surviving list R(i) and the reply-level list N of server-new pairs.
         """
         survivors: list[list[Candidate]] = []
-        for lane, cands in zip(lanes, candidates):
+        for lane, cands in zip(lanes, candidates, strict=True):
             seen = self.lanes[lane]
             kept = []
             for cand in cands:
@@ -450,12 +452,14 @@ class Session:
         actions: list[Action] = []
         if op.timeout_ms:
             actions.append(StartTimer(op.token, op.timeout_ms / 1000.0))
-        for lane, job in zip(op.lanes, jobs):
+        for lane, job in zip(op.lanes, jobs, strict=True):
             self._outstanding += 1
             try:
                 self._post(lane, job)
             except LaneError as exc:
-                actions.extend(self._deliver(op.token, LaneReply(lane, outcome.Error(exc), Phases())))
+                actions.extend(
+                    self._deliver(op.token, LaneReply(lane, outcome.Error(exc), Phases()))
+                )
         return actions
 
     def _deliver(self, token: int, reply: LaneReply) -> list[Action]:
@@ -573,9 +577,7 @@ class Session:
         op = self._new_op(rid, "render", [lane], True, read_ns, body.timeout_ms)
         return self._launch(op, [RenderJob(reply=self._reply_to(op.token))])
 
-    def _configure(
-        self, rid: str, body: env_v1.ConfigureEnvRequest, read_ns: int
-    ) -> list[Action]:
+    def _configure(self, rid: str, body: env_v1.ConfigureEnvRequest, read_ns: int) -> list[Action]:
         edition = body.selected_workflow_edition
         implemented = self._endpoint.edition
         if edition and edition != implemented and not edition.startswith(implemented + "-"):
@@ -685,7 +687,7 @@ class Session:
         if not any(candidates):
             return maps, []
         survivors, fresh = self._endpoint.ledger.place(op.lanes, candidates)
-        for info, kept in zip(maps, survivors):
+        for info, kept in zip(maps, survivors, strict=True):
             if kept:
                 info.entries[CONFORMANCE_KEY] = _warning_value(kept)
         if fresh and len(maps) == 1:
@@ -706,8 +708,10 @@ class Session:
         self, op: _Op, results: Sequence[Any], phases: Phases, skew: int | None
     ) -> env_v1.JoinResponse:
         codec = self._endpoint.contract.observation_codec
-        observation = results[0].observation if len(results) == 1 else codec.join(
-            [r.observation for r in results]
+        observation = (
+            results[0].observation
+            if len(results) == 1
+            else codec.join([r.observation for r in results])
         )
         maps, fresh = self._place_warnings(op, results)
         body = env_v1.ResetResponse(
@@ -722,13 +726,15 @@ class Session:
         self, op: _Op, results: Sequence[Any], phases: Phases, skew: int | None
     ) -> env_v1.JoinResponse:
         codec = self._endpoint.contract.observation_codec
-        observation = results[0].observation if len(results) == 1 else codec.join(
-            [r.observation for r in results]
+        observation = (
+            results[0].observation
+            if len(results) == 1
+            else codec.join([r.observation for r in results])
         )
         terminated = [bool(r.terminated) for r in results]
         truncated = [bool(r.truncated) for r in results]
         maps, fresh = self._place_warnings(op, results)
-        done = [t or u for t, u in zip(terminated, truncated)]
+        done = [t or u for t, u in zip(terminated, truncated, strict=True)]
         completed = list(self._interrupted)
         self._interrupted.clear()
         for pos in sorted(op.completions):
@@ -751,9 +757,7 @@ class Session:
 
     # ----------------------------------------------------------------- helpers
 
-    def _classify(
-        self, verb: str, exc: BaseException
-    ) -> tuple[env_v1.EnvErrorCode, str, bool]:
+    def _classify(self, verb: str, exc: BaseException) -> tuple[env_v1.EnvErrorCode, str, bool]:
         """The one place lane failures become EnvError codes (SPEC §9)."""
         if isinstance(exc, PolicyViolation):
             if exc.kind == "action":
@@ -796,7 +800,9 @@ class Session:
     ) -> Send:
         error = env_v1.EnvError(code=code, message=message, is_recoverable=recoverable)
         return Send(
-            env_v1.JoinResponse(request_id=rid, error=error, endpoint_total_ns=self._elapsed(read_ns))
+            env_v1.JoinResponse(
+                request_id=rid, error=error, endpoint_total_ns=self._elapsed(read_ns)
+            )
         )
 
     def _end(self) -> list[Action]:
