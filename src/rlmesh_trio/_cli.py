@@ -1,0 +1,415 @@
+"""``rlmesh-trio serve``: serve a gymnasium env from the command line.
+
+A drop-in for ``python -m rlmesh._cli.serve_env`` where its flags apply (``--env``,
+``--entrypoint``, ``--num-envs``, ``--kwargs-json``, ``--package``, ``--transport``,
+``--address``, ``--ready-fd``, ``--workflow-edition``, ``--verbose``), plus the lifecycle
+options of :class:`~rlmesh_trio.ServeOptions` and ``--log-level``.
+
+Exit codes: 0 after a stop (first SIGINT/SIGTERM: graceful drain; an accepted Shutdown
+RPC; the idle timeout), 1 when the server cannot start or fails, 2 for bad arguments.
+A second SIGINT/SIGTERM exits at once with 128 + the signal number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import functools
+import importlib
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import trio
+
+from ._address import DEFAULT_ADDRESS, parse_address
+from ._options import ServeOptions
+from ._serve import ServerInfo, serve_env
+
+PROG = "rlmesh-trio"
+log = logging.getLogger("rlmesh_trio.cli")
+
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class _UsageError(Exception):
+    """A bad argument combination found after parsing (exit code 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _num_envs(value: str) -> int:
+    try:
+        parsed = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {value!r}") from None
+    if parsed < 1:
+        raise argparse.ArgumentTypeError(f"--num-envs must be >= 1, got {parsed}")
+    return parsed
+
+
+def _json_object(value: str) -> dict[str, Any]:
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"invalid JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError("--kwargs-json must be a JSON object")
+    return parsed
+
+
+def _seconds(minimum_exclusive: bool) -> Callable[[str], float]:
+    def parse(value: str) -> float:
+        try:
+            parsed = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid number: {value!r}") from None
+        if not math.isfinite(parsed) or parsed < 0 or (minimum_exclusive and parsed == 0):
+            bound = "> 0" if minimum_exclusive else ">= 0"
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {value!r}")
+        return parsed
+
+    return parse
+
+
+def _fd(value: str) -> int:
+    try:
+        parsed = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid file descriptor: {value!r}") from None
+    if parsed < 0:
+        raise argparse.ArgumentTypeError(f"invalid file descriptor: {value!r}")
+    return parsed
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``rlmesh-trio`` argument parser (one subcommand: ``serve``)."""
+    parser = _Parser(
+        prog=PROG,
+        description="Serve gymnasium environments over rlmesh-wire-v1 (rlmesh 0.1.0 clients).",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    commands.required = True
+    serve = commands.add_parser(
+        "serve",
+        help="serve an env as the lanes of one endpoint",
+        description="Serve N copies of a gymnasium env as the lanes of one rlmesh endpoint.",
+    )
+    source = serve.add_mutually_exclusive_group(required=True)
+    source.add_argument("--env", metavar="ID", help="gymnasium env id, e.g. CartPole-v1")
+    source.add_argument(
+        "--entrypoint",
+        metavar="MODULE:CALLABLE",
+        help="env factory in module:callable form, called once per lane",
+    )
+    serve.add_argument(
+        "--num-envs",
+        type=_num_envs,
+        default=1,
+        metavar="N",
+        help="how many envs (lanes) to serve (default: 1)",
+    )
+    serve.add_argument(
+        "--kwargs-json",
+        type=_json_object,
+        metavar="JSON",
+        help="JSON object of keyword arguments for gymnasium.make / the entrypoint",
+    )
+    serve.add_argument(
+        "--package",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="import this package first (e.g. one that registers env ids); repeatable",
+    )
+    serve.add_argument(
+        "--transport",
+        choices=("tcp", "unix"),
+        default="tcp",
+        help="tcp (default) or unix; with unix, --address is the socket path",
+    )
+    serve.add_argument(
+        "--address",
+        help=(
+            "tcp: tcp://host:port, host:port or port (default tcp://127.0.0.1:0); "
+            "unix: a socket path or unix:///path (default: a private per-user path)"
+        ),
+    )
+    serve.add_argument(
+        "--ready-fd",
+        type=_fd,
+        metavar="FD",
+        help="write the bound address and a newline to this file descriptor, then close it",
+    )
+    serve.add_argument(
+        "--allow-remote-shutdown",
+        action="store_true",
+        help="accept the Shutdown RPC (also: RLMESH_ALLOW_REMOTE_SHUTDOWN=1)",
+    )
+    serve.add_argument(
+        "--idle-timeout-seconds",
+        type=_seconds(minimum_exclusive=True),
+        metavar="S",
+        help="stop after this long without Join activity (default: never)",
+    )
+    serve.add_argument(
+        "--drain-timeout-seconds",
+        type=_seconds(minimum_exclusive=False),
+        metavar="S",
+        help="at stop, how long open streams may still be served (default: 5)",
+    )
+    serve.add_argument(
+        "--close-timeout-seconds",
+        type=_seconds(minimum_exclusive=False),
+        metavar="S",
+        help="at stop, how long the lanes together may take to close their envs (default: 5)",
+    )
+    serve.add_argument(
+        "--workflow-edition",
+        metavar="EDITION",
+        help="the workflow edition the endpoint declares (default: RLMESH_WORKFLOW_EDITION, "
+        "else 2026.06, the only one)",
+    )
+    serve.add_argument(
+        "--validation-policy",
+        choices=("warn", "strict", "off"),
+        help="conformance checks (default: RLMESH_VALIDATION_POLICY, else warn)",
+    )
+    serve.add_argument(
+        "--log-level",
+        choices=_LOG_LEVELS,
+        default="warning",
+        help="logging level (default: warning); debug also prints tracebacks",
+    )
+    serve.add_argument("--verbose", action="store_true", help="same as --log-level debug")
+    return parser
+
+
+@dataclass(frozen=True)
+class _Config:
+    make_env: str | Callable[..., Any]
+    label: str
+    num_envs: int
+    kwargs: dict[str, Any]
+    address: str
+    options: ServeOptions
+    ready_fd: int | None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``rlmesh-trio``; return the process exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a parse error (2, message already printed)
+        return exc.code if isinstance(exc.code, int) else 2
+    debug = args.verbose or args.log_level == "debug"
+    _setup_logging("debug" if debug else args.log_level)
+    try:
+        address = _resolve_address(args)
+        if args.ready_fd is not None:
+            _check_fd(args.ready_fd)
+    except _UsageError as exc:
+        print(f"{PROG} serve: error: {exc} (see '{PROG} serve --help')", file=sys.stderr)
+        return 2
+    try:
+        config = _configure(args, address)
+    except Exception as exc:
+        return _fail("cannot load the environment", exc, debug)
+    try:
+        return trio.run(_run, config)
+    except Exception as exc:
+        return _fail("cannot serve", exc, debug)
+
+
+def _fail(what: str, exc: BaseException, debug: bool) -> int:
+    if debug:
+        log.exception("%s", what)
+    print(f"{PROG}: error: {what}: {_describe(exc)}", file=sys.stderr)
+    return 1
+
+
+def _describe(exc: BaseException) -> str:
+    inner = getattr(exc, "exceptions", None)  # an exception group from a nursery
+    if isinstance(inner, tuple) and len(inner) == 1 and isinstance(inner[0], BaseException):
+        return _describe(inner[0])
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _resolve_address(args: argparse.Namespace) -> str:
+    address: str | None = args.address
+    if args.transport == "unix":
+        if os.name == "nt":
+            raise _UsageError("unix sockets are not supported on Windows; use --transport tcp")
+        if address is None:
+            address = "unix://" + _default_unix_path(args.env or args.entrypoint)
+        elif "://" not in address:
+            address = "unix://" + address
+        elif not address.startswith("unix://"):
+            raise _UsageError(f"--transport unix needs a socket path, got {address!r}")
+    elif address is None:
+        address = DEFAULT_ADDRESS
+    try:
+        parse_address(address)
+    except ValueError as exc:
+        raise _UsageError(str(exc)) from None
+    return address
+
+
+def _default_unix_path(source: str) -> str:
+    """A per-user private socket path (not a guessable name in a shared /tmp)."""
+    label = re.sub(r"[^a-z0-9_-]+", "_", source.lower()).strip("_") or "env"
+    filename = f"rlmesh-trio-{label}.sock"
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime):
+        base = os.path.join(runtime, "rlmesh-trio")
+        try:
+            os.makedirs(base, mode=0o700, exist_ok=True)
+        except OSError:
+            pass
+        else:
+            return os.path.join(base, filename)
+    private = tempfile.mkdtemp(prefix="rlmesh-trio-")
+    atexit.register(shutil.rmtree, private, ignore_errors=True)
+    return os.path.join(private, filename)
+
+
+def _check_fd(fd: int) -> None:
+    try:
+        os.fstat(fd)
+    except OSError as exc:
+        raise _UsageError(f"--ready-fd {fd}: {exc.strerror}") from None
+
+
+def _configure(args: argparse.Namespace, address: str) -> _Config:
+    for name in args.package:
+        importlib.import_module(name)
+    make_env: str | Callable[..., Any]
+    if args.env is not None:
+        make_env = label = args.env
+    else:
+        make_env = _load_entrypoint(args.entrypoint)
+        label = args.entrypoint
+    edition = args.workflow_edition or os.environ.get("RLMESH_WORKFLOW_EDITION") or None
+    options = ServeOptions(
+        allow_remote_shutdown=args.allow_remote_shutdown,
+        idle_timeout_seconds=args.idle_timeout_seconds,
+        drain_timeout_seconds=args.drain_timeout_seconds,
+        close_timeout_seconds=args.close_timeout_seconds,
+        workflow_edition=edition,
+        validation_policy=args.validation_policy,
+    )
+    return _Config(
+        make_env=make_env,
+        label=label,
+        num_envs=args.num_envs,
+        kwargs=dict(args.kwargs_json or {}),
+        address=address,
+        options=options,
+        ready_fd=args.ready_fd,
+    )
+
+
+def _load_entrypoint(spec: str) -> Callable[..., Any]:
+    module_name, sep, attr_path = spec.partition(":")
+    if not sep or not module_name or not attr_path:
+        raise ValueError(f"--entrypoint must be module:callable, got {spec!r}")
+    target: Any = importlib.import_module(module_name)
+    for part in attr_path.split("."):
+        target = getattr(target, part)
+    if not callable(target):
+        raise TypeError(f"{spec} is not callable")
+    return target  # type: ignore[no-any-return]
+
+
+async def _run(config: _Config) -> int:
+    """Serve until stopped; first signal: graceful stop, second: exit at once."""
+    startup_error: Exception | None = None
+    status = 0
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as outer:
+            async with trio.open_nursery() as serving:
+                outer.start_soon(_watch_signals, signals, serving.cancel_scope)
+                try:
+                    info: ServerInfo = await serving.start(
+                        functools.partial(
+                            serve_env,
+                            config.make_env,
+                            num_envs=config.num_envs,
+                            address=config.address,
+                            options=config.options,
+                            env_kwargs=config.kwargs,
+                        )
+                    )
+                except Exception as exc:
+                    startup_error = exc
+                else:
+                    lanes = "lane" if info.num_envs == 1 else "lanes"
+                    print(
+                        f"{PROG}: serving {info.env_id} x{info.num_envs} {lanes} on {info.address}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    if config.ready_fd is not None:
+                        try:
+                            _write_ready_fd(config.ready_fd, info.address)
+                        except OSError as exc:
+                            print(
+                                f"{PROG}: error: cannot write to --ready-fd {config.ready_fd}: "
+                                f"{exc.strerror}",
+                                file=sys.stderr,
+                            )
+                            status = 1
+                            serving.cancel_scope.cancel()
+            outer.cancel_scope.cancel()  # the server stopped: stop watching signals
+    if startup_error is not None:
+        raise startup_error
+    return status
+
+
+async def _watch_signals(signals: AsyncIterator[int], serving: trio.CancelScope) -> None:
+    count = 0
+    async for signum in signals:
+        count += 1
+        name = signal.Signals(signum).name
+        if count == 1:
+            print(f"{PROG}: {name}: draining and stopping", file=sys.stderr, flush=True)
+            serving.cancel()
+        else:
+            print(f"{PROG}: second {name}: exiting now", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(128 + signum)
+
+
+def _write_ready_fd(fd: int, address: str) -> None:
+    """Machine-readable readiness: one line with the address, then EOF."""
+    payload = f"{address}\n".encode()
+    try:
+        written = 0
+        while written < len(payload):
+            written += os.write(fd, payload[written:])
+    finally:
+        os.close(fd)

@@ -1,0 +1,346 @@
+"""``rlmesh-trio serve`` / ``python -m rlmesh_trio``: arguments, readiness, signals, exit codes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support import wire
+from support.refserver import ROOT, TESTS_DIR
+
+from rlmesh_trio import _cli
+from rlmesh_trio._cli import build_parser, main
+
+pytestmark = pytest.mark.timeout(60)
+
+BOUND = 30.0
+"""Seconds a subprocess may take to start or stop (imports included, on a shared box)."""
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def test_parser_defaults_and_flags() -> None:
+    args = build_parser().parse_args(["serve", "--env", "CartPole-v1"])
+    assert args.command == "serve"
+    assert args.env == "CartPole-v1"
+    assert args.entrypoint is None
+    assert args.num_envs == 1
+    assert args.transport == "tcp"
+    assert args.address is None
+    assert args.package == []
+    assert args.kwargs_json is None
+    assert not args.allow_remote_shutdown
+    assert args.idle_timeout_seconds is None
+    assert args.log_level == "warning"
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--entrypoint",
+            "support.envs:make_slow",
+            "--num-envs",
+            "4",
+            "--kwargs-json",
+            '{"a": 1}',
+            "--package",
+            "p1",
+            "--package",
+            "p2",
+            "--allow-remote-shutdown",
+            "--idle-timeout-seconds",
+            "2.5",
+            "--drain-timeout-seconds",
+            "0",
+            "--close-timeout-seconds",
+            "1",
+            "--workflow-edition",
+            "2026.06",
+            "--validation-policy",
+            "strict",
+            "--ready-fd",
+            "7",
+        ]
+    )
+    assert args.entrypoint == "support.envs:make_slow"
+    assert args.num_envs == 4
+    assert args.kwargs_json == {"a": 1}
+    assert args.package == ["p1", "p2"]
+    assert args.allow_remote_shutdown
+    assert args.idle_timeout_seconds == 2.5
+    assert args.drain_timeout_seconds == 0.0
+    assert args.close_timeout_seconds == 1.0
+    assert args.workflow_edition == "2026.06"
+    assert args.validation_policy == "strict"
+    assert args.ready_fd == 7
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "required"),
+        (["serve"], "one of the arguments --env --entrypoint is required"),
+        (["serve", "--env", "A", "--entrypoint", "m:f"], "not allowed with"),
+        (["serve", "--env", "A", "--num-envs", "0"], "--num-envs must be >= 1"),
+        (["serve", "--env", "A", "--kwargs-json", "[1]"], "must be a JSON object"),
+        (["serve", "--env", "A", "--kwargs-json", "{"], "invalid JSON"),
+        (["serve", "--env", "A", "--idle-timeout-seconds", "0"], "> 0"),
+        (["serve", "--env", "A", "--drain-timeout-seconds", "-1"], ">= 0"),
+        (["serve", "--env", "A", "--drain-timeout-seconds", "nan"], "finite"),
+        (["serve", "--env", "A", "--validation-policy", "loud"], "invalid choice"),
+        (["serve", "--env", "A", "--address", "http://x:1"], "unsupported address scheme"),
+        (["serve", "--env", "A", "--transport", "unix", "--address", "tcp://x:1"], "socket path"),
+        (["serve", "--env", "A", "--ready-fd", "987654"], "--ready-fd 987654"),
+        (["serve", "--env", "A", "--vectorization-mode", "sync"], "unrecognized arguments"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_message(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--entrypoint" in out
+    assert "--ready-fd" in out
+
+
+def test_unix_transport_addresses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--env", "A", "--transport", "unix", "--address", "x.sock"])
+    monkeypatch.chdir(tmp_path)
+    assert _cli._resolve_address(args) == "unix://x.sock"
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    args = parser.parse_args(["serve", "--env", "My/Env-v1", "--transport", "unix"])
+    assert _cli._resolve_address(args) == (
+        f"unix://{tmp_path}/rlmesh-trio/rlmesh-trio-my_env-v1.sock"
+    )
+    assert (tmp_path / "rlmesh-trio").stat().st_mode & 0o777 == 0o700
+    args = parser.parse_args(["serve", "--env", "A"])
+    assert _cli._resolve_address(args) == "tcp://127.0.0.1:0"
+
+
+def test_startup_failures_exit_1_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--env", "NoSuchEnv-v9"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert err[0].startswith("rlmesh-trio: error: cannot serve: NameNotFound:")
+    assert main(["serve", "--entrypoint", "no_such_module_h4:make"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "rlmesh-trio: error: cannot load the environment: "
+        "ModuleNotFoundError: No module named 'no_such_module_h4'"
+    ]
+    assert main(["serve", "--entrypoint", "nocolon"]) == 1
+    assert "module:callable" in capsys.readouterr().err
+    assert main(["serve", "--env", "CartPole-v1", "--package", "no_such_package_h4"]) == 1
+    assert "no_such_package_h4" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- in-process serve
+
+
+def read_ready(fd: int, timeout: float = BOUND) -> str:
+    deadline = time.monotonic() + timeout
+    data = b""
+    with os.fdopen(fd, "rb", buffering=0) as ready:
+        while True:
+            remaining = deadline - time.monotonic()
+            assert remaining > 0, "no address on the ready fd"
+            readable, _, _ = select.select([ready], [], [], remaining)
+            if readable:
+                chunk = ready.read(4096)
+                if not chunk:
+                    return data.decode()
+                data += chunk
+
+
+def test_serve_in_process_with_package_entrypoint_kwargs_and_ready_fd(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A package that registers an env id, and an entrypoint taking keyword arguments.
+    (tmp_path / "h4_cli_pkg.py").write_text(
+        "import gymnasium as gym\n"
+        "gym.register('H4Cli-v0', entry_point='gymnasium.envs.classic_control:CartPoleEnv')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    read_fd, write_fd = os.pipe()
+    seen: dict[str, Any] = {}
+
+    async def client(address: str) -> None:
+        async with wire.WireClient(address) as c:
+            seen["handshake"] = await c.handshake()
+            seen["shutdown"] = await c.shutdown("test over")
+
+    def drive() -> None:
+        try:
+            seen["ready"] = read_ready(read_fd)
+            asyncio.run(client(seen["ready"].strip()))
+        except BaseException as exc:
+            seen["error"] = exc
+
+    thread = threading.Thread(target=drive)
+    thread.start()
+    try:
+        code = main(
+            [
+                "serve",
+                "--package",
+                "h4_cli_pkg",
+                "--env",
+                "H4Cli-v0",
+                "--num-envs",
+                "2",
+                "--kwargs-json",
+                '{"render_mode": "rgb_array"}',
+                "--ready-fd",
+                str(write_fd),
+                "--allow-remote-shutdown",
+            ]
+        )
+    finally:
+        thread.join(BOUND)
+    assert "error" not in seen, seen.get("error")
+    assert code == 0
+    assert seen["ready"].endswith("\n")
+    address = seen["ready"].strip()
+    assert address.startswith("tcp://127.0.0.1:")
+    contract = seen["handshake"].env_contract
+    assert contract.spec.id == "H4Cli-v0"
+    assert contract.num_envs == 2
+    assert contract.render_mode == "rgb_array"
+    assert seen["shutdown"].base.accepted
+    err = capsys.readouterr().err
+    assert f"rlmesh-trio: serving H4Cli-v0 x2 lanes on {address}\n" in err
+    with pytest.raises(OSError):
+        os.fstat(write_fd)  # the ready fd was closed
+
+
+# --------------------------------------------------------------------------- subprocesses
+
+
+def spawn(*args: str, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS_DIR), env.get("PYTHONPATH")) if p)
+    return subprocess.Popen(
+        [sys.executable, "-m", "rlmesh_trio", *args],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=ROOT,
+        pass_fds=pass_fds,
+    )
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=BOUND)
+
+
+def start_serving(procs: list[subprocess.Popen[bytes]], *args: str) -> tuple[Any, str]:
+    read_fd, write_fd = os.pipe()
+    try:
+        proc = spawn("serve", *args, "--ready-fd", str(write_fd), pass_fds=(write_fd,))
+    finally:
+        os.close(write_fd)
+    procs.append(proc)
+    address = read_ready(read_fd).strip()
+    assert address, proc.communicate(timeout=BOUND)
+    return proc, address
+
+
+def test_python_m_help() -> None:
+    proc = spawn("--help")
+    out, err = proc.communicate(timeout=BOUND)
+    assert proc.returncode == 0, err
+    assert b"usage: rlmesh-trio" in out
+
+
+def test_sigint_once_drains_and_exits_0(procs: list[subprocess.Popen[bytes]]) -> None:
+    proc, address = start_serving(
+        procs, "--env", "CartPole-v1", "--num-envs", "2", "--drain-timeout-seconds", "5"
+    )
+
+    async def use_and_leave_join_open_then_close() -> Any:
+        async with wire.WireClient(address) as client:
+            reply = await client.handshake()
+            async with client.join() as join:
+                await join.call(wire.reset())
+            return reply
+
+    assert wire.run(use_and_leave_join_open_then_close()).env_contract.num_envs == 2
+    started = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=BOUND)
+    assert proc.returncode == 0, err
+    assert time.monotonic() - started < BOUND
+    lines = err.decode().splitlines()
+    assert lines[0] == f"rlmesh-trio: serving CartPole-v1 x2 lanes on {address}"
+    assert "rlmesh-trio: SIGINT: draining and stopping" in lines
+    assert "Traceback" not in err.decode()
+
+
+def test_second_signal_exits_at_once(procs: list[subprocess.Popen[bytes]]) -> None:
+    proc, address = start_serving(
+        procs,
+        "--entrypoint",
+        "support.envs:make_hang",
+        "--drain-timeout-seconds",
+        "25",
+        "--close-timeout-seconds",
+        "25",
+    )
+    hung = threading.Event()
+
+    async def hang_a_step() -> None:
+        async with wire.WireClient(address) as client, client.join() as join:
+            await join.call(wire.reset())
+            await join.send(wire.step([b"\x01" + b"\x00" * 7]))
+            hung.set()
+            await join.recv(timeout=BOUND)
+
+    client = threading.Thread(target=lambda: wire.run(hang_a_step()))
+    client.start()
+    try:
+        assert hung.wait(BOUND)
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)  # drains: the open Join holds the server
+        time.sleep(0.5)
+        assert proc.poll() is None
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=BOUND)
+        assert time.monotonic() - started < 5.0
+        assert proc.returncode == 128 + signal.SIGTERM
+        assert "second SIGTERM: exiting now" in err.decode()
+    finally:
+        client.join(BOUND)
+
+
+def test_startup_failure_in_a_subprocess_exits_1() -> None:
+    proc = spawn("serve", "--env", "NoSuchEnv-v9", "--address", "127.0.0.1:0")
+    _, err = proc.communicate(timeout=BOUND)
+    assert proc.returncode == 1
+    text = err.decode().strip().splitlines()
+    assert len(text) == 1
+    assert text[0].startswith("rlmesh-trio: error: cannot serve: NameNotFound")

@@ -1,0 +1,355 @@
+"""``serve_env``: startup (what ``nursery.start`` returns or raises), stop, and its bounds."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import re
+import struct
+import threading
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import trio
+from gymnasium import spaces
+from support import envs, wire
+
+import rlmesh_trio
+from rlmesh_trio import ContractMismatchError, ServeOptions, ServerInfo, serve_env
+
+pytestmark = pytest.mark.timeout(60)
+
+BOUND = 10.0
+
+
+def server_threads() -> list[str]:
+    return [
+        t.name
+        for t in threading.enumerate()
+        if t.name.startswith(("rlmesh-trio-lane-", "rlmesh-trio-transport"))
+    ]
+
+
+class Recorder:
+    """An env factory that counts the envs it built and closed."""
+
+    def __init__(self, make: Any = envs.make_cartpole) -> None:
+        self.make = make
+        self.built = 0
+        self.closed = 0
+        self.kwargs: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, **kwargs: Any) -> gym.Env[Any, Any]:
+        with self._lock:
+            self.built += 1
+            self.kwargs.append(kwargs)
+        env = self.make()
+        recorder = self
+        original_close = env.close
+
+        def close() -> None:
+            with recorder._lock:
+                recorder.closed += 1
+            original_close()
+
+        env.close = close  # type: ignore[method-assign]
+        return env
+
+
+async def in_thread(coro: Any) -> Any:
+    return await trio.to_thread.run_sync(asyncio.run, coro)
+
+
+def test_public_surface() -> None:
+    assert set(rlmesh_trio.__all__) == {
+        "ActionError",
+        "CodecError",
+        "ContractMismatchError",
+        "InvalidRequestError",
+        "LaneBrokenError",
+        "LaneClosedError",
+        "LaneError",
+        "PolicyViolation",
+        "RlmeshTrioError",
+        "ServeOptions",
+        "ServerInfo",
+        "UnsupportedSpaceError",
+        "__version__",
+        "serve_env",
+    }
+    for name in rlmesh_trio.__all__:
+        assert hasattr(rlmesh_trio, name)
+
+
+async def test_start_reports_the_resolved_address_and_cancel_stops_everything() -> None:
+    recorder = Recorder()
+    async with trio.open_nursery() as nursery:
+        info = await nursery.start(
+            functools.partial(serve_env, recorder, num_envs=3, env_kwargs={"flavour": "x"})
+        )
+        assert isinstance(info, ServerInfo)
+        match = re.fullmatch(r"tcp://127\.0\.0\.1:(\d+)", info.address)
+        assert match is not None
+        assert int(match.group(1)) > 0
+        assert info.num_envs == 3
+        assert info.env_id == "CartPole-v1"
+        assert recorder.built == 3  # every lane built its env before started()
+        assert recorder.kwargs == [{"flavour": "x"}] * 3
+
+        async def handshake(address: str) -> Any:
+            async with wire.WireClient(address) as client:
+                return await client.handshake()
+
+        reply = await in_thread(handshake(info.address))
+        assert reply.env_contract.num_envs == 3
+        nursery.cancel_scope.cancel()
+    assert recorder.closed == 3
+    assert server_threads() == []
+
+
+async def test_unix_socket_address(tmp_path: Path) -> None:
+    path = tmp_path / "env.sock"
+    async with trio.open_nursery() as nursery:
+        info = await nursery.start(
+            functools.partial(serve_env, "CartPole-v1", address=f"unix://{path}")
+        )
+        assert info.address == f"unix://{path}"
+        assert path.is_socket()
+
+        async def handshake(address: str) -> Any:
+            async with wire.WireClient(address) as client:
+                return await client.handshake()
+
+        assert (await in_thread(handshake(info.address))).base.compatible
+        nursery.cancel_scope.cancel()
+    assert not path.exists()
+
+
+async def test_bad_env_id_raises_at_start() -> None:
+    async with trio.open_nursery() as nursery:
+        with pytest.raises(gym.error.Error, match="NoSuchEnv"):
+            await nursery.start(functools.partial(serve_env, "NoSuchEnv-v9", num_envs=2))
+    assert server_threads() == []
+
+
+async def test_address_in_use_raises_before_any_env_is_built() -> None:
+    recorder = Recorder()
+    async with trio.open_nursery() as nursery:
+        info = await nursery.start(functools.partial(serve_env, "CartPole-v1"))
+        with pytest.raises(OSError, match="Address already in use"):
+            await nursery.start(functools.partial(serve_env, recorder, address=info.address))
+        nursery.cancel_scope.cancel()
+    assert recorder.built == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"options": ServeOptions(drain_timeout_seconds=-1)}, "drain_timeout_seconds"),
+        ({"options": ServeOptions(close_timeout_seconds=float("inf"))}, "close_timeout_seconds"),
+        ({"options": ServeOptions(idle_timeout_seconds=0)}, "idle_timeout_seconds"),
+        ({"options": ServeOptions(max_message_bytes=0)}, "max_message_bytes"),
+        ({"options": ServeOptions(workflow_edition="1999.01")}, "not implemented"),
+        ({"address": "http://x:1"}, "unsupported address scheme"),
+        ({"num_envs": 0}, "num_envs"),
+    ],
+)
+async def test_bad_arguments_raise_before_any_env_is_built(
+    kwargs: dict[str, Any], message: str
+) -> None:
+    recorder = Recorder()
+    async with trio.open_nursery() as nursery:
+        with pytest.raises(ValueError, match=message):
+            await nursery.start(functools.partial(serve_env, recorder, **kwargs))
+    assert recorder.built == 0
+
+
+async def test_options_must_be_serve_options() -> None:
+    with pytest.raises(TypeError, match="ServeOptions"):
+        await serve_env("CartPole-v1", options={"allow_remote_shutdown": True})  # type: ignore[arg-type]
+
+
+class OtherSpacesEnv(gym.Env[np.ndarray, int]):
+    def __init__(self, n: int) -> None:
+        self.observation_space = spaces.Box(0.0, 1.0, (1,), np.float32)
+        self.action_space = spaces.Discrete(n)
+
+    def reset(self, *, seed: int | None = None, options: Any = None) -> Any:
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action: int) -> Any:
+        return np.zeros(1, np.float32), 0.0, False, False, {}
+
+
+async def test_contract_mismatch_raises_at_start() -> None:
+    sizes = iter([2, 3])
+    lock = threading.Lock()
+
+    def make() -> OtherSpacesEnv:
+        with lock:
+            return OtherSpacesEnv(next(sizes))
+
+    async with trio.open_nursery() as nursery:
+        with pytest.raises(ContractMismatchError):
+            await nursery.start(functools.partial(serve_env, make, num_envs=2))
+    assert server_threads() == []
+
+
+async def shutdown(address: str) -> Any:
+    async with wire.WireClient(address) as client:
+        return await client.shutdown("done")
+
+
+async def test_returns_after_an_accepted_shutdown_enabled_by_env_var(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("RLMESH_ALLOW_REMOTE_SHUTDOWN", "TRUE")
+    recorder = Recorder()
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            info = await nursery.start(functools.partial(serve_env, recorder))
+            reply = await in_thread(shutdown(info.address))
+            assert reply.base.accepted
+        # serve_env returned by itself: the nursery exited without a cancel.
+    assert recorder.closed == 1
+    assert server_threads() == []
+
+
+async def test_shutdown_refused_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RLMESH_ALLOW_REMOTE_SHUTDOWN", raising=False)
+    async with trio.open_nursery() as nursery:
+        info = await nursery.start(functools.partial(serve_env, "CartPole-v1"))
+        reply = await in_thread(shutdown(info.address))
+        assert not reply.base.accepted
+        nursery.cancel_scope.cancel()
+
+
+async def test_returns_after_the_idle_timeout() -> None:
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(
+                functools.partial(
+                    serve_env, "CartPole-v1", options=ServeOptions(idle_timeout_seconds=0.2)
+                )
+            )
+    assert server_threads() == []
+
+
+async def test_cancel_drains_an_inflight_request_before_closing_the_lanes() -> None:
+    recorder = Recorder(envs.make_slow)
+    options = ServeOptions(drain_timeout_seconds=BOUND)
+    got: dict[str, Any] = {}
+
+    async def session(address: str) -> None:
+        async with wire.WireClient(address) as client, client.join() as join:
+            await join.call(wire.reset())
+            await join.send(wire.step([struct.pack("<q", 4)]))  # 0.4 s
+            got["sent"].set()
+            got["reply"] = await join.recv(timeout=BOUND)
+            got["closed_when_replied"] = recorder.closed
+            await join.send(wire.close())
+            got["close"] = await join.recv(timeout=BOUND)
+
+    got["sent"] = threading.Event()
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            info = await nursery.start(functools.partial(serve_env, recorder, options=options))
+            nursery.start_soon(in_thread, session(info.address))
+            await trio.to_thread.run_sync(got["sent"].wait)
+            await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()  # while the step is in flight
+    assert got["reply"] is not None
+    assert got["reply"].step is not None
+    assert got["closed_when_replied"] == 0  # the lanes were still up during the drain
+    assert got["close"] is not None  # the open stream was still served during the drain
+    assert recorder.closed == 1
+    assert server_threads() == []
+
+
+async def test_cancel_is_bounded_with_a_wedged_lane() -> None:
+    release = threading.Event()
+    drain, close = 0.2, 0.3
+    options = ServeOptions(drain_timeout_seconds=drain, close_timeout_seconds=close)
+    sent = threading.Event()
+
+    async def wedge(address: str) -> Any:
+        async with wire.WireClient(address) as client, client.join() as join:
+            await join.call(wire.reset())
+            await join.send(wire.step([struct.pack("<q", 1)]))  # HangEnv: blocks
+            sent.set()
+            return await join.recv(timeout=BOUND)
+
+    try:
+        async with trio.open_nursery() as outer:
+            async with trio.open_nursery() as nursery:
+                info = await nursery.start(
+                    functools.partial(
+                        serve_env, functools.partial(envs.HangEnv, release), options=options
+                    )
+                )
+                outer.start_soon(in_thread, wedge(info.address))
+                await trio.to_thread.run_sync(sent.wait)
+                await trio.sleep(0.05)
+                start = trio.current_time()
+                nursery.cancel_scope.cancel()
+            elapsed = trio.current_time() - start
+        assert elapsed < drain + close + 6.0
+        # The wedged lane was abandoned; nothing else is left.
+        assert server_threads() in ([], ["rlmesh-trio-lane-0"])
+    finally:
+        release.set()
+
+
+async def test_cancel_answers_a_request_that_outlives_the_drain() -> None:
+    """SPEC §10.3: the env call in flight outlives the drain bound and is still answered
+    (while the lanes close), then the lanes are closed and everything stops."""
+    recorder = Recorder(envs.make_slow)
+    options = ServeOptions(drain_timeout_seconds=0.1, close_timeout_seconds=BOUND)
+    sent = threading.Event()
+    got: dict[str, Any] = {}
+
+    async def session(address: str) -> None:
+        async with wire.WireClient(address) as client, client.join() as join:
+            await join.call(wire.reset())
+            await join.send(wire.step([struct.pack("<q", 6)]))  # 0.6 s
+            sent.set()
+            got["reply"] = await join.recv(timeout=BOUND)
+            got["after"] = await join.recv(timeout=BOUND)
+            got["end"] = join.end
+
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            info = await nursery.start(functools.partial(serve_env, recorder, options=options))
+            nursery.start_soon(in_thread, session(info.address))
+            await trio.to_thread.run_sync(sent.wait)
+            await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+    assert got["reply"] is not None
+    assert got["reply"].step is not None
+    assert got["after"] is None
+    assert got["end"].status is None
+    assert recorder.closed == 1
+    assert server_threads() == []
+
+
+@pytest.mark.interop
+async def test_rlmesh_run_drives_three_lanes() -> None:
+    """The 0.1.0 runtime: lane-scoped requests, several in flight, out-of-order replies."""
+    rlmesh = pytest.importorskip("rlmesh")
+    from rlmesh.numpy import Model
+
+    def run(address: str) -> Any:
+        model = Model(lambda observation: int(observation[2] > 0))
+        return rlmesh.run(model, address, seeds=[21, 22, 23, 24, 25])
+
+    async with trio.open_nursery() as nursery:
+        info = await nursery.start(functools.partial(serve_env, "CartPole-v1", num_envs=3))
+        result = await trio.to_thread.run_sync(run, info.address)
+        nursery.cancel_scope.cancel()
+    episodes = sorted(result.episodes, key=lambda e: e.index)
+    assert [e.seed for e in episodes] == [21, 22, 23, 24, 25]
+    assert all(e.steps > 0 and e.terminated for e in episodes)

@@ -1,0 +1,820 @@
+"""The gRPC transport (``_service``): its own thread and asyncio loop, driven from Trio.
+
+Everything runs over real loopback sockets (TCP port 0 and a unix socket in tmp_path)
+against the real lane engine and the real Endpoint/Session, except where a fake session
+pins the action plumbing (ordering, timers, EndStream, stream-end notification). The
+clients are the raw HTTP/2 client of ``support.wire`` (on an asyncio loop in a worker
+thread; it shows trailers, RST_STREAM and GOAWAY as sent) and the real rlmesh 0.1.0
+client where that is cheap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import socket
+import struct
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import gymnasium as gym
+import hypothesis
+import outcome
+import pytest
+import trio
+from hypothesis import strategies as st
+from support import envs, wire
+
+from rlmesh_trio._address import bind, parse_address
+from rlmesh_trio._jobs import CallJob, LaneReply, Phases, ReplyFn
+from rlmesh_trio._lanes import LaneEngine
+from rlmesh_trio._options import ServeOptions
+from rlmesh_trio._proto.rlmesh.core import v1 as core_v1
+from rlmesh_trio._proto.rlmesh.env import v1 as env_v1
+from rlmesh_trio._proto.rlmesh.spaces import v1 as spaces_v1
+from rlmesh_trio._service import (
+    ALREADY_JOINED,
+    HEALTH_CHECK_PATH,
+    DecodeError,
+    TransportService,
+    decode_message,
+)
+from rlmesh_trio._session import (
+    Action,
+    CancelTimer,
+    Endpoint,
+    EndStream,
+    Send,
+    StartTimer,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+T = TypeVar("T")
+
+BOUND = 10.0
+"""Generous upper bound, in seconds, for anything that should happen "soon" (shared box)."""
+
+CARTPOLE_ZERO = struct.pack("<q", 0)  # a CartPole action leaf (Discrete: int64)
+
+
+# --------------------------------------------------------------------------- harness
+
+
+@dataclass
+class Running:
+    address: str
+    service: TransportService
+    engine: LaneEngine
+    stopped: trio.Event = field(default_factory=trio.Event)
+    stopped_at: float | None = None
+
+
+@asynccontextmanager
+async def running(
+    make_env: Callable[[], gym.Env[Any, Any]] = envs.make_cartpole,
+    *,
+    num_envs: int = 1,
+    options: ServeOptions | None = None,
+    address: str = "tcp://127.0.0.1:0",
+    session_factory: Any = None,
+    teardown_timeout: float = 5.0,
+) -> AsyncIterator[Running]:
+    """Lanes + endpoint + transport, as serve_env composes them, with the service exposed."""
+    options = options or ServeOptions()
+    engine = LaneEngine(make_env, num_envs, teardown_timeout=teardown_timeout)
+    listener = bind(parse_address(address))
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run)
+            endpoint = Endpoint(
+                engine.contract,
+                num_envs,
+                allow_remote_shutdown=options.remote_shutdown_allowed(),
+            )
+            extra = {} if session_factory is None else {"session_factory": session_factory}
+            service = TransportService(
+                endpoint,
+                post=engine.post,
+                listener=listener.sock,
+                options=options,
+                on_drained=engine.close,
+                **extra,
+            )
+            state = Running(str(listener.address), service, engine)
+
+            async def run_service(task_status: trio.TaskStatus[None]) -> None:
+                try:
+                    await service.run(task_status=task_status)
+                finally:
+                    state.stopped_at = trio.current_time()
+                    state.stopped.set()
+                    engine.close()
+
+            await nursery.start(run_service)
+            yield state
+            nursery.cancel_scope.cancel()
+    finally:
+        listener.cleanup()
+    assert not any(t.name == "rlmesh-trio-transport" for t in threading.enumerate())
+
+
+async def in_thread(coro: Coroutine[Any, Any, T]) -> T:
+    """Run an asyncio client session on its own loop in a worker thread."""
+    return await trio.to_thread.run_sync(asyncio.run, coro)
+
+
+async def call_sync(fn: Callable[..., T], *args: Any) -> T:
+    return await trio.to_thread.run_sync(functools.partial(fn, *args))
+
+
+# --------------------------------------------------------------------------- strict decoding
+
+
+def test_decode_reference_cases() -> None:
+    # SPEC §1.10: the reference's exact INTERNAL text for an undecodable unary body.
+    with pytest.raises(DecodeError) as info:
+        decode_message(env_v1.HandshakeRequest, b"\xff\xff\xff")
+    assert str(info.value) == "failed to decode Protobuf message: invalid varint"
+    with pytest.raises(DecodeError, match="invalid varint"):
+        decode_message(env_v1.JoinRequest, b"\xa0\x01")  # an unknown varint field, no value
+
+
+@pytest.mark.parametrize(
+    ("data", "text"),
+    [
+        (b"\x0a\x05ab", "JoinRequest.reset: buffer underflow"),
+        (b"\x0a\x02\x0a\x05", "ResetRequest.seeds: JoinRequest.reset: buffer underflow"),
+        (b"\x08\x01", "JoinRequest.reset: invalid wire type: Varint (expected LengthDelimited)"),
+        (b"\x0f", "invalid wire type value: 7"),
+        (b"\x02\x00", "invalid tag value: 0"),
+        (b"\xfc\x01", "unexpected end group tag"),
+        (b"\x0a\x02\x2a\x01", "ResetRequest.episode_ids: JoinRequest.reset: buffer underflow"),
+        (b"\x59\x00\x00", "buffer underflow"),  # unknown fixed64 field cut short
+    ],
+)
+def test_decode_rejects_malformed(data: bytes, text: str) -> None:
+    with pytest.raises(DecodeError) as info:
+        decode_message(env_v1.JoinRequest, data)
+    assert str(info.value).startswith("failed to decode Protobuf message: ")
+    assert str(info.value).endswith(text)
+
+
+def test_decode_rejects_bad_utf8() -> None:
+    bad = bytes(env_v1.JoinRequest(request_id="x"))[:-1] + b"\xff"
+    with pytest.raises(DecodeError, match="not UTF-8"):
+        decode_message(env_v1.JoinRequest, bad)
+
+
+def test_decode_accepts_well_formed_and_unknown_fields() -> None:
+    request = env_v1.JoinRequest(
+        step=env_v1.StepRequest(
+            action=spaces_v1.SpaceValue(leaves=[b"\x01" * 9, b""]),
+            env_indices=[2, 0],
+            episode_ids=["a", "b"],
+            timeout_ms=2500,
+        ),
+        request_id="grpc-req-1",
+    )
+    data = bytes(request)
+    assert decode_message(env_v1.JoinRequest, data) == request
+    # Unknown fields of every wire type (varint, fixed64, bytes, group, fixed32) are skipped.
+    unknown = b"\xc8\x01\x05" + b"\xc9\x01" + b"\x00" * 8 + b"\xca\x01\x01z"
+    unknown += b"\xcb\x01\xd0\x01\x01\xcc\x01" + b"\xcd\x01\x00\x00\x00\x00"
+    assert decode_message(env_v1.JoinRequest, unknown + data) == request
+    # Packed and unpacked repeated scalars are both accepted.
+    unpacked = b"\x0a\x04\x20\x02\x20\x00"  # reset.env_indices [2, 0], one by one
+    assert decode_message(env_v1.JoinRequest, unpacked).reset.env_indices == [2, 0]  # type: ignore[union-attr]
+
+
+def test_decode_handshake_roundtrip() -> None:
+    request = wire.client_handshake()
+    assert decode_message(env_v1.HandshakeRequest, bytes(request)) == request
+
+
+@hypothesis.given(st.binary(max_size=64))
+@hypothesis.settings(max_examples=300, deadline=None)
+def test_decode_never_fails_otherwise(data: bytes) -> None:
+    """Any input decodes or raises DecodeError -- never another exception."""
+    try:
+        decode_message(env_v1.JoinRequest, data)
+    except DecodeError as exc:
+        message = str(exc)
+    else:
+        return
+    assert message.startswith("failed to decode Protobuf message: ")
+
+
+# --------------------------------------------------------------------------- unary RPCs
+
+
+async def unary_checks(address: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    async with wire.WireClient(address) as client:
+        out["ok"] = await client.handshake()
+        out["mismatch"] = await client.handshake(wire.client_handshake("rlmesh-wire-v0"))
+        out["no_base"] = await client.unary(wire.HANDSHAKE, b"")
+        out["garbage"] = await client.unary(wire.HANDSHAKE, b"\xff\xff\xff")
+        out["shutdown_no_base"] = await client.unary(wire.SHUTDOWN, b"")
+        out["shutdown"] = await client.shutdown("please")
+        out["unknown"] = await client.unary("/rlmesh.env.v1.EnvService/NoSuchMethod", b"")
+        out["gzip"] = await client.unary(
+            wire.HANDSHAKE,
+            bytes(wire.client_handshake()),
+            extra_headers=[("grpc-encoding", "gzip")],
+            compressed=True,
+        )
+        service = b"\x0a" + bytes([len("rlmesh.env.v1.EnvService")]) + b"rlmesh.env.v1.EnvService"
+        out["health_all"] = await client.unary(HEALTH_CHECK_PATH, b"")
+        out["health_env"] = await client.unary(HEALTH_CHECK_PATH, service)
+        out["health_other"] = await client.unary(HEALTH_CHECK_PATH, b"\x0a\x03abc")
+        out["health_watch"] = await client.unary("/grpc.health.v1.Health/Watch", b"")
+        out["after"] = await client.handshake()
+    return out
+
+
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+async def test_unary_rpcs(transport: str, tmp_path: Path) -> None:
+    address = f"unix://{tmp_path}/s.sock" if transport == "unix" else "tcp://127.0.0.1:0"
+    async with running(address=address) as server:
+        out = await in_thread(unary_checks(server.address))
+        assert not server.stopped.is_set()
+
+    ok = out["ok"].base
+    assert ok.compatible
+    assert ok.capabilities == {"subset_step": "true"}
+    assert out["ok"].env_contract.num_envs == 1
+    assert out["ok"].env_contract.spec.id == "CartPole-v1"
+    mismatch = out["mismatch"]
+    assert not mismatch.base.compatible
+    assert mismatch.env_contract is None
+    assert mismatch.base.error_message == (
+        "protocol generation rlmesh-wire-v0 not compatible with server rlmesh-wire-v1"
+    )
+
+    def status(name: str) -> tuple[int | None, str | None]:
+        result: wire.UnaryResult = out[name]
+        return result.end.status, result.end.message
+
+    assert status("no_base") == (3, "handshake request missing base")
+    assert status("garbage") == (13, "failed to decode Protobuf message: invalid varint")
+    assert status("shutdown_no_base") == (3, "shutdown request missing base")
+    assert out["shutdown"].base.accepted is False
+    assert (
+        out["shutdown"].base.message == "remote shutdown is disabled for this environment endpoint"
+    )
+    # Unknown method: trailers-only UNIMPLEMENTED with a content-type and no message.
+    assert status("unknown") == (12, None)
+    assert out["unknown"].reply is None
+    assert (out["unknown"].header("content-type") or "").startswith("application/grpc")
+    # SPEC §1.7: compression is refused, and identity advertised.
+    assert status("gzip") == (12, "Content is compressed with `gzip` which isn't supported")
+    assert out["gzip"].header("grpc-accept-encoding") == "identity"
+    assert out["gzip"].header("content-type") == "application/grpc"
+    # grpc.health.v1 (beyond the reference): SERVING for "" and our service.
+    assert status("health_all") == (0, None)
+    assert out["health_all"].reply == b"\x08\x01"
+    assert out["health_env"].reply == b"\x08\x01"
+    assert status("health_other")[0] == 5  # NOT_FOUND
+    assert status("health_watch") == (12, None)
+    assert out["after"].base.compatible
+
+
+# --------------------------------------------------------------------------- Join admission
+
+
+async def admission_session(address: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    async with wire.WireClient(address) as client:
+        async with client.join() as first:
+            # SPEC §1.3: response headers before the client sends anything.
+            headers = await first.headers(timeout=5)
+            out["headers"] = dict(headers)
+            out["configure"] = await first.call(wire.configure())
+            out["reset"] = await first.call(wire.reset(seeds=[7]))
+            async with client.join() as second:
+                out["second"] = await second.wait_end()
+                out["second_headers"] = second.response_headers
+            # The first is unaffected (a Handshake meanwhile does not matter either).
+            await client.handshake()
+            out["step"] = await first.call(wire.step([CARTPOLE_ZERO]))
+            out["close"] = await first.call(wire.close())
+            out["first_end"] = await first.wait_end()
+        async with client.join() as third:
+            out["third"] = await third.call(wire.reset())
+            await third.half_close()
+            out["third_end"] = await third.wait_end()
+        async with client.join() as fourth:  # admitted again after a half-close
+            out["fourth"] = await fourth.call(wire.reset())
+    return out
+
+
+async def test_join_headers_admission_and_close() -> None:
+    async with running() as server:
+        out = await in_thread(admission_session(server.address))
+    assert out["headers"][":status"] == "200"
+    assert out["headers"]["content-type"].startswith("application/grpc")
+    assert out["configure"].configure is not None
+    assert out["reset"].reset is not None
+    assert out["second"] == wire.CallEnd(9, ALREADY_JOINED)
+    assert out["second_headers"] is not None  # trailers-only: one header block
+    assert out["step"].step is not None
+    assert out["close"].close is not None
+    assert len(out["close"].close.final_episodes) == 1
+    assert out["first_end"] == wire.CallEnd(0, None)
+    assert out["third"].reset is not None
+    assert out["third_end"] == wire.CallEnd(0, None)
+    assert out["fourth"].reset is not None
+
+
+async def bad_join_requests(address: str, limit: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    async with wire.WireClient(address) as client:
+        async with client.join() as join:
+            out["reset"] = await join.call(wire.reset())
+            await join.send(b"\xff\xff\xff")
+            out["garbage_end"] = await join.wait_end()
+        async with client.join() as join:
+            # Just under the limit: decoded, then refused by the codec (in-band error).
+            under = wire.step([b"\x00" * (limit - 64)])
+            assert len(bytes(under)) <= limit
+            out["under"] = await join.call(under)
+            over = wire.step([b"\x00" * (limit + 1)])
+            await join.send(over)
+            out["over_end"] = await join.wait_end()
+        async with client.join() as join:
+            out["after"] = await join.call(wire.reset())
+        out["handshake"] = await client.handshake()
+    return out
+
+
+async def test_undecodable_and_oversize_join_requests_end_the_stream_quietly() -> None:
+    limit = 4096
+    async with running(options=ServeOptions(max_message_bytes=limit)) as server:
+        out = await in_thread(bad_join_requests(server.address, limit))
+        assert not server.stopped.is_set()
+    assert out["reset"].reset is not None
+    # SPEC §1.8/§9: grpc-status 0 and no JoinResponse at all.
+    assert out["garbage_end"] == wire.CallEnd(0, None)
+    assert out["under"].error is not None
+    assert out["under"].error.code == env_v1.EnvErrorCode.INVALID_ACTION
+    assert out["over_end"] == wire.CallEnd(0, None)
+    assert out["after"].reset is not None
+    assert out["handshake"].base.compatible
+
+
+async def cancel_mid_request(address: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    async with wire.WireClient(address) as client:
+        async with client.join() as join:
+            await join.call(wire.reset())
+            await join.send(wire.step([struct.pack("<q", 5)]))  # SlowEnv: 0.5 s
+            await asyncio.sleep(0.05)
+            await join.cancel()  # RST_STREAM while the lane is busy
+        async with client.join() as join:  # admitted at once; its reset queues behind
+            out["next"] = await join.call(wire.reset())
+    return out
+
+
+async def test_client_cancel_releases_admission() -> None:
+    async with running(envs.make_slow) as server:
+        out = await in_thread(cancel_mid_request(server.address))
+    assert out["next"].reset is not None
+
+
+async def test_rlmesh_remote_env(tmp_path: Path) -> None:
+    """The real 0.1.0 client, over TCP and over a unix socket."""
+    rlmesh_numpy = pytest.importorskip("rlmesh.numpy")
+
+    def session(address: str) -> tuple[Any, ...]:
+        env = rlmesh_numpy.RemoteEnv(address)
+        try:
+            obs, _ = env.reset(seed=3)
+            steps = [env.step(1) for _ in range(5)]
+            return obs, steps
+        finally:
+            env.close()
+
+    for address in ("tcp://127.0.0.1:0", f"unix://{tmp_path}/rl.sock"):
+        async with running(address=address) as server:
+            obs, steps = await call_sync(session, server.address)
+        assert obs.shape == (4,)
+        assert [s[1] for s in steps] == [1.0] * 5
+
+
+# --------------------------------------------------------------------------- Join plumbing
+
+
+class FakeSession:
+    """Scripted session: a request's ``request_id`` names what to answer."""
+
+    instances: list[FakeSession] = []
+
+    def __init__(
+        self,
+        endpoint: Any,
+        *,
+        post: Callable[[int, Any], None],
+        reply_to: Callable[[int], ReplyFn],
+    ) -> None:
+        self.post = post
+        self.reply_to = reply_to
+        self.events: list[tuple[str, Any]] = []
+        self.threads: list[str] = []
+        self.pending = 0
+        self.stream_ends = 0
+        self.ended = threading.Event()
+        self._finished = False
+        FakeSession.instances.append(self)
+
+    def _reply(self, rid: str) -> Send:
+        return Send(env_v1.JoinResponse(request_id=rid, configure=env_v1.ConfigureEnvResponse()))
+
+    def on_request(self, request: env_v1.JoinRequest) -> list[Action]:
+        rid = request.request_id
+        self.events.append(("request", rid))
+        if rid == "three":
+            return [self._reply("3a"), self._reply("3b"), self._reply("3c")]
+        if rid == "timer":
+            return [StartTimer(1, 0.05), StartTimer(2, 0.05), CancelTimer(2)]
+        if rid == "lane":
+            self.pending += 1
+            # A job whose reply comes back from the lane thread.
+            self.post(0, CallJob(fn=lambda env: "done", reply=self.reply_to(41)))
+            return []
+        if rid == "end":
+            self._finished = True
+            return [self._reply("bye"), EndStream(), self._reply("never")]
+        return [self._reply(rid)]
+
+    def on_lane_reply(self, token: int, reply: LaneReply) -> list[Action]:
+        self.pending -= 1
+        self.threads.append(threading.current_thread().name)
+        self.events.append(("lane", (token, reply.outcome.unwrap())))
+        return [self._reply(f"lane-{token}")]
+
+    def on_timer(self, token: int) -> list[Action]:
+        self.events.append(("timer", token))
+        return [self._reply(f"timer-{token}")]
+
+    def on_stream_end(self) -> list[Action]:
+        self.stream_ends += 1
+        self._finished = True
+        self.ended.set()
+        return [self._reply("stream-end")]
+
+    @property
+    def busy(self) -> bool:
+        return self.pending > 0
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+
+def rid(reply: env_v1.JoinResponse | None) -> str | None:
+    return None if reply is None else reply.request_id
+
+
+async def plumbing_session(address: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    async with wire.WireClient(address) as client:
+        async with client.join() as join:
+            await join.send(wire.configure(request_id="three"))
+            out["three"] = [rid(await join.recv()) for _ in range(3)]
+            await join.send(wire.configure(request_id="timer"))
+            out["timer"] = rid(await join.recv())
+            await join.send(wire.configure(request_id="lane"))
+            out["lane"] = rid(await join.recv())
+            await join.send(wire.configure(request_id="end"))
+            out["end"] = rid(await join.recv())
+            await join.send(wire.configure(request_id="after-end"))  # never answered
+            out["end_status"] = await join.wait_end()
+        async with client.join() as join:
+            out["second"] = await join.call(wire.configure(request_id="x"))
+            await join.half_close()
+            # Sends the session returns from on_stream_end still go out after a half-close.
+            out["second_last"] = rid(await join.recv())
+            out["second_end"] = await join.wait_end()
+        async with client.join() as join:
+            out["third"] = await join.call(wire.configure(request_id="y"))
+        # leaving the block reset the stream (client cancel)
+        await asyncio.sleep(0.1)
+        out["final"] = await client.handshake()
+    return out
+
+
+async def test_action_plumbing_with_a_scripted_session() -> None:
+    FakeSession.instances = []
+    async with running(session_factory=FakeSession) as server:
+        out = await in_thread(plumbing_session(server.address))
+        first, second, third = FakeSession.instances
+        # The client's cancel of the third stream reached its session.
+        assert await trio.to_thread.run_sync(third.ended.wait, BOUND)
+    assert out["three"] == ["3a", "3b", "3c"]  # in order
+    assert out["timer"] == "timer-1"  # timer 2 was cancelled
+    assert out["lane"] == "lane-41"
+    assert first.threads == ["rlmesh-trio-transport"]  # hopped onto the transport loop
+    assert ("lane", (41, "done")) in first.events
+    assert out["end"] == "bye"  # sends before EndStream go out, later ones do not
+    assert out["end_status"] == wire.CallEnd(0, None)
+    assert ("request", "after-end") not in first.events
+    assert first.stream_ends == 0  # the session ended the stream itself
+    assert second.stream_ends == 1  # half-close
+    assert out["second_last"] == "stream-end"
+    assert out["second_end"] == wire.CallEnd(0, None)
+    assert third.stream_ends == 1  # cancel
+    assert out["final"].base.compatible
+
+
+async def test_tcp_nodelay_on_accepted_connections() -> None:
+    async with running() as server:
+        loop_server = server.service._loop_server
+        assert loop_server is not None
+
+        async def nodelay_flags() -> list[int]:
+            return [
+                proto._transport.get_extra_info("socket").getsockopt(  # type: ignore[union-attr]
+                    socket.IPPROTO_TCP, socket.TCP_NODELAY
+                )
+                for proto in loop_server.protocols
+            ]
+
+        async def probe(address: str) -> list[int]:
+            async with wire.WireClient(address) as client:
+                await client.handshake()
+                loop = server.service._loop
+                assert loop is not None
+                future = asyncio.run_coroutine_threadsafe(nodelay_flags(), loop)
+                return await asyncio.wrap_future(future)
+
+        flags = await in_thread(probe(server.address))
+    assert flags
+    assert all(flags)
+
+
+# --------------------------------------------------------------------------- lifecycle
+
+
+async def shutdown_with_open_join(address: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    async with wire.WireClient(address) as client:
+        async with client.join() as join:
+            out["reset"] = await join.call(wire.reset(seeds=[3]))
+            out["shutdown"] = await client.shutdown("bye")
+            await asyncio.sleep(0.2)
+            out["goaway"] = client.goaway
+            # Open streams keep being served during the drain (SPEC §10.2).
+            out["step"] = await join.call(wire.step([CARTPOLE_ZERO]))
+            out["close"] = await join.call(wire.close())
+            out["join_end"] = await join.wait_end()
+        out["closed_at"] = time.monotonic()
+    return out
+
+
+async def test_shutdown_accepted_drains_open_join_then_stops() -> None:
+    options = ServeOptions(allow_remote_shutdown=True, drain_timeout_seconds=30.0)
+    async with running(options=options) as server:
+        started = trio.current_time()
+        out = await in_thread(shutdown_with_open_join(server.address))
+        with trio.fail_after(BOUND):
+            await server.stopped.wait()
+        assert server.service.stop_reason == "remote shutdown accepted"
+        # It stopped once the Join ended, long before the 30 s drain bound.
+        assert server.stopped_at is not None
+        assert server.stopped_at - started < BOUND
+    assert out["shutdown"].base.accepted
+    assert out["shutdown"].base.message == "shutdown accepted: bye"
+    assert out["goaway"] is not None
+    assert out["goaway"].error_code == 0
+    assert out["goaway"].last_stream_id == 3  # the second GOAWAY names the real last stream
+    assert out["step"].step is not None
+    assert out["close"].close is not None
+    assert out["join_end"] == wire.CallEnd(0, None)
+
+
+async def drain_inflight(address: str, units: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    async with wire.WireClient(address) as client, client.join() as join:
+        await join.call(wire.reset())
+        await join.send(wire.step([struct.pack("<q", units)]))  # SlowEnv: units * 0.1 s
+        await asyncio.sleep(0.05)
+        out["shutdown"] = await client.shutdown("drain test")
+        out["inflight"] = await join.recv(timeout=BOUND)
+        out["next"] = await join.recv(timeout=BOUND)  # the stream is cut, no status
+        out["end"] = join.end
+    return out
+
+
+@pytest.mark.parametrize(("units", "drain"), [(4, 1.0), (6, 0.2)])
+async def test_drain_delivers_an_inflight_reply_then_cuts(units: int, drain: float) -> None:
+    """SPEC §10.3: the in-flight reply is delivered, also when the env call outlives the
+    drain (then within the close timeout, while the lanes close), then the stream is cut."""
+    options = ServeOptions(allow_remote_shutdown=True, drain_timeout_seconds=drain)
+    async with running(envs.make_slow, options=options) as server:
+        out = await in_thread(drain_inflight(server.address, units))
+        with trio.fail_after(BOUND):
+            await server.stopped.wait()
+    assert out["shutdown"].base.accepted
+    assert out["inflight"] is not None
+    assert out["inflight"].step is not None
+    assert out["next"] is None
+    assert out["end"].status is None  # cut without trailers (client sees UNAVAILABLE)
+
+
+async def test_drain_and_close_bounds_cut_a_wedged_request() -> None:
+    release = threading.Event()
+    drain, close = 0.3, 0.3
+    options = ServeOptions(
+        allow_remote_shutdown=True, drain_timeout_seconds=drain, close_timeout_seconds=close
+    )
+
+    async def wedged(address: str) -> tuple[Any, wire.CallEnd | None]:
+        async with wire.WireClient(address) as client, client.join() as join:
+            await join.call(wire.reset())
+            await join.send(wire.step([struct.pack("<q", 1)]))  # blocks on `release`
+            await asyncio.sleep(0.05)
+            await client.shutdown()
+            reply = await join.recv(timeout=BOUND)
+            if reply is not None:
+                assert await join.recv(timeout=BOUND) is None
+            return reply, join.end
+
+    try:
+        async with running(
+            functools.partial(envs.HangEnv, release), options=options, teardown_timeout=close
+        ) as server:
+            started = trio.current_time()
+            reply, end = await in_thread(wedged(server.address))
+            with trio.fail_after(BOUND):
+                await server.stopped.wait()
+            assert server.stopped_at is not None
+            elapsed = server.stopped_at - started
+            assert drain <= elapsed < server.service.stop_timeout
+            release.set()  # let the abandoned lane thread finish
+    finally:
+        release.set()
+    # The lane was abandoned at the close deadline: its job is answered as an error (the
+    # session's mapping of LaneBrokenError, which may end the stream), or the stream is cut.
+    assert end is not None
+    if reply is None:
+        assert end.status is None
+    else:
+        assert reply.error is not None
+        assert end.status in (None, 0)
+
+
+async def test_idle_timeout_ignores_handshakes_and_cuts_a_silent_join() -> None:
+    idle = 0.5
+    options = ServeOptions(idle_timeout_seconds=idle)
+
+    async def activity(address: str) -> dict[str, Any]:
+        out: dict[str, Any] = {"handshakes": 0}
+        async with wire.WireClient(address) as client, client.join() as join:
+            out["reset"] = await join.call(wire.reset())
+            out["reset_done"] = time.monotonic()
+            # Only Handshakes from now on: they do not count as activity.
+            try:
+                while time.monotonic() - out["reset_done"] < BOUND:
+                    await client.handshake()
+                    out["handshakes"] += 1
+                    await asyncio.sleep(0.05)
+            except (AssertionError, ConnectionError, asyncio.TimeoutError):
+                pass
+            out["join_next"] = await join.recv(timeout=BOUND)
+            out["join_end"] = join.end
+        return out
+
+    async with running(options=options) as server:
+        out = await in_thread(activity(server.address))
+        with trio.fail_after(BOUND):
+            await server.stopped.wait()
+        assert server.service.stop_reason == f"idle for {idle:g} s"
+    assert out["reset"].reset is not None
+    assert out["handshakes"] >= 2
+    assert out["join_next"] is None
+    assert out["join_end"].status is None  # the silent Join was cut
+
+
+async def test_idle_timeout_waits_for_an_inflight_request() -> None:
+    options = ServeOptions(idle_timeout_seconds=0.3)
+
+    async def slow_reset(address: str) -> env_v1.JoinResponse:
+        async with wire.WireClient(address) as client, client.join() as join:
+            # SlowEnv.reset sleeps 1 s: longer than the idle timeout.
+            return await join.call(wire.reset(options={"sleep": 1.0}))
+
+    async with running(envs.make_slow, options=options) as server:
+        reply = await in_thread(slow_reset(server.address))
+        with trio.fail_after(BOUND):
+            await server.stopped.wait()
+    assert reply.reset is not None
+
+
+async def test_idle_timeout_with_no_activity_at_all() -> None:
+    async with running(options=ServeOptions(idle_timeout_seconds=0.2)) as server:
+        start = trio.current_time()
+        with trio.fail_after(BOUND):
+            await server.stopped.wait()
+        assert server.stopped_at is not None
+        assert server.stopped_at - start >= 0.15
+
+
+async def test_cancel_is_bounded_with_an_open_join_and_a_wedged_lane() -> None:
+    release = threading.Event()
+    options = ServeOptions(drain_timeout_seconds=0.2)
+    client_done = threading.Event()
+
+    async def hold(address: str) -> None:
+        async with wire.WireClient(address) as client, client.join() as join:
+            await join.call(wire.reset())
+            await join.send(wire.step([struct.pack("<q", 1)]))
+            await join.recv(timeout=BOUND)
+        client_done.set()
+
+    try:
+        with trio.CancelScope() as outer:
+            async with (
+                running(
+                    functools.partial(envs.HangEnv, release), options=options, teardown_timeout=0.5
+                ) as server,
+                trio.open_nursery() as nursery,
+            ):
+                nursery.start_soon(in_thread, hold(server.address))
+                await trio.sleep(0.3)
+                start = trio.current_time()
+                outer.cancel()
+        elapsed = trio.current_time() - start
+        assert elapsed < server.service.stop_timeout + 0.5 + 1.0  # + lane teardown
+        assert client_done.is_set()
+    finally:
+        release.set()
+
+
+async def test_request_stop_from_another_thread_and_reply_after_stop() -> None:
+    FakeSession.instances = []
+    async with running(session_factory=FakeSession) as server:
+
+        async def join_once(address: str) -> None:
+            async with wire.WireClient(address) as client, client.join() as join:
+                await join.call(wire.configure(request_id="hello"))
+
+        await in_thread(join_once(server.address))
+        stray = FakeSession.instances[0].reply_to(99)
+        await call_sync(server.service.request_stop, "from a thread")
+        with trio.fail_after(BOUND):
+            await server.stopped.wait()
+        assert server.service.stop_reason == "from a thread"
+    # A lane answering after the transport is gone must not raise.
+    stray(LaneReply(0, outcome.Value(None), Phases()))
+
+
+async def test_startup_failure_is_raised_from_run() -> None:
+    engine_sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # not a stream socket
+    try:
+        service = TransportService(object(), post=lambda lane, job: None, listener=engine_sock)  # type: ignore[arg-type]
+        async with trio.open_nursery() as nursery:
+            with pytest.raises(ValueError, match="Stream Socket was expected"):
+                await nursery.start(service.run)
+    finally:
+        engine_sock.close()
+    assert not service.listening
+
+
+def test_bad_options_are_refused() -> None:
+    sock = socket.socket()
+    try:
+        for options in (
+            ServeOptions(drain_timeout_seconds=-1),
+            ServeOptions(idle_timeout_seconds=0),
+        ):
+            with pytest.raises(ValueError, match="must be"):
+                TransportService(
+                    object(),  # type: ignore[arg-type]
+                    post=lambda lane, job: None,
+                    listener=sock,
+                    options=options,
+                )
+    finally:
+        sock.close()
+
+
+async def test_handshake_request_shape_from_core() -> None:
+    """A Handshake without peer info or editions is still compatible (SPEC §6.3)."""
+    bare = env_v1.HandshakeRequest(
+        base=core_v1.HandshakeRequest(protocol_generation="rlmesh-wire-v1")
+    )
+
+    async def go(address: str) -> env_v1.HandshakeResponse:
+        async with wire.WireClient(address) as client:
+            return await client.handshake(bare)
+
+    async with running() as server:
+        reply = await in_thread(go(server.address))
+    assert reply.base.compatible
+    assert reply.base.preferred_workflow_edition == "2026.06"
