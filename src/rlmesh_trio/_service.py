@@ -62,6 +62,7 @@ from h2.errors import ErrorCodes
 from hyperframe.frame import GoAwayFrame
 
 from ._errors import InvalidRequestError
+from ._fastwire import WireDecodeError, decode_join_request, encode_join_response
 from ._options import DEFAULT_CLOSE_TIMEOUT, DEFAULT_DRAIN_TIMEOUT, ServeOptions
 from ._proto.rlmesh.env import v1 as env_v1
 from ._session import Action, CancelTimer, EndStream, Send, Session, StartTimer
@@ -574,7 +575,7 @@ class _JoinCall:
         self.server.join_activity(self)
 
     def _queue(self, response: env_v1.JoinResponse) -> None:
-        data = bytes(response)
+        data = encode_join_response(response)
         limit = self.server.max_message_bytes
         if len(data) > limit:
             log.error(
@@ -682,8 +683,8 @@ class _JoinCall:
             if data is None:
                 return  # the client half-closed
             try:
-                request = decode_message(env_v1.JoinRequest, data)
-            except DecodeError as exc:
+                request = decode_join_request(data)
+            except WireDecodeError as exc:
                 log.warning("undecodable JoinRequest (%s); ending the Join stream", exc)
                 return
             self._drive(self.session.on_request, request)
