@@ -575,10 +575,12 @@ def test_render_rules() -> None:
     assert bytes(resp.render) == b""
 
 
-def test_render_out_of_range_on_one_lane_is_fatal() -> None:
-    h = Harness(1)
-    actions = h.request(render=env_v1.RenderRequest(env_indices=[1]))
-    assert error_of(actions) == (Code.INTERNAL, "lane 1 out of range for 1 lanes", False)
+@pytest.mark.parametrize(("num_envs", "index"), [(1, 1), (2, 3)])
+def test_render_out_of_range_is_fatal(num_envs: int, index: int) -> None:
+    h = Harness(num_envs)
+    actions = h.request(render=env_v1.RenderRequest(env_indices=[index]))
+    message = f"lane {index} out of range for {num_envs} lanes"
+    assert error_of(actions) == (Code.INTERNAL, message, False)
     assert isinstance(actions[-1], EndStream)
 
 

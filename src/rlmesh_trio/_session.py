@@ -571,7 +571,10 @@ class Session:
             message = "render requests support at most one env_index"
             return [self._error(rid, read_ns, Code.UNSUPPORTED, message, recoverable=True)]
         lane = indices[0] if indices else 0
-        if lane != 0 and self._n > 1:
+        # An index past the lanes fails like the reference, as a fatal INTERNAL from the
+        # lane engine ("lane 3 out of range for 2 lanes"); only an existing lane other
+        # than 0 is the recoverable "single-env render" refusal.
+        if 0 < lane < self._n:
             message = f"single-env render only supports env_index 0, got {lane}"
             return [self._error(rid, read_ns, Code.INVALID_ACTION, message, recoverable=True)]
         op = self._new_op(rid, "render", [lane], True, read_ns, body.timeout_ms)
