@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import gymnasium as gym
@@ -99,7 +99,7 @@ class CallJob:
     reply: ReplyFn
 
 
-Job = Union[ResetJob, StepJob, RenderJob, CallJob]
+Job = ResetJob | StepJob | RenderJob | CallJob
 
 
 @dataclass(frozen=True, slots=True)

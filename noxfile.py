@@ -1,0 +1,73 @@
+"""Development sessions: ``nox -s tests | lint | typecheck | codegen | bench``.
+
+Every session builds its own virtualenv (``venv`` backend) with the interpreter that
+runs nox, and installs exactly the pins of ``pyproject.toml``: the ``test`` extra for
+tests and benchmarks, the ``dev`` extra's pins for the tools.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["tests", "lint", "typecheck"]
+nox.options.error_on_external_run = True
+
+ROOT = Path(__file__).resolve().parent
+PYPROJECT = nox.project.load_toml(ROOT / "pyproject.toml")
+
+
+def dev_pin(name: str) -> str:
+    """The ``name==version`` requirement of the ``dev`` extra in pyproject.toml."""
+    for requirement in PYPROJECT["project"]["optional-dependencies"]["dev"]:
+        if requirement.split("==")[0].strip().lower() == name.lower():
+            return str(requirement)
+    raise LookupError(f"{name} is not pinned in the dev extra of pyproject.toml")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Install the package with its test extra and run the whole pytest suite."""
+    session.install(".[test]")
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over the repository."""
+    session.install(dev_pin("ruff"))
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict on src/rlmesh_trio (configured in pyproject.toml)."""
+    session.install("-e", ".", dev_pin("mypy"))
+    session.run("mypy", *session.posargs)
+
+
+@nox.session
+def codegen(session: nox.Session) -> None:
+    """Regenerate src/rlmesh_trio/_proto from proto/; ``-- --check`` fails on drift."""
+    session.install(dev_pin("betterproto2-compiler"), dev_pin("grpcio-tools"))
+    session.run("python", "tools/codegen.py", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Run every bench/bench_*.py (arguments after ``--`` go to each of them)."""
+    session.install(".[test]")
+    scripts = sorted((ROOT / "bench").glob("bench_*.py"))
+    if not scripts:
+        session.error("no bench/bench_*.py found")
+    for script in scripts:
+        session.log(f"=== {script.name}")
+        session.run("python", str(script.relative_to(ROOT)), *session.posargs)
+
+
+if __name__ == "__main__":
+    sys.exit("run this file with nox, e.g. `nox -s tests`")
