@@ -507,6 +507,8 @@ class _JoinCall:
         self.stream = stream
         self.loop = server.loop
         self.timers: dict[int, asyncio.TimerHandle] = {}
+        self.inbox: deque[tuple[int, LaneReply]] = deque()  # lane replies, any thread
+        self.drain_scheduled = False
         self.outbox: deque[bytes] = deque()
         self.wake_writer = asyncio.Event()
         self.end = asyncio.Event()  # no more requests: finish the stream
@@ -525,19 +527,32 @@ class _JoinCall:
     # -- events into the session
 
     def reply_to(self, token: int) -> ReplyFn:
+        inbox = self.inbox
         call_soon = self.loop.call_soon_threadsafe
-        deliver = self._on_lane_reply
+        drain = self._drain_inbox
 
         def reply(lane_reply: LaneReply) -> None:  # any thread (a lane's)
-            try:
-                call_soon(deliver, token, lane_reply)
-            except RuntimeError:  # the loop is closed: the server is gone
-                log.debug("lane reply after the transport stopped; dropped")
+            # Replies that arrive while a drain is already scheduled ride along with it:
+            # one loop wake-up (a self-pipe write) serves several lanes under load.
+            # deque.append is atomic; see _drain_inbox for why no reply is stranded.
+            inbox.append((token, lane_reply))
+            if not self.drain_scheduled:
+                self.drain_scheduled = True
+                try:
+                    call_soon(drain)
+                except RuntimeError:  # the loop is closed: the server is gone
+                    log.debug("lane reply after the transport stopped; dropped")
 
         return reply
 
-    def _on_lane_reply(self, token: int, lane_reply: LaneReply) -> None:
-        self._drive(self.session.on_lane_reply, token, lane_reply)
+    def _drain_inbox(self) -> None:
+        # Clear the flag *before* emptying the inbox: a reply appended after the loop
+        # below finished then sees the flag down and schedules a new drain.
+        self.drain_scheduled = False
+        inbox = self.inbox
+        while inbox:
+            token, lane_reply = inbox.popleft()
+            self._drive(self.session.on_lane_reply, token, lane_reply)
 
     def _on_timer(self, token: int) -> None:
         self.timers.pop(token, None)
