@@ -97,6 +97,49 @@ async def step_latencies(address: str, steps: int) -> list[float]:
     return out
 
 
+async def pipelined_lanes(address: str, num_envs: int, seconds: float) -> tuple[float, int]:
+    """A lean raw client: one lane-scoped step in flight per lane, for ``seconds``.
+
+    The request pattern is ``rlmesh.run``'s (SPEC §11.3) without its per-step Python
+    policy, so it measures what the server can sustain rather than what the client can
+    send. Returns (wall seconds, steps answered).
+    """
+    async with wire.WireClient(address) as client, client.join() as join:
+        await join.call(wire.configure())
+        await join.call(wire.reset(seeds=list(range(num_envs))))
+        action = [wire.i64([1])]
+        steps = {
+            lane: wire.step(action, env_indices=[lane], request_id=f"s{lane}")
+            for lane in range(num_envs)
+        }
+        resets = {
+            lane: wire.reset(env_indices=[lane], request_id=f"r{lane}") for lane in range(num_envs)
+        }
+        started = time.perf_counter()
+        for lane in range(num_envs):
+            await join.send(steps[lane])
+        done = 0
+        deadline = started + seconds
+        in_flight = num_envs
+        while in_flight:
+            reply = await join.recv(timeout=30)
+            assert reply is not None and reply.error is None, reply
+            in_flight -= 1
+            lane = int(reply.request_id[1:])
+            if reply.step is not None:
+                done += 1
+                if reply.step.terminated_mask != b"\x00":
+                    await join.send(resets[lane])  # the lane's episode ended: reset it
+                    in_flight += 1
+                    continue
+            if time.perf_counter() < deadline:
+                await join.send(steps[lane])
+                in_flight += 1
+        elapsed = time.perf_counter() - started
+        await join.call(wire.close())
+    return elapsed, done
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
@@ -173,6 +216,24 @@ def bench(rounds: int, quick: bool) -> list[Row]:
         for server in servers.values():
             server.stop()
     rows += [sleepy, efficiency]
+    _progress(rows[-2:])
+
+    # 4. The same 8 sleepy lanes under a lean pipelined raw client (server capacity).
+    raw_sleepy = Row(f"raw SleepEnv(2 ms) N={n}", "steps/s", "1/s", True)
+    raw_efficiency = Row(f"raw SleepEnv(2 ms) N={n}", f"of ideal {ideal:.0f}/s", "%", True)
+    servers = start_pair(ServerConfig(entrypoint=scripts.ENTRYPOINTS["sleep"], num_envs=n))
+    try:
+        for kind in KINDS:
+            asyncio.run(pipelined_lanes(servers[kind].address, n, 0.3))
+        for r in range(rounds):
+            for kind in alternate(r):
+                seconds, total = asyncio.run(pipelined_lanes(servers[kind].address, n, 1.0 * scale))
+                raw_sleepy.values[kind].append(total / seconds)
+                raw_efficiency.values[kind].append(100 * total / seconds / ideal)
+    finally:
+        for server in servers.values():
+            server.stop()
+    rows += [raw_sleepy, raw_efficiency]
     _progress(rows[-2:])
     return rows
 
