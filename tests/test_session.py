@@ -708,3 +708,52 @@ def test_conformance_one_lane_reply_lists_only_server_new_pairs() -> None:
     entries = from_meta_map(resp.step.infos)["rlmesh.conformance.warning"]
     assert [e["kind"] for e in entries] == ["observation"]
     assert ("action", "$") in h.endpoint.ledger.lanes[1]
+
+
+def test_deadline_runs_while_a_request_waits_behind_a_wedged_env() -> None:
+    h = Harness(1)
+    actions = h.request(
+        request_id="stuck", step=env_v1.StepRequest(action=action(0), timeout_ms=50)
+    )
+    (first,) = [a for a in actions if isinstance(a, StartTimer)]
+    job = h.take()[0][1]
+    assert error_of(h.session.on_timer(first.token))[0] == Code.TIMEOUT
+    # the env is still stuck: the next whole request waits, but its deadline runs
+    actions = h.request(request_id="next", reset=env_v1.ResetRequest(timeout_ms=200))
+    (second,) = [a for a in actions if isinstance(a, StartTimer)]
+    assert second.seconds == pytest.approx(0.2)
+    assert h.take() == []
+    resp = only(h.session.on_timer(second.token))
+    assert resp.request_id == "next"
+    assert error_of([Send(resp)]) == (Code.TIMEOUT, "env.reset timed out after 200ms", True)
+    # the expired request is never run, even once the env comes back
+    assert sends(h.answer(0, job, step_result())) == []
+    assert h.take() == []
+    assert not h.session.busy
+
+
+def test_waiting_request_keeps_its_deadline_once_dispatched() -> None:
+    h = Harness(2)
+    h.request(step=env_v1.StepRequest(action=action(0), env_indices=[0]))
+    lane_job = h.take()[0][1]
+    actions = h.request(request_id="w", reset=env_v1.ResetRequest(timeout_ms=300))
+    (timer,) = [a for a in actions if isinstance(a, StartTimer)]
+    actions = h.answer(0, lane_job, step_result())
+    assert not any(isinstance(a, StartTimer) for a in actions)  # the same deadline goes on
+    jobs = h.take()
+    assert len(jobs) == 2
+    h.answer(0, jobs[0][1], reset_result())
+    actions = h.answer(1, jobs[1][1], reset_result())
+    assert CancelTimer(timer.token) in actions
+    assert only(actions).request_id == "w"
+
+
+def test_waiting_request_answered_at_once_cancels_its_timer() -> None:
+    h = Harness(2)
+    h.request(step=env_v1.StepRequest(action=action(0), env_indices=[0]))
+    lane_job = h.take()[0][1]
+    actions = h.request(request_id="bad", step=env_v1.StepRequest(timeout_ms=300))
+    (timer,) = [a for a in actions if isinstance(a, StartTimer)]
+    actions = h.answer(0, lane_job, step_result())
+    assert [r.request_id for r in sends(actions)] == ["r", "bad"]
+    assert CancelTimer(timer.token) in actions

@@ -302,6 +302,17 @@ class _Episode:
 
 
 @dataclass
+class _Waiting:
+    """A request read from the stream and not dispatched yet."""
+
+    request: env_v1.JoinRequest
+    read_ns: int
+    token: int
+    timeout_ms: int
+    timer_started: bool = False
+
+
+@dataclass
 class _Op:
     """A reset, step or render whose lane jobs are out."""
 
@@ -318,6 +329,7 @@ class _Op:
     replies: list[LaneReply | None] = field(default_factory=list)
     remaining: int = 0
     timeout_ms: int = 0
+    timer_started: bool = False  # the deadline started while the request waited
     timed_out: bool = False
     # lane position -> (episode, terminated, truncated, end_ns) of an episode completed by this op
     completions: dict[int, tuple[_Episode, bool, bool, int]] = field(default_factory=dict)
@@ -341,7 +353,8 @@ class Session:
         self._clock_ns = clock_ns
         self._wall_ns = wall_ns
         self._n = endpoint.num_envs
-        self._pending: deque[tuple[env_v1.JoinRequest, int]] = deque()
+        self._pending: deque[_Waiting] = deque()
+        self._entry: _Waiting | None = None  # the request being dispatched right now
         self._ops: dict[int, _Op] = {}
         self._serial: _Op | None = None
         self._outstanding = 0  # lane jobs posted and not answered yet (timed-out ones too)
@@ -355,8 +368,17 @@ class Session:
     def on_request(self, request: env_v1.JoinRequest) -> list[Action]:
         if self._finished:
             return []
-        self._pending.append((request, self._clock_ns()))
-        return self._pump()
+        body = request.reset or request.step or request.render
+        timeout_ms = body.timeout_ms if body is not None else 0
+        entry = _Waiting(request, self._clock_ns(), next(self._tokens), timeout_ms)
+        self._pending.append(entry)
+        actions = self._pump()
+        if timeout_ms and self._pending and self._pending[-1] is entry:
+            # Held behind a serial request: its deadline runs from now all the same, so
+            # a request queued behind a wedged env still gets its TIMEOUT reply in time.
+            entry.timer_started = True
+            actions.append(StartTimer(entry.token, timeout_ms / 1000.0))
+        return actions
 
     def on_lane_reply(self, token: int, reply: LaneReply) -> list[Action]:
         actions = self._deliver(token, reply)
@@ -364,8 +386,12 @@ class Session:
         return actions
 
     def on_timer(self, token: int) -> list[Action]:
+        if self._finished:
+            return []
         op = self._ops.get(token)
-        if op is None or op.timed_out or self._finished:
+        if op is None:
+            return self._expire_waiting(token)
+        if op.timed_out:
             return []
         op.timed_out = True
         actions: list[Action] = [
@@ -383,6 +409,17 @@ class Session:
             self._serial = None
             actions.extend(self._pump())
         return actions
+
+    def _expire_waiting(self, token: int) -> list[Action]:
+        """A request still waiting for its turn ran out of time: answer, never run it."""
+        for entry in self._pending:
+            if entry.token == token:
+                self._pending.remove(entry)
+                verb = betterproto2.which_one_of(entry.request, "kind")[0]
+                message = f"env.{verb} timed out after {entry.timeout_ms}ms"
+                rid = entry.request.request_id
+                return [self._error(rid, entry.read_ns, Code.TIMEOUT, message, recoverable=True)]
+        return []
 
     def on_stream_end(self) -> list[Action]:
         """The stream ended without Close: drop the episode records (SPEC §7.9)."""
@@ -403,13 +440,16 @@ class Session:
     def _pump(self) -> list[Action]:
         actions: list[Action] = []
         while self._pending and not self._finished and self._serial is None:
-            request, read_ns = self._pending[0]
-            kind, body = betterproto2.which_one_of(request, "kind")
+            entry = self._pending[0]
+            kind, body = betterproto2.which_one_of(entry.request, "kind")
             lane_scoped = kind in ("reset", "step") and bool(body.env_indices)  # type: ignore[union-attr]
             if not lane_scoped and self._outstanding:
                 break  # serial barrier: wait for every lane job to finish
             self._pending.popleft()
-            actions.extend(self._dispatch(request, kind, body, read_ns))
+            self._entry = entry
+            actions.extend(self._dispatch(entry.request, kind, body, entry.read_ns))
+            if entry.timer_started and entry.token not in self._ops:
+                actions.append(CancelTimer(entry.token))  # answered at once after all
         return actions
 
     def _dispatch(
@@ -431,14 +471,17 @@ class Session:
     def _new_op(
         self, rid: str, verb: str, lanes: list[int], serial: bool, read_ns: int, timeout_ms: int
     ) -> _Op:
+        entry = self._entry
+        assert entry is not None  # only called while _pump dispatches a request
         op = _Op(
-            token=next(self._tokens),
+            token=entry.token,
             request_id=rid,
             verb=verb,
             lanes=lanes,
             serial=serial,
             started_ns=read_ns,
             timeout_ms=timeout_ms,
+            timer_started=entry.timer_started,
         )
         op.replies = [None] * len(lanes)
         op.remaining = len(lanes)
@@ -450,7 +493,7 @@ class Session:
         if op.serial:
             self._serial = op
         actions: list[Action] = []
-        if op.timeout_ms:
+        if op.timeout_ms and not op.timer_started:
             actions.append(StartTimer(op.token, op.timeout_ms / 1000.0))
         for lane, job in zip(op.lanes, jobs, strict=True):
             self._outstanding += 1
