@@ -368,7 +368,15 @@ class Session:
     def on_request(self, request: env_v1.JoinRequest) -> list[Action]:
         if self._finished:
             return []
-        body = request.reset or request.step or request.render
+        # ``is not None``, not truthiness: betterproto2's __bool__ walks every field, and
+        # an all-default message (``reset {}``) is falsy although it is set.
+        body: env_v1.ResetRequest | env_v1.StepRequest | env_v1.RenderRequest | None
+        if request.reset is not None:
+            body = request.reset
+        elif request.step is not None:
+            body = request.step
+        else:
+            body = request.render
         timeout_ms = body.timeout_ms if body is not None else 0
         entry = _Waiting(request, self._clock_ns(), next(self._tokens), timeout_ms)
         self._pending.append(entry)
