@@ -33,6 +33,7 @@ from rlmesh_trio._errors import (
     ActionError,
     ContractMismatchError,
     LaneBrokenError,
+    LaneClosedError,
     LaneError,
     PolicyViolation,
 )
@@ -409,7 +410,7 @@ async def test_close_answers_queued_jobs_as_stopped_after_finishing_the_current_
             await started.wait()
         engine.close()
         engine.close()  # idempotent
-        with pytest.raises(LaneBrokenError, match=r"^lane 0 is no longer running$"):
+        with pytest.raises(LaneClosedError, match=r"^lane 0 is no longer running$"):
             engine.post(0, CallJob(fn=lambda env: None, reply=replies.to("late")))
         assert not engine.alive(0)
         gate.set()
@@ -831,7 +832,7 @@ async def test_a_make_env_failure_surfaces_at_start_after_tearing_down_the_built
     assert "build" in frames  # the real traceback survived
     for env in built.envs.values():
         assert env.close_threads == [env.made_on]
-    with pytest.raises(LaneBrokenError):
+    with pytest.raises(LaneClosedError):
         engine.post(0, CallJob(fn=lambda env: None, reply=lambda r: None))
 
 
@@ -945,7 +946,7 @@ async def test_error_texts_and_alive() -> None:
         engine.close()
         assert not engine.alive(0)
         assert not engine.alive(1)
-    with pytest.raises(LaneBrokenError, match=r"^lane 1 is no longer running$"):
+    with pytest.raises(LaneClosedError, match=r"^lane 1 is no longer running$"):
         engine.post(1, CallJob(fn=lambda env: None, reply=lambda r: None))
     with pytest.raises(RuntimeError, match="only be called once"):
         await engine.run()

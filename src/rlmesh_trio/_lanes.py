@@ -32,7 +32,13 @@ import outcome
 import trio
 
 from ._codec import Candidate, SpaceCodec, from_meta_map, space_to_spec, to_meta_map
-from ._errors import ContractMismatchError, LaneBrokenError, LaneError, PolicyViolation
+from ._errors import (
+    ContractMismatchError,
+    LaneBrokenError,
+    LaneClosedError,
+    LaneError,
+    PolicyViolation,
+)
 from ._jobs import (
     CallJob,
     EnvContract,
@@ -704,14 +710,18 @@ class LaneEngine:
         The job's ``reply`` is called exactly once: by the lane thread with the result, or
         with ``LaneBrokenError("lane <i> stopped before answering")`` if the lane winds down
         or is abandoned first. Raises ``LaneError("lane <i> out of range for <n> lanes")``
-        for a bad index and ``LaneBrokenError("lane <i> is no longer running")`` once the
-        lane is closing or its thread is gone (then ``reply`` is never called).
+        for a bad index; ``LaneClosedError("lane <i> is no longer running")`` once the
+        engine was closed, ``LaneBrokenError`` (same text) when the lane's thread is gone
+        otherwise (then ``reply`` is never called).
         """
         record = self._lane(lane)
         item = (perf_counter_ns(), job)
         with record.lock:
             if not record.accepting:
-                raise LaneBrokenError(f"lane {lane} is no longer running")
+                # "closed" (the engine was closed: orderly) and "broken" (the lane's
+                # thread died or was abandoned) are kept apart, as Trio does.
+                cls = LaneClosedError if self._close_requested else LaneBrokenError
+                raise cls(f"lane {lane} is no longer running")
             record.mailbox.put(item)
 
     def close(self) -> None:
