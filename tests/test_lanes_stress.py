@@ -19,7 +19,7 @@ import pytest
 import trio
 from gymnasium import spaces
 
-from rlmesh_trio._errors import LaneBrokenError
+from rlmesh_trio._errors import LaneBrokenError, LaneClosedError
 from rlmesh_trio._jobs import CallJob, LaneReply
 from rlmesh_trio._lanes import LANE_THREAD_PREFIX, LaneEngine
 
@@ -172,7 +172,7 @@ async def test_posts_racing_with_close_are_answered_exactly_once() -> None:
             with lock:
                 try:
                     engine.post(lane, CallJob(fn=lambda env: None, reply=reply_for(key)))
-                except LaneBrokenError as exc:
+                except LaneClosedError as exc:
                     refusals.append(str(exc))
                     return
                 accepted.append(key)
