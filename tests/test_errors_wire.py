@@ -389,6 +389,12 @@ async def run_case(address: str, case: Case) -> dict[str, Any]:
                 for request in case.before:
                     reply = await earlier.call(request)
                     assert reply.error is None, f"earlier request failed: {reply.error}"
+                # Server-side end (Close, unless ``before`` closed already), so the Join
+                # slot is free before the next Join (a client reset reaches the
+                # reference asynchronously).
+                if await earlier.send(wire.close()):
+                    while await earlier.recv() is not None:
+                        pass
         async with client.join() as join:
             return await _run_case_on(join, case)
 
@@ -418,6 +424,12 @@ async def _run_case_on(join: wire.JoinStream, case: Case) -> dict[str, Any]:
     await join.send(wire.configure(request_id="probe"))
     outcome["stream_open"] = await join.recv() is not None
     outcome["end"] = join.end
+    # Leave the server ready for the next case on the same server: end the stream from
+    # the server's side rather than by a client reset, which reaches the reference
+    # asynchronously (it may still hold the Join slot for a moment).
+    if outcome["stream_open"] and await join.send(wire.close()):
+        while await join.recv() is not None:
+            pass  # the Close reply (and anything still in flight), then the end
     return outcome
 
 
@@ -548,6 +560,11 @@ async def join_admission(address: str) -> dict[str, Any]:
             out["reply-after-close"] = await first.recv()
         async with client.join() as third:
             out["third-join"] = wire.plain(await third.call(wire.configure()))
+            # End it from the server's side (Close), not by a client reset: a reset reaches
+            # the server asynchronously, and the reference may then still hold the Join
+            # slot when the next Join arrives (seen once in a ref-vs-ref run).
+            out["third-close"] = wire.plain(await third.call(wire.close()))
+            out["third-end"] = await third.wait_end()
         async with client.join() as malformed:
             await malformed.send(b"\xff\xff\xff")
             out["malformed-join-request"] = await malformed.wait_end()
