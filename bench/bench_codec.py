@@ -34,6 +34,7 @@ import gymnasium as gym
 import numpy as np
 
 from rlmesh_trio._codec import SpaceCodec, from_meta_map, to_meta_map
+from rlmesh_trio._fastwire import decode_join_request, encode_join_response
 from rlmesh_trio._proto.rlmesh.env import v1 as env_v1
 from rlmesh_trio._proto.rlmesh.spaces import v1 as spaces_v1
 
@@ -162,6 +163,18 @@ def cartpole_rows(ref: Reference, quick: bool) -> list[Row]:
         act_codec.validate_action(step.action.leaves, 1)
         return act_codec.decode_action(step.action.leaves, 1, 0, soft_checks=True)[0]
 
+    def encode_message_fast() -> bytes:
+        leaves = obs_codec.encode(obs)
+        return encode_join_response(_response(leaves, 1, to_meta_map({})))
+
+    def decode_message_fast() -> object:
+        request = decode_join_request(request_bytes)
+        step = request.step
+        assert step is not None
+        assert step.action is not None
+        act_codec.validate_action(step.action.leaves, 1)
+        return act_codec.decode_action(step.action.leaves, 1, 0, soft_checks=True)[0]
+
     enc_ref = f"{ref.cartpole_encode_us:8.2f}  encode_ns, median of {ref.cartpole_steps} cartpole_scalar steps"
     dec_ref = f"{ref.cartpole_decode_us:8.2f}  decode_ns, median of {ref.cartpole_steps} cartpole_scalar steps"
     return [
@@ -175,10 +188,20 @@ def cartpole_rows(ref: Reference, quick: bool) -> list[Row]:
             measure(encode_message, quick=quick),
             enc_ref,
         ),
+        (
+            "CartPole step encode: + server wire path (_fastwire)",
+            measure(encode_message_fast, quick=quick),
+            enc_ref,
+        ),
         ("CartPole action decode: values (Discrete)", measure(decode_values, quick=quick), dec_ref),
         (
             "CartPole action decode: JoinRequest.parse + values",
             measure(decode_message, quick=quick),
+            dec_ref,
+        ),
+        (
+            "CartPole action decode: server wire path (_fastwire) + values",
+            measure(decode_message_fast, quick=quick),
             dec_ref,
         ),
     ]
@@ -212,6 +235,10 @@ def image_rows(ref: Reference, quick: bool) -> list[Row]:
             lanes = codec.join([codec.encode(value) for value in values])
             return bytes(_response(lanes, n, to_meta_map({})))
 
+        def encode_message_fast(values: list[Any] = values, n: int = n) -> bytes:
+            lanes = codec.join([codec.encode(value) for value in values])
+            return encode_join_response(_response(lanes, n, to_meta_map({})))
+
         def decode_values(leaves: list[bytes] = leaves, n: int = n) -> object:
             return codec.decode(leaves, n)
 
@@ -239,6 +266,13 @@ def image_rows(ref: Reference, quick: bool) -> list[Row]:
             (
                 f"{label} encode: + JoinResponse bytes()",
                 measure(encode_message, quick=quick),
+                enc_ref,
+            )
+        )
+        rows.append(
+            (
+                f"{label} encode: + server wire path (_fastwire)",
+                measure(encode_message_fast, quick=quick),
                 enc_ref,
             )
         )
