@@ -217,7 +217,7 @@ def encode_join_response(response: env_v1.JoinResponse) -> bytes:
 # --------------------------------------------------------------------------- decoding
 
 
-def _read_varint(data: bytes, pos: int, end: int) -> tuple[int, int]:
+def read_varint(data: bytes, pos: int, end: int) -> tuple[int, int]:
     result = 0
     shift = 0
     while True:
@@ -239,15 +239,15 @@ def _fields(data: bytes, start: int, end: int) -> Any:
     """Yield (field number, wire type, value, slice start, slice end) for each field."""
     pos = start
     while pos < end:
-        key, pos = _read_varint(data, pos, end)
+        key, pos = read_varint(data, pos, end)
         number, wire = key >> 3, key & 7
         if number == 0:
             raise WireDecodeError("failed to decode Protobuf message: invalid field number 0")
         if wire == 0:
-            value, pos = _read_varint(data, pos, end)
+            value, pos = read_varint(data, pos, end)
             yield number, 0, value, 0, 0
         elif wire == 2:
-            length, pos = _read_varint(data, pos, end)
+            length, pos = read_varint(data, pos, end)
             stop = pos + length
             if stop > end:
                 raise WireDecodeError("failed to decode Protobuf message: buffer underflow")
@@ -298,7 +298,7 @@ def _repeated_varints(
     _expect(wire, 2, 0)
     pos = start
     while pos < end:
-        item, pos = _read_varint(data, pos, end)
+        item, pos = read_varint(data, pos, end)
         out.append(item & mask)
 
 

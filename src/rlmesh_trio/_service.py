@@ -62,7 +62,12 @@ from h2.errors import ErrorCodes
 from hyperframe.frame import GoAwayFrame
 
 from ._errors import InvalidRequestError
-from ._fastwire import WireDecodeError, decode_join_request, encode_join_response
+from ._fastwire import (
+    WireDecodeError,
+    decode_join_request,
+    encode_join_response,
+    read_varint,
+)
 from ._options import DEFAULT_CLOSE_TIMEOUT, DEFAULT_DRAIN_TIMEOUT, ServeOptions
 from ._proto.rlmesh.env import v1 as env_v1
 from ._session import Action, CancelTimer, EndStream, Send, Session, StartTimer
@@ -213,19 +218,10 @@ def _rules(cls: type[betterproto2.Message]) -> dict[int, _Rule]:
 
 
 def _varint(data: bytes, pos: int, end: int) -> tuple[int, int]:
-    result = 0
-    shift = 0
-    while True:
-        if pos >= end:
-            raise DecodeError("invalid varint")
-        byte = data[pos]
-        pos += 1
-        if shift == 63 and byte > 1:
-            raise DecodeError("invalid varint")
-        result |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return result, pos
-        shift += 7
+    try:
+        return read_varint(data, pos, end)
+    except WireDecodeError:
+        raise DecodeError("invalid varint") from None
 
 
 def _skip(data: bytes, pos: int, end: int, wire: int, number: int, depth: int) -> int:
