@@ -745,3 +745,38 @@ def test_shutdown_drains_the_inflight_request(servers: ServerPool, kind: str) ->
     assert result["response"]["base"]["accepted"] is True
     assert result["in-flight-reply"] == ("in-flight", "step")
     assert server.wait_exit(EXIT_BOUND) is not None, "the server did not exit after draining"
+
+
+# --------------------------------------------------------------------------- beyond the reference
+
+
+async def vanish_then_reconnect(address: str) -> dict[str, Any]:
+    """A client resets its Join while an env call runs; a new client joins at once."""
+    out: dict[str, Any] = {}
+    async with wire.WireClient(address) as gone, gone.join() as join:
+        await join.call(wire.configure())
+        await join.send(wire.reset(options={"sleep": 0.6}, request_id="slow"))
+        await asyncio.sleep(0.1)  # the reset is now running on the lane
+        # leaving the block reset the stream: the client is gone
+    started = time.monotonic()
+    async with wire.WireClient(address) as client, client.join() as join:
+        out["configure"] = wire.reply_kind(await join.call(wire.configure()))
+        out["configure-waited"] = time.monotonic() - started
+        reply = await join.call(wire.reset(seeds=[3], request_id="after"))
+        out["reset"] = wire.reply_kind(reply)
+        out["reset-waited"] = time.monotonic() - started
+        await join.call(wire.close())
+    return out
+
+
+@pytest.mark.parametrize("kind", [p for p in SERVER_KINDS if p.id == "ours"])
+def test_vanished_client_frees_the_join_at_once(servers: ServerPool, kind: str) -> None:
+    """Ours only (docs/decisions.md): SPEC §7.1 admits a new Join as soon as the previous
+    stream ended; the reference refuses it while the old env call still runs. The new
+    session's request for that lane then waits for the old call to finish."""
+    server = servers.get(kind, config("slow", 1))  # type: ignore[arg-type]
+    out = wire.run(vanish_then_reconnect(server.address))
+    assert out["configure"] == "configure"
+    assert out["reset"] == "reset"
+    assert out["configure-waited"] < out["reset-waited"]
+    assert out["reset-waited"] > 0.3  # it waited for the old 0.6 s reset to finish
