@@ -758,15 +758,16 @@ class Session:
             infos.entries[CONFORMANCE_KEY] = _warning_value(fresh)
         return infos
 
+    def _observation(self, results: Sequence[ResetResult | StepResult]) -> list[bytes]:
+        """The lanes' one-lane observation leaves as one k-lane value, in reply order."""
+        if len(results) == 1:
+            return results[0].observation
+        return self._endpoint.contract.observation_codec.join([r.observation for r in results])
+
     def _reset_response(
         self, op: _Op, results: Sequence[Any], phases: Phases, skew: int | None
     ) -> env_v1.JoinResponse:
-        codec = self._endpoint.contract.observation_codec
-        observation = (
-            results[0].observation
-            if len(results) == 1
-            else codec.join([r.observation for r in results])
-        )
+        observation = self._observation(results)
         maps, fresh = self._place_warnings(op, results)
         body = env_v1.ResetResponse(
             observation=spaces_v1.SpaceValue(leaves=observation),
@@ -779,12 +780,7 @@ class Session:
     def _step_response(
         self, op: _Op, results: Sequence[Any], phases: Phases, skew: int | None
     ) -> env_v1.JoinResponse:
-        codec = self._endpoint.contract.observation_codec
-        observation = (
-            results[0].observation
-            if len(results) == 1
-            else codec.join([r.observation for r in results])
-        )
+        observation = self._observation(results)
         terminated = [bool(r.terminated) for r in results]
         truncated = [bool(r.truncated) for r in results]
         maps, fresh = self._place_warnings(op, results)
