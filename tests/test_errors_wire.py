@@ -556,7 +556,9 @@ async def join_admission(address: str) -> dict[str, Any]:
             out["first-still-served"] = wire.plain(await first.call(wire.reset(seeds=[1])))
             out["close"] = wire.plain(await first.call(wire.close()))
             out["close-end"] = await first.wait_end()
-            out["sent-after-close"] = await first.send(wire.step([wire.i64([1])]))
+            # Whether this send still goes out depends on how fast the server's end of the
+            # stream arrives (a race, on either server); what matters is no reply.
+            await first.send(wire.step([wire.i64([1])]))
             out["reply-after-close"] = await first.recv()
         async with client.join() as third:
             out["third-join"] = wire.plain(await third.call(wire.configure()))
