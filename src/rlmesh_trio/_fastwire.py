@@ -423,14 +423,19 @@ def _decode_render(data: bytes, start: int, end: int) -> env_v1.RenderRequest:
     return env_v1.RenderRequest(env_indices=indices, timeout_ms=timeout)
 
 
+def read_string_field(data: bytes, start: int = 0, end: int | None = None) -> str:
+    """Field 1 of a message whose only field that matters is one string (last one wins)."""
+    text = ""
+    for number, wire, _value, s, e in _fields(data, start, len(data) if end is None else end):
+        if number == 1:
+            _expect(wire, 2, number)
+            text = _text(data, s, e)
+    return text
+
+
 def _decode_single_string(cls: Callable[..., Any], name: str) -> Callable[[bytes, int, int], Any]:
     def decode(data: bytes, start: int, end: int) -> Any:
-        text = ""
-        for number, wire, _value, s, e in _fields(data, start, end):
-            if number == 1:
-                _expect(wire, 2, number)
-                text = _text(data, s, e)
-        return cls(**{name: text})
+        return cls(**{name: read_string_field(data, start, end)})
 
     return decode
 

@@ -66,6 +66,7 @@ from ._fastwire import (
     WireDecodeError,
     decode_join_request,
     encode_join_response,
+    read_string_field,
     read_varint,
 )
 from ._options import DEFAULT_CLOSE_TIMEOUT, DEFAULT_DRAIN_TIMEOUT, ServeOptions
@@ -963,8 +964,9 @@ class _LoopServer:
     async def _health_check(self, stream: Stream[bytes, bytes]) -> None:
         data = await self._read_unary(stream)
         try:
-            service = _health_service(data)
-        except DecodeError as exc:
+            # grpc.health.v1.HealthCheckRequest: field 1 is the service name.
+            service = read_string_field(data)
+        except WireDecodeError as exc:
             raise GRPCError(Status.INTERNAL, str(exc)) from None
         if service not in ("", SERVICE_NAME):
             raise GRPCError(Status.NOT_FOUND, f"unknown service {service!r}")
@@ -999,34 +1001,6 @@ class _LoopServer:
             self.join = None
             self._changed.set()
             self._arm_idle()
-
-
-def _health_service(data: bytes) -> str:
-    """``grpc.health.v1.HealthCheckRequest.service`` (field 1, string)."""
-    pos, end, service = 0, len(data), ""
-    while pos < end:
-        key, pos = _varint(data, pos, end)
-        wire, number = key & 7, key >> 3
-        if wire > 5:
-            raise DecodeError(f"invalid wire type value: {wire}")
-        if number == 0:
-            raise DecodeError("invalid tag value: 0")
-        if number == 1:
-            if wire != 2:
-                raise DecodeError(
-                    f"invalid wire type: {_WIRE_NAMES[wire]} (expected LengthDelimited)"
-                )
-            length, pos = _varint(data, pos, end)
-            if length > end - pos:
-                raise DecodeError("buffer underflow")
-            try:
-                service = data[pos : pos + length].decode("utf-8")
-            except UnicodeDecodeError:
-                raise DecodeError("invalid string value: data is not UTF-8 encoded") from None
-            pos += length
-        else:
-            pos = _skip(data, pos, end, wire, number, 0)
-    return service
 
 
 # --------------------------------------------------------------------------- the Trio side

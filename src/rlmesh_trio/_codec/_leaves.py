@@ -334,9 +334,7 @@ class MultiBinaryLeaf(ArrayLeaf):
             raise ValueError(
                 f"{self.path}: MultiBinary size mismatch: expected {self.numel}, got {array.size}"
             )
-        if array.size and array.max() > 1:
-            array = (array != 0).view(_UINT8)
-        return array
+        return _binary(array)
 
     def value_at(self, parsed: Any, row: int) -> Any:
         return _binary(parsed[row]).reshape(self.shape)
