@@ -933,12 +933,16 @@ class _LoopServer:
             raise GRPCError(Status.INTERNAL, "missing request message")
         return data
 
-    async def _handshake(self, stream: Stream[bytes, bytes]) -> None:
+    async def _unary_request(self, stream: Stream[bytes, bytes], cls: type[_M]) -> _M:
+        """Read and strictly decode a unary request; malformed input is gRPC INTERNAL."""
         data = await self._read_unary(stream)
         try:
-            request = decode_message(env_v1.HandshakeRequest, data)
+            return decode_message(cls, data)
         except DecodeError as exc:
             raise GRPCError(Status.INTERNAL, str(exc)) from None
+
+    async def _handshake(self, stream: Stream[bytes, bytes]) -> None:
+        request = await self._unary_request(stream, env_v1.HandshakeRequest)
         try:
             response = self.endpoint.handshake(request)
         except InvalidRequestError as exc:
@@ -947,11 +951,7 @@ class _LoopServer:
         await stream.send_trailing_metadata()
 
     async def _shutdown(self, stream: Stream[bytes, bytes]) -> None:
-        data = await self._read_unary(stream)
-        try:
-            request = decode_message(env_v1.ShutdownRequest, data)
-        except DecodeError as exc:
-            raise GRPCError(Status.INTERNAL, str(exc)) from None
+        request = await self._unary_request(stream, env_v1.ShutdownRequest)
         try:
             response, stop = self.endpoint.shutdown(request)
         except InvalidRequestError as exc:
