@@ -34,9 +34,9 @@ import gymnasium as gym
 import numpy as np
 
 from rlmesh_trio._codec import SpaceCodec, from_meta_map, to_meta_map
-from rlmesh_trio._fastwire import decode_join_request, encode_join_response
 from rlmesh_trio._proto.rlmesh.env import v1 as env_v1
 from rlmesh_trio._proto.rlmesh.spaces import v1 as spaces_v1
+from rlmesh_trio._wire import decode_join_request, encode_join_response
 
 Row = tuple[str, tuple[float, float], str]
 
@@ -189,7 +189,7 @@ def cartpole_rows(ref: Reference, quick: bool) -> list[Row]:
             enc_ref,
         ),
         (
-            "CartPole step encode: + server wire path (_fastwire)",
+            "CartPole step encode: + server wire path (_wire)",
             measure(encode_message_fast, quick=quick),
             enc_ref,
         ),
@@ -200,7 +200,7 @@ def cartpole_rows(ref: Reference, quick: bool) -> list[Row]:
             dec_ref,
         ),
         (
-            "CartPole action decode: server wire path (_fastwire) + values",
+            "CartPole action decode: server wire path (_wire) + values",
             measure(decode_message_fast, quick=quick),
             dec_ref,
         ),
@@ -271,7 +271,7 @@ def image_rows(ref: Reference, quick: bool) -> list[Row]:
         )
         rows.append(
             (
-                f"{label} encode: + server wire path (_fastwire)",
+                f"{label} encode: + server wire path (_wire)",
                 measure(encode_message_fast, quick=quick),
                 enc_ref,
             )

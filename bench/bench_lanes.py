@@ -68,21 +68,21 @@ MakeJob = Callable[[int, "LaneReply | None", Callable[[LaneReply], None]], Job]
 
 
 def call_job(seq: int, last: LaneReply | None, reply: Callable[[LaneReply], None]) -> Job:
-    return CallJob(fn=noop, reply=reply)
+    return CallJob(fn=noop)
 
 
 def step_job(seq: int, last: LaneReply | None, reply: Callable[[LaneReply], None]) -> Job:
-    return StepJob(leaves=ACTION_LEAVES[seq & 1], n=1, row=0, validated=False, reply=reply)
+    return StepJob(leaves=ACTION_LEAVES[seq & 1], n=1, row=0, validated=False)
 
 
 def cartpole_job(seq: int, last: LaneReply | None, reply: Callable[[LaneReply], None]) -> Job:
     if last is None:
-        return ResetJob(seed=seq, options=None, reply=reply)
+        return ResetJob(seed=seq, options=None)
     # An outcome can be unwrapped only once (the session does that): peek at the value.
     result = last.outcome.value if isinstance(last.outcome, outcome.Value) else None
     if isinstance(result, StepResult) and (result.terminated or result.truncated):
-        return ResetJob(seed=None, options=None, reply=reply)
-    return StepJob(leaves=ACTION_LEAVES[seq & 1], n=1, row=0, validated=False, reply=reply)
+        return ResetJob(seed=None, options=None)
+    return StepJob(leaves=ACTION_LEAVES[seq & 1], n=1, row=0, validated=False)
 
 
 # ---- posters -----------------------------------------------------------------------------

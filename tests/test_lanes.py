@@ -49,15 +49,10 @@ from rlmesh_trio._jobs import (
     StepJob,
     StepResult,
 )
-from rlmesh_trio._lanes import (
-    LANE_TEARDOWN_TIMEOUT,
-    LANE_THREAD_PREFIX,
-    LaneEngine,
-    batch_infos,
-    fold_phases,
-)
+from rlmesh_trio._lanes import LANE_TEARDOWN_TIMEOUT, LANE_THREAD_PREFIX, LaneEngine
 from rlmesh_trio._png import encode_png
 from rlmesh_trio._proto.rlmesh.spaces import v1 as spaces_v1
+from rlmesh_trio._session import batch_infos, fold_phases
 
 GOLDENS = Path(__file__).parent / "goldens"
 SAFETY = 30.0
@@ -213,7 +208,7 @@ async def call(
     engine: LaneEngine, replies: Replies, lane: int, job: Callable[..., Job]
 ) -> LaneReply:
     key = object()
-    engine.post(lane, job(reply=replies.to(key)))
+    engine.post(lane, job(), replies.to(key))
     r = await replies.get(key)
     assert replies.count(key) == 1
     return r
@@ -259,9 +254,8 @@ async def test_each_lane_builds_and_uses_its_env_on_its_own_named_thread(num_env
                 engine,
                 replies,
                 lane,
-                lambda reply: CallJob(
-                    fn=lambda e: (threading.get_ident(), threading.current_thread().name, e),
-                    reply=reply,
+                lambda: CallJob(
+                    fn=lambda e: (threading.get_ident(), threading.current_thread().name, e)
                 ),
             )
             ident, name, env = r.outcome.unwrap()
@@ -281,7 +275,7 @@ async def test_lanes_run_concurrently_without_a_shared_lock() -> None:
     replies = Replies()
     async with serving(Built(), 4) as engine:
         for lane in range(4):
-            engine.post(lane, CallJob(fn=lambda env: barrier.wait(), reply=replies.to(lane)))
+            engine.post(lane, CallJob(fn=lambda env: barrier.wait()), replies.to(lane))
         results = [await replies.get(lane) for lane in range(4)]
     assert sorted(r.outcome.unwrap() for r in results) == [0, 1, 2, 3]
     assert [r.lane for r in results] == [0, 1, 2, 3]
@@ -291,10 +285,8 @@ async def test_a_slow_lane_does_not_delay_another_lane() -> None:
     release = threading.Event()
     replies = Replies()
     async with serving(Built(), 2) as engine:
-        engine.post(0, CallJob(fn=lambda env: release.wait(SAFETY), reply=replies.to("slow")))
-        fast = await call(
-            engine, replies, 1, lambda reply: CallJob(fn=lambda env: "fast", reply=reply)
-        )
+        engine.post(0, CallJob(fn=lambda env: release.wait(SAFETY)), replies.to("slow"))
+        fast = await call(engine, replies, 1, lambda: CallJob(fn=lambda env: "fast"))
         assert fast.outcome.unwrap() == "fast"
         assert replies.count("slow") == 0
         release.set()
@@ -318,9 +310,9 @@ async def test_jobs_of_one_lane_run_in_arrival_order_and_queue_ns_is_the_wait() 
         order.append(0)
 
     async with serving(Built(), 1) as engine:
-        engine.post(0, CallJob(fn=first, reply=replies.to(0)))
+        engine.post(0, CallJob(fn=first), replies.to(0))
         for i in range(1, 20):
-            engine.post(0, CallJob(fn=lambda env, i=i: order.append(i), reply=replies.to(i)))
+            engine.post(0, CallJob(fn=lambda env, i=i: order.append(i)), replies.to(i))
         after_last_post = time.perf_counter_ns()
         with trio.fail_after(SAFETY):
             await started.wait()
@@ -341,7 +333,7 @@ async def test_post_from_a_foreign_thread_and_the_reply_comes_from_the_lane_thre
         reply = replies.to("x")
 
         def poster() -> None:
-            engine.post(1, CallJob(fn=lambda env: threading.current_thread().name, reply=reply))
+            engine.post(1, CallJob(fn=lambda env: threading.current_thread().name), reply)
 
         await trio.to_thread.run_sync(poster)
         r = await replies.get("x")
@@ -357,7 +349,7 @@ async def test_an_exception_is_captured_with_its_traceback() -> None:
 
     replies = Replies()
     async with serving(Built(), 1) as engine:
-        r = await call(engine, replies, 0, lambda reply: CallJob(fn=explode, reply=reply))
+        r = await call(engine, replies, 0, lambda: CallJob(fn=explode))
         assert isinstance(r.outcome, outcome.Error)
         err = r.outcome.error
         assert isinstance(err, KeyError)
@@ -369,7 +361,7 @@ async def test_an_exception_is_captured_with_its_traceback() -> None:
         assert frames[-1] == "explode"
         assert r.phases.user_ns > 0
         # the lane survives the job's exception
-        ok = await call(engine, replies, 0, lambda reply: CallJob(fn=lambda env: 7, reply=reply))
+        ok = await call(engine, replies, 0, lambda: CallJob(fn=lambda env: 7))
         assert ok.outcome.unwrap() == 7
 
 
@@ -381,8 +373,8 @@ async def test_a_reply_callback_that_raises_does_not_kill_the_lane(
 
     replies = Replies()
     async with serving(Built(), 1) as engine:
-        engine.post(0, CallJob(fn=lambda env: 1, reply=bad_reply))
-        ok = await call(engine, replies, 0, lambda reply: CallJob(fn=lambda env: 2, reply=reply))
+        engine.post(0, CallJob(fn=lambda env: 1), bad_reply)
+        ok = await call(engine, replies, 0, lambda: CallJob(fn=lambda env: 2))
         assert ok.outcome.unwrap() == 2
         assert engine.alive(0)
     assert any("reply callback" in rec.getMessage() for rec in caplog.records)
@@ -403,15 +395,15 @@ async def test_close_answers_queued_jobs_as_stopped_after_finishing_the_current_
     engine = LaneEngine(built, 1)
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)
-        engine.post(0, CallJob(fn=current, reply=replies.to("current")))
+        engine.post(0, CallJob(fn=current), replies.to("current"))
         for i in range(5):
-            engine.post(0, CallJob(fn=lambda env: "never", reply=replies.to(i)))
+            engine.post(0, CallJob(fn=lambda env: "never"), replies.to(i))
         with trio.fail_after(SAFETY):
             await started.wait()
         engine.close()
         engine.close()  # idempotent
         with pytest.raises(LaneClosedError, match=r"^lane 0 is no longer running$"):
-            engine.post(0, CallJob(fn=lambda env: None, reply=replies.to("late")))
+            engine.post(0, CallJob(fn=lambda env: None), replies.to("late"))
         assert not engine.alive(0)
         gate.set()
     assert (await replies.get("current")).outcome.unwrap() == "finished"
@@ -441,11 +433,11 @@ async def test_a_lane_that_dies_answers_its_jobs_once_and_the_others_go_on(
 
     monkeypatch.setattr(LaneEngine, "_execute", buggy_execute)
     async with serving(built, 2) as engine:
-        engine.post(0, CallJob(fn=lambda env: gate.wait(SAFETY), reply=replies.to("first")))
-        bug = CallJob(fn=lambda env: "never", reply=replies.to("bug"))
+        engine.post(0, CallJob(fn=lambda env: gate.wait(SAFETY)), replies.to("first"))
+        bug = CallJob(fn=lambda env: "never")
         doomed.append(bug)
-        engine.post(0, bug)
-        engine.post(0, CallJob(fn=lambda env: "never", reply=replies.to("queued")))
+        engine.post(0, bug, replies.to("bug"))
+        engine.post(0, CallJob(fn=lambda env: "never"), replies.to("queued"))
         gate.set()
         assert (await replies.get("first")).outcome.unwrap() is True
         for key in ("bug", "queued"):
@@ -454,8 +446,8 @@ async def test_a_lane_that_dies_answers_its_jobs_once_and_the_others_go_on(
         await wait_closed(built.envs[0])
         assert not engine.alive(0)
         with pytest.raises(LaneBrokenError, match=r"^lane 0 is no longer running$"):
-            engine.post(0, CallJob(fn=lambda env: None, reply=replies.to("late")))
-        ok = await call(engine, replies, 1, lambda reply: CallJob(fn=lambda env: 1, reply=reply))
+            engine.post(0, CallJob(fn=lambda env: None), replies.to("late"))
+        ok = await call(engine, replies, 1, lambda: CallJob(fn=lambda env: 1))
         assert ok.outcome.unwrap() == 1
         assert engine.alive(1)
     assert all(replies.count(k) == 1 for k in ("first", "bug", "queued"))
@@ -474,9 +466,7 @@ async def test_reset_encodes_the_observation_and_info_on_the_lane() -> None:
 
     replies = Replies()
     async with serving(Built(), 1) as engine:
-        r = await call(
-            engine, replies, 0, lambda reply: ResetJob(seed=5, options={"k": 1}, reply=reply)
-        )
+        r = await call(engine, replies, 0, lambda: ResetJob(seed=5, options={"k": 1}))
         result = r.outcome.unwrap()
         assert isinstance(result, ResetResult)
         expected, _ = engine.contract.observation_codec.encode_observation(1, soft_checks=True)
@@ -504,9 +494,7 @@ async def test_step_decodes_validates_steps_and_encodes() -> None:
                     engine,
                     replies,
                     lane,
-                    lambda reply, lane=lane: StepJob(
-                        leaves=leaves, n=3, row=lane, validated=True, reply=reply
-                    ),
+                    lambda lane=lane: StepJob(leaves=leaves, n=3, row=lane, validated=True),
                 )
             )
         for lane, r in enumerate(results):
@@ -534,9 +522,7 @@ async def test_an_unvalidated_step_runs_the_full_validation_and_errors_pass_unwr
             engine,
             replies,
             0,
-            lambda reply: StepJob(
-                leaves=discrete_leaves(5), n=1, row=0, validated=False, reply=reply
-            ),
+            lambda: StepJob(leaves=discrete_leaves(5), n=1, row=0, validated=False),
         )
         with pytest.raises(ActionError) as info:
             r.outcome.unwrap()
@@ -545,7 +531,7 @@ async def test_an_unvalidated_step_runs_the_full_validation_and_errors_pass_unwr
             engine,
             replies,
             0,
-            lambda reply: StepJob(leaves=[b"\x00" * 4], n=1, row=0, validated=False, reply=reply),
+            lambda: StepJob(leaves=[b"\x00" * 4], n=1, row=0, validated=False),
         )
         with pytest.raises(ActionError, match="length mismatch"):
             r.outcome.unwrap()
@@ -570,16 +556,12 @@ async def test_env_and_codec_exceptions_travel_as_raised() -> None:
             engine,
             replies,
             0,
-            lambda reply: StepJob(
-                leaves=discrete_leaves(1), n=1, row=0, validated=False, reply=reply
-            ),
+            lambda: StepJob(leaves=discrete_leaves(1), n=1, row=0, validated=False),
         )
         with pytest.raises(RuntimeError, match=r"^boom in step$"):
             r.outcome.unwrap()
         assert r.phases.user_ns > 0
-        r = await call(
-            engine, replies, 0, lambda reply: ResetJob(seed=None, options=None, reply=reply)
-        )
+        r = await call(engine, replies, 0, lambda: ResetJob(seed=None, options=None))
         with pytest.raises(TypeError):
             r.outcome.unwrap()
 
@@ -607,9 +589,7 @@ async def test_policy_for_a_soft_action_violation(policy: Any) -> None:
             engine,
             replies,
             0,
-            lambda reply: StepJob(
-                leaves=BOX_OUT_OF_BOUNDS, n=1, row=0, validated=False, reply=reply
-            ),
+            lambda: StepJob(leaves=BOX_OUT_OF_BOUNDS, n=1, row=0, validated=False),
         )
         if policy == "strict":
             with pytest.raises(PolicyViolation) as info:
@@ -630,9 +610,7 @@ async def test_policy_for_a_soft_observation_violation(policy: Any) -> None:
         _, expected = engine.contract.observation_codec.encode_observation(bad, soft_checks=True)
         assert expected is not None
         assert expected.kind == "observation"
-        r = await call(
-            engine, replies, 0, lambda reply: ResetJob(seed=None, options=None, reply=reply)
-        )
+        r = await call(engine, replies, 0, lambda: ResetJob(seed=None, options=None))
         if policy == "strict":
             with pytest.raises(PolicyViolation) as info:
                 r.outcome.unwrap()
@@ -647,9 +625,7 @@ async def test_a_nan_observation_is_a_codec_error_under_every_policy() -> None:
     replies = Replies()
     nan = np.asarray([math.nan, 0.0], dtype=np.float32)
     async with serving(Built(lambda lane: box_env(observation=nan)), 1, policy="off") as engine:
-        r = await call(
-            engine, replies, 0, lambda reply: ResetJob(seed=None, options=None, reply=reply)
-        )
+        r = await call(engine, replies, 0, lambda: ResetJob(seed=None, options=None))
         with pytest.raises(ValueError, match="NaN"):
             r.outcome.unwrap()
 
@@ -658,7 +634,7 @@ async def test_render_encodes_png_or_answers_no_frame() -> None:
     replies = Replies()
     async with serving(Built(lambda lane: ProbeEnv(render_mode="rgb_array")), 1) as engine:
         assert engine.contract.render_mode == "rgb_array"
-        r = await call(engine, replies, 0, lambda reply: RenderJob(reply=reply))
+        r = await call(engine, replies, 0, lambda: RenderJob())
         result = r.outcome.unwrap()
         assert isinstance(result, RenderResult)
         assert result.frame is not None
@@ -670,7 +646,7 @@ async def test_render_encodes_png_or_answers_no_frame() -> None:
         assert r.phases.decode_ns == 0
     async with serving(Built(), 1) as engine:
         assert engine.contract.render_mode == ""
-        r = await call(engine, replies, 0, lambda reply: RenderJob(reply=reply))
+        r = await call(engine, replies, 0, lambda: RenderJob())
         assert r.outcome.unwrap() == RenderResult(frame=None)
 
 
@@ -684,19 +660,14 @@ async def test_two_sleepy_lanes_step_concurrently_each_on_its_own_thread() -> No
                 engine,
                 replies,
                 lane,
-                lambda reply, lane=lane: ResetJob(seed=lane, options=None, reply=reply),
+                lambda lane=lane: ResetJob(seed=lane, options=None),
             )
         start = time.perf_counter()
         for lane in range(2):
             engine.post(
                 lane,
-                StepJob(
-                    leaves=discrete_leaves(1, 1),
-                    n=2,
-                    row=lane,
-                    validated=True,
-                    reply=replies.to(lane),
-                ),
+                StepJob(leaves=discrete_leaves(1, 1), n=2, row=lane, validated=True),
+                replies.to(lane),
             )
         results = [await replies.get(lane) for lane in range(2)]
         elapsed = time.perf_counter() - start
@@ -833,7 +804,7 @@ async def test_a_make_env_failure_surfaces_at_start_after_tearing_down_the_built
     for env in built.envs.values():
         assert env.close_threads == [env.made_on]
     with pytest.raises(LaneClosedError):
-        engine.post(0, CallJob(fn=lambda env: None, reply=lambda r: None))
+        engine.post(0, CallJob(fn=lambda env: None), lambda r: None)
 
 
 async def test_a_startup_failure_does_not_wait_for_a_lane_stuck_building(
@@ -935,7 +906,7 @@ async def test_error_texts_and_alive() -> None:
     engine = LaneEngine(Built(), 2)
     for bad in (-1, 2, 7):
         with pytest.raises(LaneError, match=rf"^lane {bad} out of range for 2 lanes$"):
-            engine.post(bad, CallJob(fn=lambda env: None, reply=lambda r: None))
+            engine.post(bad, CallJob(fn=lambda env: None), lambda r: None)
         with pytest.raises(LaneError, match=rf"^lane {bad} out of range for 2 lanes$"):
             engine.alive(bad)
     assert not engine.alive(0)  # not started yet
@@ -947,7 +918,7 @@ async def test_error_texts_and_alive() -> None:
         assert not engine.alive(0)
         assert not engine.alive(1)
     with pytest.raises(LaneClosedError, match=r"^lane 1 is no longer running$"):
-        engine.post(1, CallJob(fn=lambda env: None, reply=lambda r: None))
+        engine.post(1, CallJob(fn=lambda env: None), lambda r: None)
     with pytest.raises(RuntimeError, match="only be called once"):
         await engine.run()
 
@@ -982,9 +953,7 @@ def test_factory() -> None:
 async def test_jobs_posted_before_run_wait_for_the_lane() -> None:
     replies = Replies()
     engine = LaneEngine(Built(), 1)
-    engine.post(
-        0, CallJob(fn=lambda env: threading.current_thread().name, reply=replies.to("early"))
-    )
+    engine.post(0, CallJob(fn=lambda env: threading.current_thread().name), replies.to("early"))
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)
         assert (await replies.get("early")).outcome.unwrap() == "rlmesh-trio-lane-0"
@@ -1033,9 +1002,7 @@ async def test_teardown_closes_every_env_once_concurrently_and_drops_them() -> N
     async with serving(make, 2) as engine:
         replies = Replies()
         for lane in range(2):
-            await call(
-                engine, replies, lane, lambda reply: ResetJob(seed=None, options=None, reply=reply)
-            )
+            await call(engine, replies, lane, lambda: ResetJob(seed=None, options=None))
     assert sorted(passed) == [0, 1]
     assert sorted(lane for lane, _, _ in closes) == [0, 1]  # exactly once each
     assert all(ident == made_on for _, ident, made_on in closes)
@@ -1073,8 +1040,8 @@ async def test_teardown_abandons_a_wedged_lane_within_its_bound(
 
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)
-        engine.post(0, CallJob(fn=wedge, reply=replies.to("wedged")))
-        engine.post(0, CallJob(fn=lambda env: "queued", reply=replies.to("queued")))
+        engine.post(0, CallJob(fn=wedge), replies.to("wedged"))
+        engine.post(0, CallJob(fn=lambda env: "queued"), replies.to("queued"))
         with trio.fail_after(SAFETY):
             await wedged.wait()
         start = time.perf_counter()
@@ -1116,7 +1083,7 @@ async def test_the_default_teardown_bound_on_a_fake_clock(autojump_clock: trio.a
     engine = LaneEngine(built, 1)
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)
-        engine.post(0, CallJob(fn=wedge, reply=replies.to("wedged")))
+        engine.post(0, CallJob(fn=wedge), replies.to("wedged"))
         await wedged.wait()
         start = trio.current_time()
         engine.close()

@@ -98,16 +98,12 @@ async def test_many_posters_many_lanes_every_reply_to_its_caller_in_order() -> N
     def post_all(engine: LaneEngine, poster: int) -> None:
         for seq in range(per_poster):
             for lane in range(LANES):
-                engine.post(
-                    lane, CallJob(fn=run_job(poster, seq), reply=reply_for(lane, poster, seq))
-                )
+                engine.post(lane, CallJob(fn=run_job(poster, seq)), reply_for(lane, poster, seq))
 
     async def trio_poster(engine: LaneEngine, poster: int) -> None:
         for seq in range(per_poster):
             for lane in range(LANES):
-                engine.post(
-                    lane, CallJob(fn=run_job(poster, seq), reply=reply_for(lane, poster, seq))
-                )
+                engine.post(lane, CallJob(fn=run_job(poster, seq)), reply_for(lane, poster, seq))
             if seq % 20 == 0:
                 await trio.lowlevel.checkpoint()  # let the other posters interleave
 
@@ -171,7 +167,7 @@ async def test_posts_racing_with_close_are_answered_exactly_once() -> None:
             key = (lane, seq)
             with lock:
                 try:
-                    engine.post(lane, CallJob(fn=lambda env: None, reply=reply_for(key)))
+                    engine.post(lane, CallJob(fn=lambda env: None), reply_for(key))
                 except LaneClosedError as exc:
                     refusals.append(str(exc))
                     return

@@ -1,4 +1,4 @@
-"""The gRPC transport (``_service``): its own thread and asyncio loop, driven from Trio.
+"""The gRPC transport (``_transport``): its own thread and asyncio loop, driven from Trio.
 
 Everything runs over real loopback sockets (TCP port 0 and a unix socket in tmp_path)
 against the real lane engine and the real Endpoint/Session, except where a fake session
@@ -31,27 +31,28 @@ from hypothesis import strategies as st
 from support import envs, wire
 
 from rlmesh_trio._address import bind, parse_address
-from rlmesh_trio._jobs import CallJob, LaneReply, Phases, ReplyFn
+from rlmesh_trio._bridge import ReplyInbox, ToLoop
+from rlmesh_trio._errors import AlreadyJoinedError, DecodeError
+from rlmesh_trio._jobs import CallJob, LaneReply, Phases
 from rlmesh_trio._lanes import LaneEngine
-from rlmesh_trio._options import ServeOptions
+from rlmesh_trio._options import ServeOptions, resolve
 from rlmesh_trio._proto.rlmesh.core import v1 as core_v1
 from rlmesh_trio._proto.rlmesh.env import v1 as env_v1
 from rlmesh_trio._proto.rlmesh.spaces import v1 as spaces_v1
-from rlmesh_trio._service import (
-    ALREADY_JOINED,
-    HEALTH_CHECK_PATH,
-    DecodeError,
-    TransportService,
-    decode_message,
-)
 from rlmesh_trio._session import (
     Action,
     CancelTimer,
     Endpoint,
     EndStream,
+    Post,
     Send,
+    Session,
     StartTimer,
 )
+from rlmesh_trio._transport import HEALTH_CHECK_PATH, TransportService
+from rlmesh_trio._wire import decode_message
+
+ALREADY_JOINED = str(AlreadyJoinedError())
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -97,14 +98,13 @@ async def running(
                 num_envs,
                 allow_remote_shutdown=options.remote_shutdown_allowed(),
             )
-            extra = {} if session_factory is None else {"session_factory": session_factory}
             service = TransportService(
                 endpoint,
                 post=engine.post,
                 listener=listener.sock,
-                options=options,
+                options=resolve(options),
+                session_factory=Session if session_factory is None else session_factory,
                 on_drained=engine.close,
-                **extra,
             )
             state = Running(str(listener.address), service, engine)
 
@@ -415,15 +415,7 @@ class FakeSession:
 
     instances: list[FakeSession] = []
 
-    def __init__(
-        self,
-        endpoint: Any,
-        *,
-        post: Callable[[int, Any], None],
-        reply_to: Callable[[int], ReplyFn],
-    ) -> None:
-        self.post = post
-        self.reply_to = reply_to
+    def __init__(self, endpoint: Any) -> None:
         self.events: list[tuple[str, Any]] = []
         self.threads: list[str] = []
         self.pending = 0
@@ -445,18 +437,17 @@ class FakeSession:
         if rid == "lane":
             self.pending += 1
             # A job whose reply comes back from the lane thread.
-            self.post(0, CallJob(fn=lambda env: "done", reply=self.reply_to(41)))
-            return []
+            return [Post(0, CallJob(fn=lambda env: "done", id=41))]
         if rid == "end":
             self._finished = True
             return [self._reply("bye"), EndStream(), self._reply("never")]
         return [self._reply(rid)]
 
-    def on_lane_reply(self, token: int, reply: LaneReply) -> list[Action]:
+    def on_lane_reply(self, reply: LaneReply) -> list[Action]:
         self.pending -= 1
         self.threads.append(threading.current_thread().name)
-        self.events.append(("lane", (token, reply.outcome.unwrap())))
-        return [self._reply(f"lane-{token}")]
+        self.events.append(("lane", (reply.job_id, reply.outcome.unwrap())))
+        return [self._reply(f"lane-{reply.job_id}")]
 
     def on_timer(self, token: int) -> list[Action]:
         self.events.append(("timer", token))
@@ -471,6 +462,10 @@ class FakeSession:
     @property
     def busy(self) -> bool:
         return self.pending > 0
+
+    @property
+    def backlog(self) -> int:
+        return self.pending
 
     @property
     def finished(self) -> bool:
@@ -548,9 +543,9 @@ async def test_tcp_nodelay_on_accepted_connections() -> None:
         async def probe(address: str) -> list[int]:
             async with wire.WireClient(address) as client:
                 await client.handshake()
-                loop = server.service._loop
-                assert loop is not None
-                future = asyncio.run_coroutine_threadsafe(nodelay_flags(), loop)
+                loop_server = server.service._loop_server
+                assert loop_server is not None
+                future = asyncio.run_coroutine_threadsafe(nodelay_flags(), loop_server.loop)
                 return await asyncio.wrap_future(future)
 
         flags = await in_thread(probe(server.address))
@@ -765,19 +760,30 @@ async def test_request_stop_from_another_thread_and_reply_after_stop() -> None:
                 await join.call(wire.configure(request_id="hello"))
 
         await in_thread(join_once(server.address))
-        stray = FakeSession.instances[0].reply_to(99)
-        await call_sync(server.service.request_stop, "from a thread")
+        join = server.service  # the inbox of a finished Join: a late lane reply lands there
+        await call_sync(join.request_stop, "from a thread")
         with trio.fail_after(BOUND):
             await server.stopped.wait()
         assert server.service.stop_reason == "from a thread"
     # A lane answering after the transport is gone must not raise.
-    stray(LaneReply(0, outcome.Value(None), Phases()))
+    stray = ReplyInbox(ToLoop(_closed_loop_call), lambda reply: None)
+    stray.put(LaneReply(99, 0, outcome.Value(None), Phases()))
+
+
+def _closed_loop_call(*args: Any) -> None:
+    raise RuntimeError("Event loop is closed")
 
 
 async def test_startup_failure_is_raised_from_run() -> None:
     engine_sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # not a stream socket
     try:
-        service = TransportService(object(), post=lambda lane, job: None, listener=engine_sock)  # type: ignore[arg-type]
+        service = TransportService(
+            object(),  # type: ignore[arg-type]
+            post=lambda lane, job, reply: None,
+            listener=engine_sock,
+            options=resolve(ServeOptions()),
+            session_factory=Session,
+        )
         async with trio.open_nursery() as nursery:
             with pytest.raises(ValueError, match="Stream Socket was expected"):
                 await nursery.start(service.run)
@@ -787,21 +793,12 @@ async def test_startup_failure_is_raised_from_run() -> None:
 
 
 def test_bad_options_are_refused() -> None:
-    sock = socket.socket()
-    try:
-        for options in (
-            ServeOptions(drain_timeout_seconds=-1),
-            ServeOptions(idle_timeout_seconds=0),
-        ):
-            with pytest.raises(ValueError, match="must be"):
-                TransportService(
-                    object(),  # type: ignore[arg-type]
-                    post=lambda lane, job: None,
-                    listener=sock,
-                    options=options,
-                )
-    finally:
-        sock.close()
+    for options in (
+        ServeOptions(drain_timeout_seconds=-1),
+        ServeOptions(idle_timeout_seconds=0),
+    ):
+        with pytest.raises(ValueError, match="must be"):
+            resolve(options)
 
 
 async def test_handshake_request_shape_from_core() -> None:

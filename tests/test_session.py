@@ -30,6 +30,7 @@ from rlmesh_trio._session import (
     CancelTimer,
     Endpoint,
     EndStream,
+    Post,
     Send,
     Session,
     StartTimer,
@@ -53,35 +54,55 @@ def make_contract() -> EnvContract:
     )
 
 
+class _Driven:
+    """A session whose Post actions are performed (as the transport's Join driver does):
+    the job is kept for the test to answer, or refused at once for a lane that does not
+    exist; what is left are the actions the transport would see."""
+
+    def __init__(self, session: Session, harness: Harness) -> None:
+        self._session = session
+        self._harness = harness
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._session, name)
+        if name.startswith("on_") and callable(attr):
+
+            def event(*args: Any) -> list[Any]:
+                return self._harness.perform(attr(*args))
+
+            return event
+        return attr
+
+
 class Harness:
     """A session wired to fake lanes: posted jobs are kept for the test to answer."""
 
     def __init__(self, num_envs: int = 1, **endpoint_kwargs: Any) -> None:
         self.endpoint = Endpoint(make_contract(), num_envs, **endpoint_kwargs)
         self.posted: list[tuple[int, Any]] = []
-        self.tokens: dict[int, int] = {}
-        self._job_tokens: list[int] = []
         self.num_envs = num_envs
         self.clock = itertools.count(1_000, 1_000)
-        self.session = Session(
-            self.endpoint,
-            post=self._post,
-            reply_to=self._reply_to,
-            clock_ns=lambda: next(self.clock),
-            wall_ns=lambda: 1_700_000_000_000_000_000,
+        self.session: Any = _Driven(
+            Session(
+                self.endpoint,
+                clock_ns=lambda: next(self.clock),
+                wall_ns=lambda: 1_700_000_000_000_000_000,
+            ),
+            self,
         )
 
-    def _reply_to(self, token: int) -> Any:
-        def reply(lane_reply: LaneReply) -> None:  # pragma: no cover - lanes call it
-            raise AssertionError("the fake lanes answer through answer()")
-
-        reply.token = token  # type: ignore[attr-defined]
-        return reply
-
-    def _post(self, lane: int, job: Any) -> None:
-        if lane >= self.num_envs:
-            raise LaneError(f"lane {lane} out of range for {self.num_envs} lanes")
-        self.posted.append((lane, job))
+    def perform(self, actions: list[Any]) -> list[Any]:
+        left: list[Any] = []
+        for act in actions:
+            if not isinstance(act, Post):
+                left.append(act)
+            elif act.lane >= self.num_envs:
+                error = LaneError(f"lane {act.lane} out of range for {self.num_envs} lanes")
+                refusal = LaneReply(act.job.id, act.lane, outcome.Error(error), Phases())
+                left.extend(self.session.on_lane_reply(refusal))
+            else:
+                self.posted.append((act.lane, act.job))
+        return left
 
     def request(self, **kind: Any) -> list[Any]:
         rid = kind.pop("request_id", "r")
@@ -93,9 +114,8 @@ class Harness:
 
     def answer(self, lane: int, job: Any, value: Any, phases: Phases | None = None) -> list[Any]:
         result = value if isinstance(value, outcome.Outcome) else outcome.Value(value)
-        token = job.reply.token
         return self.session.on_lane_reply(
-            token, LaneReply(lane, result, phases or Phases(1, 2, 30, 4))
+            LaneReply(job.id, lane, result, phases or Phases(1, 2, 30, 4))
         )
 
 
@@ -640,12 +660,12 @@ def test_conformance_one_lane_reported_once_per_pair_for_the_server() -> None:
     ]
     assert info["own"] == "x"
     # the same pair again, with another detail: silent, even in a new session
-    h2 = Session(h.endpoint, post=h._post, reply_to=h._reply_to)
+    h2 = _Driven(Session(h.endpoint), h)
     h2.on_request(env_v1.JoinRequest(step=env_v1.StepRequest(action=action(0))))
     job = h.take()[0][1]
     actions = h2.on_lane_reply(
-        job.reply.token,
         LaneReply(
+            job.id,
             0,
             outcome.Value(step_result(action_warning=cand("action", "$", "below low bound"))),
             Phases(),

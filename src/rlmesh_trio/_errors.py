@@ -1,14 +1,45 @@
-"""The package's error hierarchy.
+"""The package's error hierarchy, and the one place errors are mapped onto the wire.
 
-Kept small on purpose (one base, a few kinds); the mapping of these errors onto the wire
-(``EnvError`` codes, gRPC statuses) lives in one place, the session.
+Each class carries its wire meaning (as h11 carries ``error_status_hint`` on the error
+itself): the gRPC status a unary call or a stream ends with (``grpc_status``), or the
+``EnvError`` code and recoverability of an in-band Join reply (``env_code``,
+``recoverable``). Two functions read them, and nothing else in the package decides a
+status or a code for an exception:
+
+* :func:`grpc_status` -- exception -> ``(status code, message)`` for the transport;
+* :func:`env_error` -- a lane failure -> ``(EnvError code, message, recoverable)`` for
+  the session (SPEC §9).
+
+gRPC status codes are plain ints here (the numbers of the gRPC spec): only the transport
+package imports grpclib.
 """
 
 from __future__ import annotations
 
+from typing import ClassVar
+
+from ._proto.rlmesh.env.v1 import EnvErrorCode
+
+# gRPC status codes (https://grpc.github.io/grpc/core/md_doc_statuscodes.html).
+OK = 0
+INVALID_ARGUMENT = 3
+NOT_FOUND = 5
+FAILED_PRECONDITION = 9
+RESOURCE_EXHAUSTED = 8
+UNIMPLEMENTED = 12
+INTERNAL = 13
+UNAVAILABLE = 14
+
 
 class RlmeshTrioError(Exception):
     """Base class of every error rlmesh-trio raises on purpose."""
+
+    grpc_status: ClassVar[int] = INTERNAL
+    env_code: ClassVar[EnvErrorCode] = EnvErrorCode.INTERNAL
+    recoverable: ClassVar[bool] = False
+
+
+# --------------------------------------------------------------------------- codec
 
 
 class CodecError(RlmeshTrioError, ValueError):
@@ -23,11 +54,14 @@ class UnsupportedSpaceError(CodecError):
 
 
 class ActionError(CodecError):
-    """A client-supplied action failed validation.
+    """A client-supplied action (or lane list) failed validation.
 
     ``str(error)`` is the exact text the reference server puts in its
     ``INVALID_ACTION`` reply (SPEC §9), e.g. ``$: value 5 not in range [0, 2)``.
     """
+
+    env_code = EnvErrorCode.INVALID_ACTION
+    recoverable = True
 
 
 class PolicyViolation(RlmeshTrioError):
@@ -47,6 +81,9 @@ class ContractMismatchError(RlmeshTrioError):
     """Two lanes of one endpoint do not serve the same env contract."""
 
 
+# --------------------------------------------------------------------------- lanes
+
+
 class LaneError(RlmeshTrioError):
     """A job could not be delivered to a lane, or the lane died before answering."""
 
@@ -59,5 +96,132 @@ class LaneBrokenError(LaneError):
     """The lane's thread is gone or stopped before answering (crash, abandon)."""
 
 
+# --------------------------------------------------------------------------- wire
+
+
+class WireError(RlmeshTrioError):
+    """Bytes from the network that are not a well-formed request."""
+
+
+class DecodeError(WireError):
+    """A protobuf message that does not decode; ``str()`` is prost's wording (SPEC §1.10).
+
+    ``stack`` holds ``(message, field)`` pairs, innermost first, as prost prints them:
+    ``failed to decode Protobuf message: HandshakeRequest.base: invalid varint``.
+    """
+
+    def __init__(self, description: str) -> None:
+        super().__init__(description)
+        self.description = description
+        self.stack: list[tuple[str, str]] = []
+        self.field: int | None = None  # set while the failing field is not yet named
+
+    def __str__(self) -> str:
+        where = "".join(f"{message}.{field}: " for message, field in self.stack)
+        return f"failed to decode Protobuf message: {where}{self.description}"
+
+
+class FrameError(WireError):
+    """A gRPC length-prefixed message that cannot be read (truncated, bad flag)."""
+
+
+class MessageTooLarge(WireError):
+    """A message over the size limit (SPEC §1.8), refused before it is buffered."""
+
+    grpc_status = RESOURCE_EXHAUSTED
+
+    def __init__(self, length: int, limit: int, *, direction: str = "decoded") -> None:
+        super().__init__(
+            f"{direction} message length too large: found {length} bytes, "
+            f"the limit is: {limit} bytes"
+        )
+        self.length = length
+        self.limit = limit
+
+
+# --------------------------------------------------------------------------- requests
+
+
 class InvalidRequestError(RlmeshTrioError):
-    """A unary request the server cannot serve (mapped to gRPC INVALID_ARGUMENT)."""
+    """A unary request the server cannot serve (e.g. "handshake request missing base")."""
+
+    grpc_status = INVALID_ARGUMENT
+
+
+class AlreadyJoinedError(RlmeshTrioError):
+    """A second Join while one is active (SPEC §1.10, §7.1)."""
+
+    grpc_status = FAILED_PRECONDITION
+
+    def __init__(self) -> None:
+        super().__init__(
+            "environment already has an active Join session; "
+            "only one client may be connected at a time"
+        )
+
+
+class ServerStoppingError(RlmeshTrioError):
+    """A new Join while the server drains."""
+
+    grpc_status = UNAVAILABLE
+
+    def __init__(self) -> None:
+        super().__init__("server is shutting down")
+
+
+class UnknownMethodError(RlmeshTrioError):
+    """A path the server does not serve; answered with an empty message (SPEC §1.2)."""
+
+    grpc_status = UNIMPLEMENTED
+
+    def __init__(self) -> None:
+        super().__init__("")
+
+
+class CompressedRequestError(RlmeshTrioError):
+    """A request with a ``grpc-encoding`` other than identity (SPEC §1.7)."""
+
+    grpc_status = UNIMPLEMENTED
+
+    def __init__(self, encoding: str) -> None:
+        super().__init__(f"Content is compressed with `{encoding}` which isn't supported")
+
+
+class UnknownServiceError(RlmeshTrioError):
+    """A grpc.health.v1 Check for a service this server does not host."""
+
+    grpc_status = NOT_FOUND
+
+    def __init__(self, service: str) -> None:
+        super().__init__(f"unknown service {service!r}")
+
+
+# --------------------------------------------------------------------------- mapping
+
+INTERNAL_SERVER_ERROR = "internal server error"
+
+
+def grpc_status(exc: BaseException) -> tuple[int, str]:
+    """The gRPC status and message a call ends with when ``exc`` escaped its handler.
+
+    Our own errors carry their status; anything else is a bug of ours and gets a bare
+    INTERNAL (its details go to the log, not to the client).
+    """
+    if isinstance(exc, RlmeshTrioError):
+        return exc.grpc_status, str(exc)
+    return INTERNAL, INTERNAL_SERVER_ERROR
+
+
+def env_error(verb: str, exc: BaseException) -> tuple[EnvErrorCode, str, bool]:
+    """The EnvError (code, message, recoverable) for a failed ``verb`` job (SPEC §9).
+
+    Our errors keep their own text (the reference's); an exception of the env (or of
+    converting its result) becomes ``"<verb> failed: <Type>: <message>"``, fatal.
+    """
+    if isinstance(exc, PolicyViolation):
+        if exc.kind == "action":
+            return EnvErrorCode.INVALID_ACTION, str(exc), True
+        return EnvErrorCode.INTERNAL, str(exc), False
+    if isinstance(exc, (ActionError, LaneError)):
+        return exc.env_code, str(exc), exc.recoverable
+    return EnvErrorCode.INTERNAL, f"{verb} failed: {type(exc).__name__}: {exc}", False

@@ -2,7 +2,8 @@
 
 These small frozen dataclasses are the whole vocabulary between the session (which
 decides what to run where) and the lane engine (which runs it on the lane's own
-thread). They carry wire-level data in (action leaves, seed, options) and wire-ready
+thread). A job carries an ``id``, not a callback: whoever posts it gives the engine the
+``reply`` callable, and the :class:`LaneReply` names the job it answers. They carry wire-level data in (action leaves, seed, options) and wire-ready
 data out (observation leaves, an info ``MetaMap``), because decoding and encoding run
 on the lane thread, where the reference measures them too.
 """
@@ -37,7 +38,10 @@ class Phases:
 
 @dataclass(frozen=True, slots=True)
 class LaneReply:
-    """The answer to one job, handed to the job's ``reply`` callback on the lane thread.
+    """The answer to one job, handed to the ``reply`` callback it was posted with.
+
+    ``job_id`` is the job's ``id`` (the session's token for the request it serves);
+    ``lane`` the lane that answered.
 
     ``outcome`` holds the job's result or the exception it raised (with its
     traceback): an env exception, a :class:`~rlmesh_trio._errors.ActionError` from
@@ -46,13 +50,14 @@ class LaneReply:
     :class:`~rlmesh_trio._errors.LaneBrokenError` when the lane died before answering.
     """
 
+    job_id: int
     lane: int
     outcome: outcome.Outcome[Any]
     phases: Phases
 
 
 ReplyFn = Callable[[LaneReply], None]
-"""Called exactly once per job, from whatever thread finished it. Must not block."""
+"""Called exactly once per posted job, from whatever thread finished it. Must not block."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +66,7 @@ class ResetJob:
 
     seed: int | None
     options: dict[str, Any] | None
-    reply: ReplyFn
+    id: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,14 +83,14 @@ class StepJob:
     n: int
     row: int
     validated: bool
-    reply: ReplyFn
+    id: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class RenderJob:
     """``env.render()`` encoded as PNG; result: :class:`RenderResult`."""
 
-    reply: ReplyFn
+    id: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +101,7 @@ class CallJob:
     """
 
     fn: Callable[[gym.Env[Any, Any]], Any]
-    reply: ReplyFn
+    id: int = 0
 
 
 Job = ResetJob | StepJob | RenderJob | CallJob

@@ -5,24 +5,22 @@ A lane is one Trio task plus one long-lived thread (DESIGN.md decision 3). The t
 the lane's env (so the env is created and only ever used on that thread), then loops on its
 mailbox, a ``queue.SimpleQueue`` that the transport thread posts into directly. Every job
 runs its wire work on the lane thread (decode the action, call the env, encode the result)
-and hands a :class:`~rlmesh_trio._jobs.LaneReply` to the job's ``reply`` callback.
+and hands a :class:`~rlmesh_trio._jobs.LaneReply` to the ``reply`` callable the job was
+posted with.
 
 Lanes are independent: no lock is shared between lanes, a job for lane 2 never waits for
 lane 0, and one lane's slow env costs the others nothing.
 
-Besides the engine this module holds the two helpers that fold several lanes' results into
-one reply: :func:`fold_phases` (timing fields, SPEC §8) and :func:`batch_infos` (SPEC §5.3).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import math
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from time import perf_counter_ns
 from typing import Any, Final
@@ -31,6 +29,7 @@ import gymnasium as gym
 import outcome
 import trio
 
+from ._bridge import ToTrio
 from ._codec import Candidate, SpaceCodec, from_meta_map, space_to_spec, to_meta_map
 from ._errors import (
     ContractMismatchError,
@@ -47,6 +46,7 @@ from ._jobs import (
     Phases,
     RenderJob,
     RenderResult,
+    ReplyFn,
     ResetJob,
     ResetResult,
     StepJob,
@@ -60,8 +60,6 @@ __all__ = [
     "LANE_TEARDOWN_TIMEOUT",
     "LANE_THREAD_PREFIX",
     "LaneEngine",
-    "batch_infos",
-    "fold_phases",
 ]
 
 LANE_TEARDOWN_TIMEOUT: float = 5.0
@@ -86,72 +84,8 @@ class _Stop:
 
 _STOP: Final = _Stop()
 
-_MailboxItem = tuple[int, Job] | _Stop
-"""``(perf_counter_ns() at post, job)``, or the stop sentinel."""
-
-
-# --------------------------------------------------------------------------------------
-# Folding several lanes' results into one reply
-
-
-def fold_phases(phases: Sequence[Phases]) -> tuple[Phases, int | None]:
-    """Fold the phases of the lanes that served one operation; return them and lane skew.
-
-    * ``decode_ns`` and ``encode_ns`` are summed: each lane decoded its own row and encoded
-      its own result, and the reference's multi-lane replies carry values larger than any
-      single lane's, consistent with a sum (SPEC §8.2).
-    * ``user_ns`` is the **maximum** over the lanes, not the sum: the lanes run
-      concurrently, so the slowest lane is the wall time the client waited for the env
-      calls, and it is what the reference put on the wire (100.25 ms for lanes of
-      10/40/100 ms, not 150 ms; SPEC §8.2, AMBIGUITIES.md item 2).
-    * ``queue_ns`` is the maximum over the lanes (the longest mailbox wait).
-    * ``lane_skew_ns`` is the slowest minus the fastest lane's ``user_ns``; it is ``None``
-      (not emitted) for fewer than two lanes, or when the slowest lane measured 0.
-
-    One lane's phases pass through unchanged; no lanes give ``(Phases(), None)``.
-    """
-    if len(phases) == 0:
-        return Phases(), None
-    if len(phases) == 1:
-        return phases[0], None
-    users = [p.user_ns for p in phases]
-    slowest = max(users)
-    folded = Phases(
-        queue_ns=max(p.queue_ns for p in phases),
-        decode_ns=sum(p.decode_ns for p in phases),
-        user_ns=slowest,
-        encode_ns=sum(p.encode_ns for p in phases),
-    )
-    skew = slowest - min(users) if slowest > 0 else None
-    return folded, skew
-
-
-def batch_infos(
-    infos: Sequence[spaces_v1.MetaMap], done: Sequence[bool] | None
-) -> spaces_v1.MetaMap:
-    """Combine the info maps of the lanes of one reply (SPEC §5.3).
-
-    One lane: its map, unchanged (the same object). Several lanes: ``{"final_info":
-    [map, ...] in the given order, "_final_info": [bool, ...]}`` where the mask is ``done``
-    (a step's ``terminated or truncated`` per lane) or all ``True`` when ``done`` is None
-    (a reset). Every lane has an entry, also when its map is empty. No lanes: an empty map.
-    Raises ``ValueError`` when ``done`` does not have one flag per info map.
-    """
-    if done is not None and len(done) != len(infos):
-        raise ValueError(f"batch_infos: {len(infos)} info maps but {len(done)} done flags")
-    if len(infos) == 0:
-        return spaces_v1.MetaMap()
-    if len(infos) == 1:
-        return infos[0]
-    mask = [True] * len(infos) if done is None else [bool(flag) for flag in done]
-    maps = spaces_v1.MetaList(items=[spaces_v1.MetaValue(map=info) for info in infos])
-    flags = spaces_v1.MetaList(items=[spaces_v1.MetaValue(bool=flag) for flag in mask])
-    return spaces_v1.MetaMap(
-        entries={
-            "final_info": spaces_v1.MetaValue(list=maps),
-            "_final_info": spaces_v1.MetaValue(list=flags),
-        }
-    )
+_MailboxItem = tuple[int, Job, ReplyFn] | _Stop
+"""``(perf_counter_ns() at post, job, reply)``, or the stop sentinel."""
 
 
 # --------------------------------------------------------------------------------------
@@ -257,7 +191,7 @@ class _Lane:
         """``post`` puts jobs into the mailbox (false once closing or the thread is gone)."""
         self.stopping = False
         """Close was requested: finish the current job, answer the queued ones as stopped."""
-        self.current: Job | None = None
+        self.current: tuple[int, Job, ReplyFn] | None = None
         """The job the lane thread is running; whoever takes it out answers it."""
         self.running = False
         """The lane thread is up and serving (set at startup, cleared when it exits)."""
@@ -347,7 +281,7 @@ class LaneEngine:
         self._startup_done = trio.Event()
         self._close_event = trio.Event()
         self._close_requested = False
-        self._token: trio.lowlevel.TrioToken | None = None
+        self._to_trio_bridge: ToTrio | None = None
         self._run_called = False
 
     # ---- construction helpers ---------------------------------------------------------
@@ -427,7 +361,7 @@ class LaneEngine:
         if self._run_called:
             raise RuntimeError("LaneEngine.run() can only be called once")
         self._run_called = True
-        self._token = trio.lowlevel.current_trio_token()
+        self._to_trio_bridge = ToTrio()
         if self._close_requested:  # close() came before run(): it could not wake us
             self._wake_run()
         failure: BaseException | None = None
@@ -545,13 +479,11 @@ class LaneEngine:
         self._close_event.set()
         self._startup_done.set()
 
-    def _call_in_trio(self, fn: Callable[..., None], *args: Any) -> None:
-        token = self._token
-        if token is None:
-            return
-        # RunFinishedError: the run is over, nobody is waiting for this any more.
-        with contextlib.suppress(trio.RunFinishedError):
-            token.run_sync_soon(fn, *args)
+    def _to_trio(self, fn: Callable[..., None], *args: Any) -> None:
+        """Any thread: run ``fn`` on the Trio thread (dropped once the run is over)."""
+        bridge = self._to_trio_bridge
+        if bridge is not None:
+            bridge(fn, *args)
 
     # ---- the thread side --------------------------------------------------------------
 
@@ -565,9 +497,9 @@ class LaneEngine:
                 env = self._make_env()
                 facts = _lane_facts(env)
             except Exception as exc:
-                self._call_in_trio(self._lane_reported, lane.index, outcome.Error(exc))
+                self._to_trio(self._lane_reported, lane.index, outcome.Error(exc))
                 return
-            self._call_in_trio(self._lane_reported, lane.index, outcome.Value(facts))
+            self._to_trio(self._lane_reported, lane.index, outcome.Value(facts))
             del facts
             self._go.wait()  # set by run() once it decided; not a poll
             if self._contract is None:
@@ -594,21 +526,20 @@ class LaneEngine:
                 stop = lane.stopping or isinstance(item, _Stop)
                 if not stop:
                     assert not isinstance(item, _Stop)
-                    lane.current = item[1]
+                    lane.current = item
             if stop:
                 if not isinstance(item, _Stop):
-                    _answer(index, item[1], outcome.Error(_stopped(index)), Phases())
+                    _answer(index, item, outcome.Error(_stopped(index)), Phases())
                 return
             assert not isinstance(item, _Stop)
-            posted, job = item
-            del item
+            posted, job, _reply = item
             result, phases = self._execute(env, job, picked - posted)
             with lock:
-                if lane.current is not job:
+                if lane.current is not item:
                     return  # abandoned meanwhile: the job was already answered as stopped
                 lane.current = None
-            _answer(index, job, result, phases)
-            del job, result
+            _answer(index, item, result, phases)
+            del job, result, item, _reply
 
     def _fail_pending(self, lane: _Lane) -> None:
         """Any thread: stop taking jobs; answer the running and the queued ones as stopped.
@@ -629,7 +560,7 @@ class LaneEngine:
             except queue.Empty:
                 break
             if not isinstance(item, _Stop):
-                _answer(lane.index, item[1], outcome.Error(_stopped(lane.index)), Phases())
+                _answer(lane.index, item, outcome.Error(_stopped(lane.index)), Phases())
         # No job can follow (``accepting`` is false); a fresh sentinel makes sure a lane
         # thread that comes back from being abandoned finds its way out of ``get()``.
         lane.mailbox.put(_STOP)
@@ -704,10 +635,11 @@ class LaneEngine:
 
     # ---- any thread -------------------------------------------------------------------
 
-    def post(self, lane: int, job: Job) -> None:
+    def post(self, lane: int, job: Job, reply: ReplyFn) -> None:
         """Queue ``job`` on lane ``lane``. Thread-safe, never blocks, arrival order per lane.
 
-        The job's ``reply`` is called exactly once: by the lane thread with the result, or
+        ``reply(LaneReply(job.id, lane, ...))`` is called exactly once: by the lane
+        thread with the result, or
         with ``LaneBrokenError("lane <i> stopped before answering")`` if the lane winds down
         or is abandoned first. Raises ``LaneError("lane <i> out of range for <n> lanes")``
         for a bad index; ``LaneClosedError("lane <i> is no longer running")`` once the
@@ -715,7 +647,7 @@ class LaneEngine:
         otherwise (then ``reply`` is never called).
         """
         record = self._lane(lane)
-        item = (perf_counter_ns(), job)
+        item = (perf_counter_ns(), job, reply)
         with record.lock:
             if not record.accepting:
                 # "closed" (the engine was closed: orderly) and "broken" (the lane's
@@ -738,7 +670,7 @@ class LaneEngine:
                 lane.stopping = True
             if not already:
                 lane.mailbox.put(_STOP)
-        self._call_in_trio(self._wake_run)
+        self._to_trio(self._wake_run)
 
     def alive(self, lane: int) -> bool:
         """Whether lane ``lane``'s thread is serving its mailbox and takes jobs.
@@ -755,9 +687,12 @@ class LaneEngine:
         return self._lanes[lane]
 
 
-def _answer(index: int, job: Job, result: outcome.Outcome[Any], phases: Phases) -> None:
+def _answer(
+    index: int, item: tuple[int, Job, ReplyFn], result: outcome.Outcome[Any], phases: Phases
+) -> None:
     """Hand one answer to the job's reply callback; a callback error must not kill the lane."""
+    _posted, job, reply = item
     try:
-        job.reply(LaneReply(index, result, phases))
+        reply(LaneReply(job.id, index, result, phases))
     except Exception:
         logger.exception("lane %d: the reply callback of a %s raised", index, type(job).__name__)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,6 +22,10 @@ DEFAULT_CLOSE_TIMEOUT = 5.0
 
 DEFAULT_DRAIN_TIMEOUT = 5.0
 """Seconds in-flight requests get to finish after a shutdown was requested."""
+
+STOP_SLACK = 1.0
+"""Seconds a stop may take beyond drain and close: the GOAWAY gap, cutting the
+connections, unwinding the handlers, closing the transport loop (see :func:`stop_bound`)."""
 
 
 @dataclass(frozen=True)
@@ -68,3 +73,85 @@ def policy_from_env(environ: Mapping[str, str] = os.environ) -> Policy:
     if value == "off":
         return "off"
     return "warn"
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """:class:`ServeOptions` validated, with every default and environment variable applied.
+
+    Built once, by :func:`resolve`, before anything is started; everything downstream
+    (lanes, transport, serve) reads these numbers and never validates again.
+    """
+
+    allow_remote_shutdown: bool
+    idle_timeout: float | None
+    drain_timeout: float
+    close_timeout: float
+    workflow_edition: str
+    policy: Policy
+    max_message_bytes: int
+
+    @property
+    def stop_bound(self) -> float:
+        """See :func:`stop_bound`."""
+        return stop_bound(self.drain_timeout, self.close_timeout)
+
+
+def stop_bound(drain_timeout: float, close_timeout: float) -> float:
+    """Seconds from the start of a stop until ``serve_env`` has returned, at most.
+
+    ``drain_timeout`` (open streams finish) + ``close_timeout`` (the lanes close their
+    envs while a request still in flight is answered) + :data:`STOP_SLACK`. Enforced: every
+    phase is bounded by what is left of it.
+    """
+    return drain_timeout + close_timeout + STOP_SLACK
+
+
+def _seconds(name: str, value: object, *, zero_ok: bool) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value < math.inf
+    if ok and (value >= 0 if zero_ok else value > 0):  # type: ignore[operator]
+        return
+    bound = ">= 0" if zero_ok else "> 0"
+    raise ValueError(f"{name} must be a finite number {bound} or None, got {value!r}")
+
+
+def resolve(options: ServeOptions, environ: Mapping[str, str] = os.environ) -> Resolved:
+    """Validate ``options`` and resolve defaults and environment variables.
+
+    Raises ``TypeError`` for a non-ServeOptions, ``ValueError`` naming the bad field.
+    """
+    if not isinstance(options, ServeOptions):
+        raise TypeError(f"options must be a ServeOptions, got {type(options).__name__}")
+    for name in ("drain_timeout_seconds", "close_timeout_seconds"):
+        value = getattr(options, name)
+        if value is not None:
+            _seconds(name, value, zero_ok=True)
+    if options.idle_timeout_seconds is not None:
+        _seconds("idle_timeout_seconds", options.idle_timeout_seconds, zero_ok=False)
+    size = options.max_message_bytes
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"max_message_bytes must be an int >= 1, got {size!r}")
+    if options.validation_policy not in (None, "warn", "strict", "off"):
+        raise ValueError(
+            f"validation_policy must be 'warn', 'strict', 'off' or None, "
+            f"got {options.validation_policy!r}"
+        )
+    edition = options.workflow_edition or WORKFLOW_EDITION
+    if edition != WORKFLOW_EDITION:
+        raise ValueError(
+            f"workflow edition {edition!r} is not implemented (implements [{WORKFLOW_EDITION!r}])"
+        )
+    drain, close, idle = (
+        options.drain_timeout_seconds,
+        options.close_timeout_seconds,
+        options.idle_timeout_seconds,
+    )
+    return Resolved(
+        allow_remote_shutdown=options.remote_shutdown_allowed(environ),
+        idle_timeout=None if idle is None else float(idle),
+        drain_timeout=DEFAULT_DRAIN_TIMEOUT if drain is None else float(drain),
+        close_timeout=DEFAULT_CLOSE_TIMEOUT if close is None else float(close),
+        workflow_edition=edition,
+        policy=options.resolved_policy(environ),
+        max_message_bytes=size,
+    )

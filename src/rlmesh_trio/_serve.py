@@ -9,7 +9,6 @@ transport goes first (GOAWAY, drain, cut), then the lanes are closed (mailboxes 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,15 +18,11 @@ import trio
 
 from ._address import DEFAULT_ADDRESS, Listener, bind, parse_address
 from ._lanes import LaneEngine
-from ._options import DEFAULT_CLOSE_TIMEOUT, WORKFLOW_EDITION, ServeOptions
-from ._service import TransportService
-from ._session import Endpoint
+from ._options import STOP_SLACK, Resolved, ServeOptions, resolve
+from ._session import Endpoint, Session
+from ._transport import TransportService
 
 log = logging.getLogger("rlmesh_trio.serve")
-
-LANES_STOP_SLACK = 1.0
-"""Seconds beyond ``close_timeout_seconds`` the lane engine may take to return at stop
-(it enforces ``close_timeout_seconds`` itself; this is only a backstop)."""
 
 
 @dataclass(frozen=True)
@@ -81,58 +76,45 @@ async def serve_env(
     one deadline of ``close_timeout_seconds`` (default 5 s); a lane still stuck then (a
     wedged env) is abandoned: its daemon thread is named in a warning and never blocks
     process exit; finally cut the connections (clients see UNAVAILABLE). So
-    ``serve_env`` returns at most ``drain_timeout_seconds + close_timeout_seconds + 6 s``
-    after the stop began (the constant covers the GOAWAY gap, cutting connections,
-    unwinding handlers, closing the transport loop and scheduling), usually far sooner.
+    ``serve_env`` returns at most ``drain_timeout_seconds + close_timeout_seconds + 1 s``
+    after the stop began (:func:`rlmesh_trio._options.stop_bound`; the second covers the
+    GOAWAY gap, cutting connections, unwinding handlers and closing the transport loop),
+    usually far sooner. The bound is enforced: a part that overruns it is abandoned.
     """
-    options = ServeOptions() if options is None else options
-    if not isinstance(options, ServeOptions):
-        raise TypeError(f"options must be a ServeOptions, got {type(options).__name__}")
-    close_timeout = _check_options(options)
+    resolved = resolve(ServeOptions() if options is None else options)
     parsed = parse_address(address)
     factory = LaneEngine.factory(make_env, **dict(env_kwargs or {}))
     engine = LaneEngine(
-        factory, num_envs, policy=options.resolved_policy(), teardown_timeout=close_timeout
+        factory, num_envs, policy=resolved.policy, teardown_timeout=resolved.close_timeout
     )
     listener = bind(parsed)
     try:
-        await _serve(engine, listener, options, close_timeout, task_status)
+        await _serve(engine, listener, resolved, task_status)
     finally:
         listener.cleanup()
 
 
-def _check_options(options: ServeOptions) -> float:
-    """Validate the options up front (before any env is built); return the close timeout."""
-    for name in ("drain_timeout_seconds", "close_timeout_seconds"):
-        value = getattr(options, name)
-        if value is not None and not (isinstance(value, (int, float)) and 0 <= value < math.inf):
-            raise ValueError(f"{name} must be a finite number >= 0 or None, got {value!r}")
-    idle = options.idle_timeout_seconds
-    if idle is not None and not (isinstance(idle, (int, float)) and 0 < idle < math.inf):
-        raise ValueError(f"idle_timeout_seconds must be a finite number > 0 or None, got {idle!r}")
-    if not isinstance(options.max_message_bytes, int) or options.max_message_bytes < 1:
-        raise ValueError(
-            f"max_message_bytes must be an int >= 1, got {options.max_message_bytes!r}"
-        )
-    if options.validation_policy not in (None, "warn", "strict", "off"):
-        raise ValueError(
-            f"validation_policy must be 'warn', 'strict', 'off' or None, "
-            f"got {options.validation_policy!r}"
-        )
-    edition = options.workflow_edition or WORKFLOW_EDITION
-    if edition != WORKFLOW_EDITION:
-        raise ValueError(
-            f"workflow edition {edition!r} is not implemented (implements [{WORKFLOW_EDITION!r}])"
-        )
-    close = options.close_timeout_seconds
-    return DEFAULT_CLOSE_TIMEOUT if close is None else float(close)
+class _StopClock:
+    """When the stop began (Trio time), and the one deadline every part of it meets."""
+
+    def __init__(self, options: Resolved, lanes_scope: trio.CancelScope) -> None:
+        self.options = options
+        self.lanes_scope = lanes_scope
+        self.began: float | None = None
+
+    def begin(self) -> None:
+        """Trio thread: a stop began (cancellation, Shutdown RPC, idle timeout)."""
+        if self.began is None:
+            self.began = trio.current_time()
+            self.lanes_scope.deadline = min(
+                self.lanes_scope.deadline, self.began + self.options.stop_bound
+            )
 
 
 async def _serve(
     engine: LaneEngine,
     listener: Listener,
-    options: ServeOptions,
-    close_timeout: float,
+    options: Resolved,
     task_status: trio.TaskStatus[ServerInfo],
 ) -> None:
     failures: list[Exception] = []
@@ -142,6 +124,7 @@ async def _serve(
         # down); shielded once serving, so that the lanes keep answering during the
         # transport's drain. They are then stopped by close() with a deadline.
         lanes_scope = trio.CancelScope()
+        clock = _StopClock(options, lanes_scope)
         try:
             await nursery.start(_run_lanes, engine, lanes_scope)
             lanes_scope.shield = True
@@ -150,26 +133,26 @@ async def _serve(
                 engine.num_envs,
                 policy=engine.policy,
                 workflow_edition=options.workflow_edition,
-                allow_remote_shutdown=options.remote_shutdown_allowed(),
+                allow_remote_shutdown=options.allow_remote_shutdown,
             )
             service = TransportService(
                 endpoint,
                 post=engine.post,
                 listener=listener.sock,
                 options=options,
+                session_factory=Session,
                 # Once the drain is over the lanes start closing: a request still in
                 # flight finishes (and is answered) while they do.
                 on_drained=engine.close,
+                on_stop_begin=clock.begin,
             )
-            await nursery.start(
-                _run_transport, service, engine, lanes_scope, close_timeout, failures
-            )
+            await nursery.start(_run_transport, service, engine, clock, failures)
         except Exception as exc:
             # Raised plainly after the nursery has wound down, not as an ExceptionGroup.
             startup_error = exc
-            _stop_lanes(engine, lanes_scope, close_timeout)
+            _stop_lanes(engine, clock)
         except BaseException:
-            _stop_lanes(engine, lanes_scope, close_timeout)
+            _stop_lanes(engine, clock)
             raise
         else:
             info = ServerInfo(
@@ -195,17 +178,20 @@ async def _run_lanes(
         await engine.run(task_status=task_status)
 
 
-def _stop_lanes(engine: LaneEngine, scope: trio.CancelScope, close_timeout: float) -> None:
-    """Close the mailboxes; the engine tears down within ``close_timeout`` on its own."""
+def _stop_lanes(engine: LaneEngine, clock: _StopClock) -> None:
+    """Close the mailboxes; the engine tears down within ``close_timeout`` on its own,
+    and the lanes' scope holds the stop's one deadline as a backstop."""
     engine.close()
-    scope.deadline = min(scope.deadline, trio.current_time() + close_timeout + LANES_STOP_SLACK)
+    clock.begin()
+    if clock.began is not None:
+        backstop = trio.current_time() + clock.options.close_timeout + STOP_SLACK
+        clock.lanes_scope.deadline = min(clock.lanes_scope.deadline, backstop)
 
 
 async def _run_transport(
     service: TransportService,
     engine: LaneEngine,
-    lanes_scope: trio.CancelScope,
-    close_timeout: float,
+    clock: _StopClock,
     failures: list[Exception],
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
@@ -219,5 +205,5 @@ async def _run_transport(
         failures.append(exc)
     finally:
         # The transport has stopped (or was abandoned): now the lanes.
-        _stop_lanes(engine, lanes_scope, close_timeout)
+        _stop_lanes(engine, clock)
     log.info("server stopped: %s", service.stop_reason)

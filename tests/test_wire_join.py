@@ -10,9 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlmesh_trio._codec import from_meta_map
-from rlmesh_trio._fastwire import WireDecodeError, decode_join_request, encode_join_response
 from rlmesh_trio._proto.rlmesh.env import v1 as env_v1
 from rlmesh_trio._proto.rlmesh.spaces import v1 as spaces_v1
+from rlmesh_trio._wire import DecodeError as WireDecodeError
+from rlmesh_trio._wire import decode_join_request, encode_join_response
 
 # Captures that are deliberately not a well-formed JoinRequest.
 MALFORMED = {"ffffff"}

@@ -1,24 +1,17 @@
-"""The Join protocol as a sans-IO state machine (SPEC §6, §7, §9).
+"""The Join protocol as a sans-IO state machine (SPEC §7, §9).
 
-Nothing here does I/O, starts a thread or reads a clock it was not given. The service
-module drives it:
+Nothing here does I/O, starts a thread, holds a callback or reads a clock it was not
+given. :class:`Session` is one per Join stream; the transport's Join driver feeds it
+events and performs the actions it returns, in order:
 
-* :class:`Endpoint` -- server-wide state shared by every Join of one server (the env
-  contract, the conformance ledger, editions, peer info); it answers Handshake and
-  Shutdown.
-* :class:`Session` -- one per Join stream. Feed it events, perform the actions it
-  returns:
+- ``session.on_request(request)`` -- a JoinRequest was decoded;
+- ``session.on_lane_reply(reply)`` -- a lane answered a job (``reply.job_id`` names it);
+- ``session.on_timer(token)`` -- a :class:`StartTimer` expired;
+- ``session.on_stream_end()`` -- the client half-closed, cancelled or vanished.
 
-  - ``session.on_request(request)`` -- a JoinRequest was decoded;
-  - ``session.on_lane_reply(token, reply)`` -- a lane answered a job (call it on the
-    transport loop; the ``ReplyFn`` handed to the lane comes from ``reply_to(token)``);
-  - ``session.on_timer(token)`` -- a :class:`StartTimer` expired;
-  - ``session.on_stream_end()`` -- the client half-closed, cancelled or vanished.
-
-  Actions: :class:`Send`, :class:`StartTimer`, :class:`CancelTimer`, :class:`EndStream`.
-  Lane jobs are posted by the session itself through the ``post`` callable it was given
-  (``LaneEngine.post``: thread-safe and non-blocking), so a unit test can pass a list's
-  ``append``.
+Actions: :class:`Post` (queue this job on that lane; if the lane refuses it, feed the
+refusal back as a lane reply), :class:`Send`, :class:`StartTimer`, :class:`CancelTimer`,
+:class:`EndStream`.
 
 Request classes (SPEC §7.4): a reset or step with ``env_indices`` is *lane-scoped*: it
 is posted at once, lanes run concurrently, replies go out when each request completes
@@ -30,52 +23,86 @@ and no later request is looked at until it has been answered.
 from __future__ import annotations
 
 import itertools
-import platform
-import sys
 import time
+import unicodedata
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import betterproto2
 import outcome
 
-from ._codec import Candidate, from_meta_map
-from ._errors import (
-    ActionError,
-    InvalidRequestError,
-    LaneError,
-    PolicyViolation,
-)
-from ._jobs import (
-    EnvContract,
+from .._codec import Candidate, from_meta_map
+from .._errors import ActionError, env_error
+from .._jobs import (
     Job,
     LaneReply,
     Phases,
     RenderJob,
     RenderResult,
-    ReplyFn,
     ResetJob,
     ResetResult,
     StepJob,
     StepResult,
 )
-from ._lanes import batch_infos, fold_phases
-from ._options import WORKFLOW_EDITION, Policy
-from ._proto.rlmesh.core import v1 as core_v1
-from ._proto.rlmesh.env import v1 as env_v1
-from ._proto.rlmesh.spaces import v1 as spaces_v1
-from ._version import __version__
+from .._proto.rlmesh.env import v1 as env_v1
+from .._proto.rlmesh.spaces import v1 as spaces_v1
+from ._endpoint import Endpoint
+from ._results import CONFORMANCE_KEY, batch_infos, fold_phases, warning_value
 
-PROTOCOL_GENERATION = "rlmesh-wire-v1"
-CONFORMANCE_KEY = "rlmesh.conformance.warning"
+
+def rust_debug_str(text: str) -> str:
+    """``text`` as Rust's ``{:?}`` prints a str (the reference's error texts use it).
+
+    Quotes around it; ``\\0 \\t \\r \\n \\\\ \\"`` escaped; a grapheme extender or a
+    non-printable char (Unicode "Other" and "Separator" but the space, as Rust's and
+    Python's definitions agree) as ``\\u{hex}``; everything else as is.
+    """
+    out = ['"']
+    for char in text:
+        escaped = _SIMPLE_ESCAPES.get(char)
+        if escaped is not None:
+            out.append(escaped)
+        elif char.isprintable() and not _grapheme_extend(char):
+            out.append(char)
+        else:
+            out.append(f"\\u{{{ord(char):x}}}")
+    out.append('"')
+    return "".join(out)
+
+
+_SIMPLE_ESCAPES = {"\0": "\\0", "\t": "\\t", "\r": "\\r", "\n": "\\n", "\\": "\\\\", '"': '\\"'}
+# Grapheme_Extend beyond the Mn/Me categories (Unicode's DerivedCoreProperties).
+_EXTEND_EXTRA = frozenset(
+    [
+        *(0x09BE, 0x09D7, 0x0B3E, 0x0B57, 0x0BBE, 0x0BD7, 0x0CC2, 0x0CD5, 0x0CD6, 0x0D3E),
+        *(0x0D57, 0x0DCF, 0x0DDF, 0x1B35, 0x200C, 0x302E, 0x302F, 0xFF9E, 0xFF9F, 0x1133E),
+        *(0x11357, 0x114B0, 0x114BD, 0x115AF, 0x11930, 0x1D165),
+        *range(0x1D16E, 0x1D173),
+        *range(0x1F3FB, 0x1F400),
+        *range(0xE0020, 0xE0080),
+    ]
+)
+
+
+def _grapheme_extend(char: str) -> bool:
+    return unicodedata.category(char) in ("Mn", "Me") or ord(char) in _EXTEND_EXTRA
+
 
 _UNRECOGNIZED = (
     "empty or unrecognized Join request (a newer-edition arm this build does not implement?)"
 )
 
 Code = env_v1.EnvErrorCode
+
+
+@dataclass(frozen=True, slots=True)
+class Post:
+    """Queue ``job`` on lane ``lane``; its answer comes back through ``on_lane_reply``."""
+
+    lane: int
+    job: Job
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,168 +130,7 @@ class EndStream:
     """Finish the Join stream with grpc-status 0 after the sends before it."""
 
 
-Action = Send | StartTimer | CancelTimer | EndStream
-
-
-# --------------------------------------------------------------------------- endpoint
-
-
-class ConformanceLedger:
-    """The (kind, path) pairs already reported, per lane and server-wide (SPEC §3.7.6).
-
-    Lives as long as the server: not cleared by resets, Close or a new Join.
-    """
-
-    def __init__(self, num_envs: int) -> None:
-        self.lanes: list[set[tuple[str, str]]] = [set() for _ in range(num_envs)]
-        self.server: set[tuple[str, str]] = set()
-
-    def place(
-        self, lanes: Sequence[int], candidates: Sequence[Sequence[Candidate]]
-    ) -> tuple[list[list[Candidate]], list[Candidate]]:
-        """Apply de-duplication for one reply (SPEC §3.7.7).
-
-        ``candidates[i]`` are lane ``lanes[i]``'s candidates, action first. Returns each
-        lane's surviving list R(i) and the reply-level list N of server-new pairs.
-        """
-        survivors: list[list[Candidate]] = []
-        for lane, cands in zip(lanes, candidates, strict=True):
-            seen = self.lanes[lane]
-            kept = []
-            for cand in cands:
-                key = (cand.kind, cand.path)
-                if key not in seen:
-                    seen.add(key)
-                    kept.append(cand)
-            survivors.append(kept)
-        fresh: list[Candidate] = []
-        new_keys: set[tuple[str, str]] = set()
-        for kind in ("action", "observation"):
-            for kept in survivors:
-                for cand in kept:
-                    key = (cand.kind, cand.path)
-                    if cand.kind == kind and key not in self.server and key not in new_keys:
-                        new_keys.add(key)
-                        fresh.append(cand)
-        self.server |= new_keys
-        return survivors, fresh
-
-
-def _warning_value(cands: Iterable[Candidate]) -> spaces_v1.MetaValue:
-    items = [
-        spaces_v1.MetaValue(
-            map=spaces_v1.MetaMap(
-                entries={
-                    "kind": spaces_v1.MetaValue(text=c.kind),
-                    "path": spaces_v1.MetaValue(text=c.path),
-                    "detail": spaces_v1.MetaValue(text=c.detail),
-                }
-            )
-        )
-        for c in cands
-    ]
-    return spaces_v1.MetaValue(list=spaces_v1.MetaList(items=items))
-
-
-def _peer_info() -> core_v1.PeerInfo:
-    import gymnasium
-    import numpy
-
-    return core_v1.PeerInfo(
-        component="rlmesh-env",
-        package_version=__version__,
-        language="python",
-        language_version=platform.python_version(),
-        os=sys.platform if sys.platform != "darwin" else "macos",
-        os_version=platform.release(),
-        arch=platform.machine(),
-        framework_versions={"gymnasium": gymnasium.__version__, "numpy": numpy.__version__},
-        extra={
-            "rlmesh.workflow.base": WORKFLOW_EDITION,
-            "rlmesh.workflow.edition": WORKFLOW_EDITION,
-            "rlmesh.build.cohort": "stable",
-            "rlmesh.build.source": "release",
-            "rlmesh.server.implementation": f"rlmesh-trio {__version__}",
-        },
-    )
-
-
-class Endpoint:
-    """Server-wide state: one per server, shared by its successive Join sessions.
-
-    Not thread-safe: used from the transport loop only.
-    """
-
-    def __init__(
-        self,
-        contract: EnvContract,
-        num_envs: int,
-        *,
-        policy: Policy = "warn",
-        workflow_edition: str | None = None,
-        allow_remote_shutdown: bool = False,
-    ) -> None:
-        edition = workflow_edition or WORKFLOW_EDITION
-        if edition != WORKFLOW_EDITION:
-            raise ValueError(
-                f"workflow edition {edition!r} is not implemented (implements [{WORKFLOW_EDITION!r}])"
-            )
-        self.contract = contract
-        self.num_envs = num_envs
-        self.policy: Policy = policy
-        self.edition = edition
-        self.allow_remote_shutdown = allow_remote_shutdown
-        self.ledger = ConformanceLedger(num_envs)
-        self.peer_info = _peer_info()
-        self.env_contract = core_v1.EnvContract(
-            spec=core_v1.EnvSpec(
-                id=contract.env_id,
-                action_space=contract.action_codec.spec,
-                observation_space=contract.observation_codec.spec,
-                metadata=contract.metadata,
-            ),
-            num_envs=num_envs,
-            render_mode=contract.render_mode,
-            autoreset_mode=core_v1.AutoresetMode.DISABLED,
-        )
-
-    def handshake(self, request: env_v1.HandshakeRequest) -> env_v1.HandshakeResponse:
-        """Answer a Handshake (SPEC §6). A generation mismatch is an answer, not an error.
-
-        Raises InvalidRequestError("handshake request missing base").
-        """
-        base = request.base
-        if base is None:
-            raise InvalidRequestError("handshake request missing base")
-        reply = core_v1.HandshakeResponse(
-            peer_info=self.peer_info,
-            capabilities={"subset_step": "true"},
-            supported_workflow_editions=[self.edition],
-            preferred_workflow_edition=self.edition,
-        )
-        if base.protocol_generation != PROTOCOL_GENERATION:
-            reply.error_message = (
-                f"protocol generation {base.protocol_generation} not compatible with server "
-                f"{PROTOCOL_GENERATION}"
-            )
-            return env_v1.HandshakeResponse(base=reply)
-        reply.compatible = True
-        return env_v1.HandshakeResponse(base=reply, env_contract=self.env_contract)
-
-    def shutdown(self, request: env_v1.ShutdownRequest) -> tuple[env_v1.ShutdownResponse, bool]:
-        """Answer a Shutdown (SPEC §10.1-10.2); the bool says whether the server must stop.
-
-        Raises InvalidRequestError("shutdown request missing base").
-        """
-        base = request.base
-        if base is None:
-            raise InvalidRequestError("shutdown request missing base")
-        if not self.allow_remote_shutdown:
-            message = "remote shutdown is disabled for this environment endpoint"
-            return env_v1.ShutdownResponse(base=core_v1.ShutdownResponse(message=message)), False
-        message = f"shutdown accepted: {base.reason}" if base.reason else "shutdown accepted"
-        response = core_v1.ShutdownResponse(accepted=True, message=message)
-        return env_v1.ShutdownResponse(base=response), True
+Action = Post | Send | StartTimer | CancelTimer | EndStream
 
 
 # --------------------------------------------------------------------------- session
@@ -342,14 +208,10 @@ class Session:
         self,
         endpoint: Endpoint,
         *,
-        post: Callable[[int, Job], None],
-        reply_to: Callable[[int], ReplyFn],
         clock_ns: Callable[[], int] = time.perf_counter_ns,
         wall_ns: Callable[[], int] = time.time_ns,
     ) -> None:
         self._endpoint = endpoint
-        self._post = post
-        self._reply_to = reply_to
         self._clock_ns = clock_ns
         self._wall_ns = wall_ns
         self._n = endpoint.num_envs
@@ -388,8 +250,8 @@ class Session:
             actions.append(StartTimer(entry.token, timeout_ms / 1000.0))
         return actions
 
-    def on_lane_reply(self, token: int, reply: LaneReply) -> list[Action]:
-        actions = self._deliver(token, reply)
+    def on_lane_reply(self, reply: LaneReply) -> list[Action]:
+        actions = self._deliver(reply.job_id, reply)
         actions.extend(self._pump())
         return actions
 
@@ -442,6 +304,12 @@ class Session:
     @property
     def finished(self) -> bool:
         return self._finished
+
+    @property
+    def backlog(self) -> int:
+        """Requests read and not answered yet (queued, in flight, or timed out and still
+        running); the driver stops reading past a bound (back-pressure)."""
+        return len(self._pending) + len(self._ops)
 
     # ----------------------------------------------------------------- scheduling
 
@@ -505,12 +373,7 @@ class Session:
             actions.append(StartTimer(op.token, op.timeout_ms / 1000.0))
         for lane, job in zip(op.lanes, jobs, strict=True):
             self._outstanding += 1
-            try:
-                self._post(lane, job)
-            except LaneError as exc:
-                actions.extend(
-                    self._deliver(op.token, LaneReply(lane, outcome.Error(exc), Phases()))
-                )
+            actions.append(Post(lane, job))
         return actions
 
     def _deliver(self, token: int, reply: LaneReply) -> list[Action]:
@@ -546,25 +409,29 @@ class Session:
         return None
 
     def _start_reset(self, rid: str, body: env_v1.ResetRequest, read_ns: int) -> list[Action]:
-        indices = list(body.env_indices)
+        # len() is the full length also of a list the decoder clipped (wire.Clipped).
+        count = len(body.env_indices)
         seeds: list[int | None]
         ids: list[str]
-        if indices:
-            problem = self._check_indices("partial reset", indices)
-            if problem is None and body.seeds and len(body.seeds) != len(indices):
+        if count:
+            # The reference's order: the list lengths first, then the indices.
+            problem = None
+            if body.seeds and len(body.seeds) != count:
                 problem = (
                     f"partial reset: seeds length {len(body.seeds)} does not match env_indices "
-                    f"length {len(indices)} (provide one seed per reset lane, or none)"
+                    f"length {count} (provide one seed per reset lane, or none)"
                 )
-            if problem is None and body.episode_ids and len(body.episode_ids) != len(indices):
+            elif body.episode_ids and len(body.episode_ids) != count:
                 problem = (
                     f"partial reset: episode_ids length {len(body.episode_ids)} does not match "
-                    f"env_indices length {len(indices)} (provide one episode id per reset lane, "
+                    f"env_indices length {count} (provide one episode id per reset lane, "
                     "or none)"
                 )
+            else:
+                problem = self._check_indices("partial reset", body.env_indices)
             if problem is not None:
                 return [self._error(rid, read_ns, Code.INVALID_ACTION, problem, recoverable=True)]
-            lanes = indices
+            lanes = list(body.env_indices)
         else:
             lanes = list(range(self._n))
         k = len(lanes)
@@ -572,12 +439,11 @@ class Session:
         ids = [body.episode_ids[i] if i < len(body.episode_ids) else "" for i in range(k)]
         t0 = self._clock_ns()
         options = from_meta_map(body.options) if body.options is not None else None
-        op = self._new_op(rid, "reset", lanes, not indices, read_ns, body.timeout_ms)
+        op = self._new_op(rid, "reset", lanes, not count, read_ns, body.timeout_ms)
         op.seeds, op.episode_ids = seeds, ids
         op.pre_decode_ns = self._clock_ns() - t0
-        reply = self._reply_to(op.token)
         jobs = [
-            ResetJob(seed=seed, options=dict(options) if options is not None else None, reply=reply)
+            ResetJob(seed=seed, options=dict(options) if options is not None else None, id=op.token)
             for seed in seeds
         ]
         return self._launch(op, jobs)
@@ -609,9 +475,8 @@ class Session:
                 return [self._error(rid, read_ns, Code.INVALID_ACTION, str(exc), recoverable=True)]
             op.pre_decode_ns = self._clock_ns() - t0
             validated = True
-        reply = self._reply_to(op.token)
         jobs = [
-            StepJob(leaves=leaves, n=k, row=row, validated=validated, reply=reply)
+            StepJob(leaves=leaves, n=k, row=row, validated=validated, id=op.token)
             for row in range(k)
         ]
         return self._launch(op, jobs)
@@ -629,7 +494,7 @@ class Session:
             message = f"single-env render only supports env_index 0, got {lane}"
             return [self._error(rid, read_ns, Code.INVALID_ACTION, message, recoverable=True)]
         op = self._new_op(rid, "render", [lane], True, read_ns, body.timeout_ms)
-        return self._launch(op, [RenderJob(reply=self._reply_to(op.token))])
+        return self._launch(op, [RenderJob(id=op.token)])
 
     def _configure(self, rid: str, body: env_v1.ConfigureEnvRequest, read_ns: int) -> list[Action]:
         edition = body.selected_workflow_edition
@@ -701,7 +566,7 @@ class Session:
         replies = [r for r in op.replies if r is not None]
         for reply in replies:
             if isinstance(reply.outcome, outcome.Error):
-                code, message, recoverable = self._classify(op.verb, reply.outcome.error)
+                code, message, recoverable = env_error(op.verb, reply.outcome.error)
                 actions: list[Action] = [
                     self._error(op.request_id, op.started_ns, code, message, recoverable)
                 ]
@@ -743,9 +608,9 @@ class Session:
         survivors, fresh = self._endpoint.ledger.place(op.lanes, candidates)
         for info, kept in zip(maps, survivors, strict=True):
             if kept:
-                info.entries[CONFORMANCE_KEY] = _warning_value(kept)
+                info.entries[CONFORMANCE_KEY] = warning_value(kept)
         if fresh and len(maps) == 1:
-            maps[0].entries[CONFORMANCE_KEY] = _warning_value(fresh)
+            maps[0].entries[CONFORMANCE_KEY] = warning_value(fresh)
         return maps, fresh
 
     def _infos(
@@ -755,7 +620,7 @@ class Session:
             return maps[0]
         infos = batch_infos(maps, done)
         if fresh:
-            infos.entries[CONFORMANCE_KEY] = _warning_value(fresh)
+            infos.entries[CONFORMANCE_KEY] = warning_value(fresh)
         return infos
 
     def _observation(self, results: Sequence[ResetResult | StepResult]) -> list[bytes]:
@@ -806,18 +671,6 @@ class Session:
         return response
 
     # ----------------------------------------------------------------- helpers
-
-    def _classify(self, verb: str, exc: BaseException) -> tuple[env_v1.EnvErrorCode, str, bool]:
-        """The one place lane failures become EnvError codes (SPEC §9)."""
-        if isinstance(exc, PolicyViolation):
-            if exc.kind == "action":
-                return Code.INVALID_ACTION, str(exc), True
-            return Code.INTERNAL, str(exc), False
-        if isinstance(exc, ActionError):
-            return Code.INVALID_ACTION, str(exc), True
-        if isinstance(exc, LaneError):
-            return Code.INTERNAL, str(exc), False
-        return Code.INTERNAL, f"{verb} failed: {type(exc).__name__}: {exc}", False
 
     def _elapsed(self, read_ns: int) -> int:
         return max(self._clock_ns() - read_ns, 1)

@@ -1,0 +1,163 @@
+"""Server-wide state shared by every Join of one server: :class:`Endpoint`.
+
+It holds the env contract, the conformance ledger (SPEC §3.7.6) and the editions, and
+answers Handshake (SPEC §6) and Shutdown (SPEC §10.1-10.2). Sans-IO, like the session.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+from collections.abc import Sequence
+
+from .._codec import Candidate
+from .._errors import InvalidRequestError
+from .._jobs import EnvContract
+from .._options import WORKFLOW_EDITION, Policy
+from .._proto.rlmesh.core import v1 as core_v1
+from .._proto.rlmesh.env import v1 as env_v1
+from .._version import __version__
+
+PROTOCOL_GENERATION = "rlmesh-wire-v1"
+
+
+class ConformanceLedger:
+    """The (kind, path) pairs already reported, per lane and server-wide (SPEC §3.7.6).
+
+    Lives as long as the server: not cleared by resets, Close or a new Join.
+    """
+
+    def __init__(self, num_envs: int) -> None:
+        self.lanes: list[set[tuple[str, str]]] = [set() for _ in range(num_envs)]
+        self.server: set[tuple[str, str]] = set()
+
+    def place(
+        self, lanes: Sequence[int], candidates: Sequence[Sequence[Candidate]]
+    ) -> tuple[list[list[Candidate]], list[Candidate]]:
+        """Apply de-duplication for one reply (SPEC §3.7.7).
+
+        ``candidates[i]`` are lane ``lanes[i]``'s candidates, action first. Returns each
+        lane's surviving list R(i) and the reply-level list N of server-new pairs.
+        """
+        survivors: list[list[Candidate]] = []
+        for lane, cands in zip(lanes, candidates, strict=True):
+            seen = self.lanes[lane]
+            kept = []
+            for cand in cands:
+                key = (cand.kind, cand.path)
+                if key not in seen:
+                    seen.add(key)
+                    kept.append(cand)
+            survivors.append(kept)
+        fresh: list[Candidate] = []
+        new_keys: set[tuple[str, str]] = set()
+        for kind in ("action", "observation"):
+            for kept in survivors:
+                for cand in kept:
+                    key = (cand.kind, cand.path)
+                    if cand.kind == kind and key not in self.server and key not in new_keys:
+                        new_keys.add(key)
+                        fresh.append(cand)
+        self.server |= new_keys
+        return survivors, fresh
+
+
+def _peer_info() -> core_v1.PeerInfo:
+    import gymnasium
+    import numpy
+
+    return core_v1.PeerInfo(
+        component="rlmesh-env",
+        package_version=__version__,
+        language="python",
+        language_version=platform.python_version(),
+        os=sys.platform if sys.platform != "darwin" else "macos",
+        os_version=platform.release(),
+        arch=platform.machine(),
+        framework_versions={"gymnasium": gymnasium.__version__, "numpy": numpy.__version__},
+        extra={
+            "rlmesh.workflow.base": WORKFLOW_EDITION,
+            "rlmesh.workflow.edition": WORKFLOW_EDITION,
+            "rlmesh.build.cohort": "stable",
+            "rlmesh.build.source": "release",
+            "rlmesh.server.implementation": f"rlmesh-trio {__version__}",
+        },
+    )
+
+
+class Endpoint:
+    """Server-wide state: one per server, shared by its successive Join sessions.
+
+    Not thread-safe: used from the transport loop only.
+    """
+
+    def __init__(
+        self,
+        contract: EnvContract,
+        num_envs: int,
+        *,
+        policy: Policy = "warn",
+        workflow_edition: str | None = None,
+        allow_remote_shutdown: bool = False,
+    ) -> None:
+        edition = workflow_edition or WORKFLOW_EDITION
+        if edition != WORKFLOW_EDITION:
+            raise ValueError(
+                f"workflow edition {edition!r} is not implemented (implements [{WORKFLOW_EDITION!r}])"
+            )
+        self.contract = contract
+        self.num_envs = num_envs
+        self.policy: Policy = policy
+        self.edition = edition
+        self.allow_remote_shutdown = allow_remote_shutdown
+        self.ledger = ConformanceLedger(num_envs)
+        self.peer_info = _peer_info()
+        self.env_contract = core_v1.EnvContract(
+            spec=core_v1.EnvSpec(
+                id=contract.env_id,
+                action_space=contract.action_codec.spec,
+                observation_space=contract.observation_codec.spec,
+                metadata=contract.metadata,
+            ),
+            num_envs=num_envs,
+            render_mode=contract.render_mode,
+            autoreset_mode=core_v1.AutoresetMode.DISABLED,
+        )
+
+    def handshake(self, request: env_v1.HandshakeRequest) -> env_v1.HandshakeResponse:
+        """Answer a Handshake (SPEC §6). A generation mismatch is an answer, not an error.
+
+        Raises InvalidRequestError("handshake request missing base").
+        """
+        base = request.base
+        if base is None:
+            raise InvalidRequestError("handshake request missing base")
+        reply = core_v1.HandshakeResponse(
+            peer_info=self.peer_info,
+            capabilities={"subset_step": "true"},
+            supported_workflow_editions=[self.edition],
+            preferred_workflow_edition=self.edition,
+        )
+        if base.protocol_generation != PROTOCOL_GENERATION:
+            reply.error_message = (
+                f"protocol generation {base.protocol_generation} not compatible with server "
+                f"{PROTOCOL_GENERATION}"
+            )
+            return env_v1.HandshakeResponse(base=reply)
+        reply.compatible = True
+        return env_v1.HandshakeResponse(base=reply, env_contract=self.env_contract)
+
+    def shutdown(self, request: env_v1.ShutdownRequest) -> tuple[env_v1.ShutdownResponse, bool]:
+        """Answer a Shutdown (SPEC §10.1-10.2); the bool says whether the server must stop.
+
+        Raises InvalidRequestError("shutdown request missing base").
+        """
+        base = request.base
+        if base is None:
+            raise InvalidRequestError("shutdown request missing base")
+        if not self.allow_remote_shutdown:
+            message = "remote shutdown is disabled for this environment endpoint"
+            return env_v1.ShutdownResponse(base=core_v1.ShutdownResponse(message=message)), False
+        message = f"shutdown accepted: {base.reason}" if base.reason else "shutdown accepted"
+        response = core_v1.ShutdownResponse(accepted=True, message=message)
+        return env_v1.ShutdownResponse(base=response), True

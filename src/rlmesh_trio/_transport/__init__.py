@@ -1,0 +1,16 @@
+"""The gRPC transport: the only package that imports asyncio, grpclib or h2.
+
+* :mod:`._service` -- :class:`TransportService`, the Trio task owning the loop thread;
+* :mod:`._server` -- the loop side: method table, the one error-to-status mapping,
+  health, idle timer, stop phases;
+* :mod:`._join` -- the Join driver (explicit states, back-pressure);
+* :mod:`._shim` -- every use of a grpclib private.
+"""
+
+from ._server import HANDSHAKE_PATH as HANDSHAKE_PATH
+from ._server import HEALTH_CHECK_PATH as HEALTH_CHECK_PATH
+from ._server import JOIN_PATH as JOIN_PATH
+from ._server import SERVICE_NAME as SERVICE_NAME
+from ._server import SHUTDOWN_PATH as SHUTDOWN_PATH
+from ._service import THREAD_NAME as THREAD_NAME
+from ._service import TransportService as TransportService

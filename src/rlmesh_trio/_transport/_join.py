@@ -1,0 +1,317 @@
+"""The Join driver: one bidi stream around one sans-IO session, on the transport loop.
+
+A reader task decodes requests and feeds them to the session; the session's actions are
+performed here (post lane jobs, queue replies, timers, end); one writer task sends the
+queued replies in order, so a slow client never blocks the reader. Lane replies come
+back through a :class:`~rlmesh_trio._bridge.ReplyInbox`.
+
+States (:class:`JoinState`)::
+
+    OPEN ──stop_reading()──► NOT_READING          (server draining: replies still go out)
+      │                          │
+      └──finish()────────────────┴──► FLUSHING ──► CLOSED   (queued replies, then trailers)
+      any state ──send failed / cancelled──► BROKEN ──► CLOSED   (nothing more is sent)
+
+Back-pressure: the reader stops reading while more than :data:`REPLY_BACKLOG_BYTES` of
+replies wait to be sent (a client that never reads), or :data:`REQUEST_BACKLOG` requests
+are queued or in flight; h2 flow control then holds the client. A request bigger than
+:data:`OFF_LOOP_DECODE_BYTES` is decoded on the transport's worker thread so that it
+cannot stall the other connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import h2.exceptions
+import outcome
+from grpclib.const import Status
+from grpclib.exceptions import StreamTerminatedError
+from grpclib.server import Stream
+
+from .._bridge import ReplyInbox
+from .._errors import (
+    INTERNAL_SERVER_ERROR,
+    LaneError,
+    RlmeshTrioError,
+    WireError,
+    grpc_status,
+)
+from .._jobs import LaneReply, Phases
+from .._proto.rlmesh.env import v1 as env_v1
+from .._session import Action, CancelTimer, EndStream, Post, Send, StartTimer
+from .._wire import check_outgoing, decode_join_request, encode_join_response
+from ._shim import read_message, reset_if_open
+
+if TYPE_CHECKING:
+    from ._server import LoopServer
+
+log = logging.getLogger("rlmesh_trio.transport")
+
+REPLY_BACKLOG_BYTES = 8 << 20
+"""Stop reading requests while more reply bytes than this wait to be sent."""
+
+REQUEST_BACKLOG = 1024
+"""Stop reading requests while this many are queued or in flight in the session."""
+
+OFF_LOOP_DECODE_BYTES = 1 << 20
+"""Requests bigger than this are decoded on the worker thread, not on the loop."""
+
+BIG_MESSAGE_BYTES = 16 << 20
+"""After a message this big, the server asks the allocator to give memory back."""
+
+_BROKEN = (ConnectionError, h2.exceptions.H2Error, StreamTerminatedError)
+
+
+class JoinState(enum.Enum):
+    OPEN = "open"
+    NOT_READING = "not reading"
+    FLUSHING = "flushing"
+    BROKEN = "broken"
+    CLOSED = "closed"
+
+
+class JoinCall:
+    """One Join stream (loop thread only)."""
+
+    def __init__(self, server: LoopServer, stream: Stream[bytes, bytes]) -> None:
+        self.server = server
+        self.stream = stream
+        self.loop = server.loop
+        self.state = JoinState.OPEN
+        self.session = server.session_factory(server.endpoint)
+        self.inbox = ReplyInbox(server.to_loop, self._on_lane_reply)
+        self.timers: dict[int, asyncio.TimerHandle] = {}
+        self.outbox: deque[bytes] = deque()
+        self.outbox_bytes = 0
+        self.sending = False  # the writer is inside a send
+        self.wake_writer = asyncio.Event()
+        self.room = asyncio.Event()  # the reader may read (back-pressure released)
+        self.room.set()
+        self.ended = asyncio.Event()  # no more requests: finish the stream
+        self.session_told = False  # EndStream performed or on_stream_end() called
+        self.reader: asyncio.Task[None] | None = None
+        self.status = Status.OK
+        self.status_message: str | None = None
+
+    # -- events into the session
+
+    def _on_lane_reply(self, reply: LaneReply) -> None:
+        self._drive(self.session.on_lane_reply, reply)
+
+    def _on_timer(self, token: int) -> None:
+        self.timers.pop(token, None)
+        self._drive(self.session.on_timer, token)
+
+    def _drive(self, event: Callable[..., list[Action]], *args: Any) -> None:
+        try:
+            actions = event(*args)
+        except Exception:
+            log.exception("the Join session failed on %s", getattr(event, "__name__", event))
+            self.fail(Status.INTERNAL, INTERNAL_SERVER_ERROR)
+            return
+        self.perform(actions)
+
+    @property
+    def attached(self) -> bool:
+        """Sends and timers are still wanted."""
+        return self.state in (JoinState.OPEN, JoinState.NOT_READING, JoinState.FLUSHING)
+
+    def perform(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, Post):
+                self._post(action)
+            elif isinstance(action, Send):
+                if self.state in (JoinState.OPEN, JoinState.NOT_READING):
+                    self._queue(action.response)
+            elif isinstance(action, StartTimer):
+                if self.attached:
+                    old = self.timers.pop(action.token, None)
+                    if old is not None:
+                        old.cancel()
+                    self.timers[action.token] = self.loop.call_later(
+                        action.seconds, self._on_timer, action.token
+                    )
+            elif isinstance(action, CancelTimer):
+                handle = self.timers.pop(action.token, None)
+                if handle is not None:
+                    handle.cancel()
+            elif isinstance(action, EndStream):
+                self.session_told = True
+                self.finish()
+        self._update_room()
+        self.server.join_activity(self)
+
+    def _post(self, action: Post) -> None:
+        try:
+            self.server.post(action.lane, action.job, self.inbox.put)
+        except LaneError as exc:  # the lane refuses: that is the job's answer
+            refusal = LaneReply(action.job.id, action.lane, outcome.Error(exc), Phases())
+            self._drive(self.session.on_lane_reply, refusal)
+
+    def _queue(self, response: env_v1.JoinResponse) -> None:
+        data = encode_join_response(response)
+        try:
+            check_outgoing(data, self.server.max_message_bytes)
+        except RlmeshTrioError as exc:
+            log.error("a JoinResponse was refused (%s); ending the stream", exc)
+            code, message = grpc_status(exc)
+            self.fail(Status(code), message)
+            return
+        self.outbox.append(data)
+        self.outbox_bytes += len(data)
+        if len(data) >= BIG_MESSAGE_BYTES:
+            self.server.big_message_done()
+        self.wake_writer.set()
+
+    def _update_room(self) -> None:
+        if self.outbox_bytes > REPLY_BACKLOG_BYTES or self.session.backlog >= REQUEST_BACKLOG:
+            self.room.clear()
+        else:
+            self.room.set()
+
+    def finish(self) -> None:
+        """Read no more; flush what is queued, then end the stream (status as set)."""
+        if self.state in (JoinState.OPEN, JoinState.NOT_READING):
+            self.state = JoinState.FLUSHING
+        self.wake_writer.set()
+        self.ended.set()
+        self.room.set()
+
+    def fail(self, status: Status, message: str) -> None:
+        if self.status is Status.OK:
+            self.status, self.status_message = status, message
+        self.finish()
+
+    def _break(self) -> None:
+        """The stream is gone (send failed, cancelled): nothing more is sent."""
+        if self.state is not JoinState.CLOSED:
+            self.state = JoinState.BROKEN
+        self.outbox.clear()
+        self.outbox_bytes = 0
+        self.ended.set()
+        self.room.set()
+
+    # -- the stream
+
+    def _tell_session(self) -> None:
+        if not self.session_told:
+            self.session_told = True
+            self._drive(self.session.on_stream_end)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight: no request queued or running, nothing left to send."""
+        return not (self.session.busy or self.outbox or self.sending)
+
+    def stop_reading(self) -> None:
+        """Read no more requests (server stopping); the stream stays open for replies."""
+        if self.state is JoinState.OPEN:
+            self.state = JoinState.NOT_READING
+        if self.reader is not None:
+            self.reader.cancel()
+
+    def _reader_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return  # stop_reading() or the stream's end: not a reason to end it
+        if task.exception() is not None:
+            log.debug("Join reader failed: %r", task.exception())
+        self.ended.set()  # half-close, unreadable request, or a reader failure
+
+    async def run(self) -> None:
+        writer: asyncio.Task[None] | None = None
+        try:
+            # SPEC §1.3: the 0.1.0 clients wait for the response headers before sending.
+            await self.stream.send_initial_metadata()
+            if self.server.reading:
+                self.reader = self.loop.create_task(self._read_loop())
+                self.reader.add_done_callback(self._reader_done)
+            else:
+                self.state = JoinState.NOT_READING
+            writer = self.loop.create_task(self._write_loop())
+            await self.ended.wait()
+            self.stop_reading()
+            # Half-close, unreadable request or failed send: the session learns the stream
+            # ended (SPEC §7.9); after EndStream it already knows.
+            self._tell_session()
+            if self.state is not JoinState.BROKEN:
+                self.state = JoinState.FLUSHING
+            self.wake_writer.set()
+            await writer
+            if self.state is JoinState.FLUSHING:
+                await self.stream.send_trailing_metadata(
+                    status=self.status, status_message=self.status_message
+                )
+                reset_if_open(self.stream)
+        except _BROKEN as exc:
+            log.debug("Join stream broke: %r", exc)
+        finally:
+            for task in (self.reader, writer):
+                if task is not None:
+                    task.cancel()
+            self._break()
+            self.state = JoinState.CLOSED
+            for handle in self.timers.values():
+                handle.cancel()
+            self.timers.clear()
+            # Cancelled (client reset, disconnect, server cut): the session must know.
+            self._tell_session()
+            self.server.join_activity(self)
+
+    async def _read_loop(self) -> None:
+        """Feed requests to the session; return when the stream must end."""
+        limit = self.server.max_message_bytes
+        lanes = self.server.endpoint.num_envs
+        while self.state is JoinState.OPEN:
+            if not self.room.is_set():
+                await self.room.wait()
+                continue
+            data: bytes | bytearray | None = None
+            try:
+                data = await read_message(self.stream, limit)
+                if data is None:
+                    return  # the client half-closed
+                if len(data) > OFF_LOOP_DECODE_BYTES:
+                    request = await self.server.off_loop(decode_join_request, data, lanes)
+                else:
+                    request = decode_join_request(data, max_lanes=lanes)
+            except WireError as exc:
+                # Undecodable or over-size: the stream ends with status 0 (SPEC §1.10).
+                log.warning("unreadable JoinRequest (%s); ending the Join stream", exc)
+                return
+            finally:
+                if data is not None and len(data) >= BIG_MESSAGE_BYTES:
+                    self.server.big_message_done()
+                data = None  # the request's buffer goes now, not with the next one
+            self._drive(self.session.on_request, request)
+
+    async def _write_loop(self) -> None:
+        """The one writer: sends in order; a slow send never blocks the reader."""
+        try:
+            while True:
+                while self.outbox and self.attached:
+                    data = self.outbox.popleft()
+                    self.sending = True
+                    try:
+                        await self.stream.send_message(data)
+                    finally:
+                        self.sending = False
+                        self.outbox_bytes -= len(data)
+                    del data
+                    if not self.outbox:
+                        self._update_room()
+                        self.server.join_activity(self)
+                    elif self.outbox_bytes <= REPLY_BACKLOG_BYTES:
+                        self._update_room()
+                if self.state is not JoinState.OPEN and self.state is not JoinState.NOT_READING:
+                    return
+                self.wake_writer.clear()
+                await self.wake_writer.wait()
+        except _BROKEN as exc:
+            log.debug("Join send failed (%r); ending the stream", exc)
+            self._break()

@@ -1,0 +1,463 @@
+"""Everything that lives on the transport loop: the method table, the one error-to-status
+mapping every handler goes through, health, the idle timer and the stop phases.
+
+Loop thread only (not thread-safe).
+
+What it serves (SPEC §1):
+
+* ``/rlmesh.env.v1.EnvService/Handshake`` and ``/Shutdown`` -- unary, answered by the
+  :class:`~rlmesh_trio._session.Endpoint`;
+* ``/rlmesh.env.v1.EnvService/Join`` -- the bidi stream (:mod:`._join`); one at a time;
+* ``/grpc.health.v1.Health/Check`` -- SERVING for ``""`` and ``"rlmesh.env.v1.EnvService"``
+  while listening, NOT_SERVING while stopping (beyond the reference, which has none);
+* anything else -- ``UNIMPLEMENTED``; a compressed request -- ``UNIMPLEMENTED``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import ctypes.util
+import logging
+import socket
+import sys
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+import outcome
+from grpclib.const import Cardinality, Status
+from grpclib.const import Handler as MethodHandler
+from grpclib.exceptions import GRPCError
+from grpclib.server import Stream
+
+from .._bridge import ToLoop, Worker
+from .._errors import (
+    AlreadyJoinedError,
+    CompressedRequestError,
+    RlmeshTrioError,
+    ServerStoppingError,
+    UnknownMethodError,
+    UnknownServiceError,
+    grpc_status,
+)
+from .._jobs import Job, ReplyFn
+from .._options import Resolved
+from .._proto.rlmesh.env import v1 as env_v1
+from .._wire import (
+    HEALTH_NOT_SERVING,
+    HEALTH_SERVING,
+    decode_handshake_request,
+    decode_health_request,
+    decode_shutdown_request,
+)
+from .._wire import encode_health_response as health_response
+from ._join import OFF_LOOP_DECODE_BYTES, JoinCall
+from ._shim import (
+    Connection,
+    Dispatcher,
+    MethodTable,
+    RawCodec,
+    read_message,
+    send_trailers_only,
+    server_config,
+)
+
+if TYPE_CHECKING:
+    from grpclib.protocol import Stream as H2Stream
+
+    from .._session import Action
+
+log = logging.getLogger("rlmesh_trio.transport")
+
+SERVICE_NAME = "rlmesh.env.v1.EnvService"
+HANDSHAKE_PATH = f"/{SERVICE_NAME}/Handshake"
+JOIN_PATH = f"/{SERVICE_NAME}/Join"
+SHUTDOWN_PATH = f"/{SERVICE_NAME}/Shutdown"
+HEALTH_CHECK_PATH = "/grpc.health.v1.Health/Check"
+
+GOAWAY_GAP = 0.05
+"""Seconds between the two GOAWAY frames of a stop (like the reference: first with
+last-stream 2^31-1, then with the real last stream id)."""
+
+INFLIGHT_GRACE = 0.2
+"""Seconds beyond ``close_timeout`` a request in flight when the drain ended may take to
+be answered (the lanes finish their current job within the close timeout)."""
+
+CUT_TIMEOUT = 0.3
+"""Seconds the request handlers get to unwind once the connections were cut."""
+
+LOOP_CLOSE_TIMEOUT = 0.2
+"""Seconds the loop's leftover tasks get when the transport thread closes it."""
+
+TRIM_DELAY = 1.0
+"""Seconds after a big message until the allocator is asked to give memory back."""
+
+_MAX_STREAM_ID = 2**31 - 1
+
+
+class EndpointLike(Protocol):
+    """What the transport needs from :class:`~rlmesh_trio._session.Endpoint`."""
+
+    num_envs: int
+
+    def handshake(self, request: env_v1.HandshakeRequest) -> env_v1.HandshakeResponse: ...
+
+    def shutdown(self, request: env_v1.ShutdownRequest) -> tuple[env_v1.ShutdownResponse, bool]: ...
+
+
+class SessionLike(Protocol):
+    """What the Join driver needs from :class:`~rlmesh_trio._session.Session`."""
+
+    def on_request(self, request: env_v1.JoinRequest) -> list[Action]: ...
+
+    def on_lane_reply(self, reply: Any) -> list[Action]: ...
+
+    def on_timer(self, token: int) -> list[Action]: ...
+
+    def on_stream_end(self) -> list[Action]: ...
+
+    @property
+    def busy(self) -> bool: ...
+
+    @property
+    def backlog(self) -> int: ...
+
+
+SessionFactory = Callable[[Any], SessionLike]
+PostFn = Callable[[int, Job, ReplyFn], None]
+
+
+def _libc_trim() -> Callable[[], None] | None:
+    """glibc's ``malloc_trim(0)``: hand freed heap pages back to the OS (None elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    return lambda: trim(0)
+
+
+_TRIM = _libc_trim()
+
+
+class LoopServer:
+    """The loop side of one server: connections, handlers, idle timer, stop."""
+
+    def __init__(
+        self,
+        options: Resolved,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        endpoint: EndpointLike,
+        post: PostFn,
+        session_factory: SessionFactory,
+        on_drained: Callable[[], None] | None,
+        on_stop_begin: Callable[[], None] | None,
+    ) -> None:
+        self.loop = loop
+        self.to_loop = ToLoop(loop.call_soon_threadsafe)
+        self.endpoint = endpoint
+        self.post = post
+        self.session_factory = session_factory
+        self.max_message_bytes = options.max_message_bytes
+        self.options = options
+        self._on_drained = on_drained
+        self._on_stop_begin = on_stop_begin
+        self.closing = False
+        self.reading = True  # Join streams read requests (until the drain is over)
+        self.stop_reason: str | None = None
+        self._drain_joins = True
+        self._stop_requested = asyncio.Event()
+        self._changed = asyncio.Event()  # a unary call or a Join ended, or busy changed
+        self.protocols: set[Connection] = set()
+        self.join: JoinCall | None = None
+        self._busy: set[JoinCall] = set()  # Join sessions with work in flight
+        self._unary_calls = 0
+        self._idle_handle: asyncio.TimerHandle | None = None
+        self._trim_handle: asyncio.TimerHandle | None = None
+        self.worker = Worker("rlmesh-trio-decode")
+        self.codec = RawCodec()
+        self.config, self.h2_config = server_config()
+        unary = Cardinality.UNARY_UNARY
+        self.mapping = MethodTable(
+            {
+                HANDSHAKE_PATH: MethodHandler(self._unary(self._handshake), unary, bytes, bytes),
+                SHUTDOWN_PATH: MethodHandler(self._unary(self._shutdown), unary, bytes, bytes),
+                JOIN_PATH: MethodHandler(
+                    self._mapped(self._join), Cardinality.STREAM_STREAM, bytes, bytes
+                ),
+                HEALTH_CHECK_PATH: MethodHandler(
+                    self._unary(self._health_check), unary, bytes, bytes
+                ),
+            },
+            fallback=MethodHandler(
+                self._mapped(self._unknown), Cardinality.STREAM_STREAM, bytes, bytes
+            ),
+        )
+
+    # -- lifecycle
+
+    async def serve(self, sock: socket.socket, on_listening: Callable[[], None]) -> None:
+        if sock.family == socket.AF_UNIX:
+            server = await self.loop.create_unix_server(self._make_protocol, sock=sock)
+        else:
+            server = await self.loop.create_server(self._make_protocol, sock=sock)
+        try:
+            if not self._stop_requested.is_set():
+                on_listening()
+                self._arm_idle()
+            await self._stop_requested.wait()
+        finally:
+            await self._stop(server)
+
+    def _make_protocol(self) -> Connection:
+        return Connection(
+            Dispatcher(self, self.mapping, self.codec), self.config, self.h2_config, self.protocols
+        )
+
+    def request_stop(self, reason: str, *, drain: bool = True) -> None:
+        if self.stop_reason is not None:
+            return
+        self.stop_reason = reason
+        self._drain_joins = drain
+        log.info("transport stopping: %s", reason)
+        if self._on_stop_begin is not None:
+            self._on_stop_begin()
+        self._stop_requested.set()
+
+    async def _stop(self, server: asyncio.AbstractServer) -> None:
+        """Stop in phases, every wait bounded, the whole within the stop bound.
+
+        1. Close the listener, send GOAWAY (twice, like the reference).
+        2. Drain (graceful stops only): open streams are served as usual, new requests
+           included, until they all ended or ``drain_timeout`` passed.
+        3. Read no more requests and tell the owner (``on_drained``: the lanes start
+           closing now); a request still in flight gets its reply if it completes within
+           ``close_timeout`` (+ :data:`INFLIGHT_GRACE`).
+        4. Cut the connections (no trailers: clients see UNAVAILABLE) and let the
+           handlers unwind (:data:`CUT_TIMEOUT`).
+        """
+        options = self.options
+        self.closing = True
+        self._cancel_idle()
+        server.close()
+        for proto in list(self.protocols):
+            proto.send_goaway(_MAX_STREAM_ID)
+        await asyncio.sleep(GOAWAY_GAP)
+        for proto in list(self.protocols):
+            proto.send_goaway(proto.dispatcher.last_stream_id)
+        if self._drain_joins:
+            try:
+                await asyncio.wait_for(self._until(self._streams_done), options.drain_timeout)
+            except asyncio.TimeoutError:
+                log.info(
+                    "drain bound of %.3g s expired with %d stream(s) open",
+                    options.drain_timeout,
+                    self._unary_calls + (self.join is not None),
+                )
+        self.reading = False
+        if self.join is not None:
+            self.join.stop_reading()
+        self._notify_drained()
+        inflight = options.close_timeout + INFLIGHT_GRACE
+        try:
+            await asyncio.wait_for(self._until(self._nothing_in_flight), inflight)
+        except asyncio.TimeoutError:
+            log.warning("requests still in flight %.3g s after the drain; cutting them", inflight)
+        handlers = [proto.dispatcher for proto in self.protocols]
+        for proto in list(self.protocols):
+            proto.cut()
+        waits = [self.loop.create_task(handler.wait_closed()) for handler in handlers]
+        if waits:
+            _, pending = await asyncio.wait(waits, timeout=CUT_TIMEOUT)
+            for task in pending:
+                task.cancel()
+            if pending:
+                log.warning("request handlers did not unwind within %.3g s", CUT_TIMEOUT)
+        self.worker.close()
+        self._cancel_trim()
+        # Python >= 3.12: wait_closed() waits for every connection; they are cut, but bound it.
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(server.wait_closed(), CUT_TIMEOUT)
+
+    def _streams_done(self) -> bool:
+        return not self._unary_calls and self.join is None
+
+    def _nothing_in_flight(self) -> bool:
+        return not self._unary_calls and (self.join is None or self.join.idle)
+
+    async def _until(self, condition: Callable[[], bool]) -> None:
+        while not condition():
+            self._changed.clear()
+            await self._changed.wait()
+
+    def _notify_drained(self) -> None:
+        if self._on_drained is not None:
+            try:
+                self._on_drained()
+            except Exception:
+                log.exception("the on_drained callback failed")
+
+    # -- work off the loop, memory
+
+    async def off_loop(self, fn: Callable[..., Any], data: Any, lanes: int) -> Any:
+        """``fn(data, max_lanes=lanes)`` on the worker thread; the loop serves meanwhile."""
+        future: asyncio.Future[Any] = self.loop.create_future()
+
+        def done(result: outcome.Outcome[Any]) -> None:
+            if not future.done():
+                if isinstance(result, outcome.Error):
+                    future.set_exception(result.error)
+                else:
+                    future.set_result(result.unwrap())
+
+        self.worker.submit(lambda: fn(data, max_lanes=lanes), self.to_loop, done)
+        return await future
+
+    def big_message_done(self) -> None:
+        """A big message was read or sent: soon, hand the freed heap back to the OS."""
+        if _TRIM is None or self._trim_handle is not None:
+            return
+        self._trim_handle = self.loop.call_later(TRIM_DELAY, self._trim)
+
+    def _trim(self) -> None:
+        self._trim_handle = None
+        if _TRIM is not None:
+            _TRIM()
+
+    def _cancel_trim(self) -> None:
+        if self._trim_handle is not None:
+            self._trim_handle.cancel()
+            self._trim_handle = None
+
+    # -- idle timer (SPEC §10.4)
+
+    def join_activity(self, call: JoinCall) -> None:
+        """After every Join event: track busy sessions, re-arm the idle timer."""
+        if call.session.busy and call.attached:
+            self._busy.add(call)
+        else:
+            self._busy.discard(call)
+        self._changed.set()
+        self._arm_idle()
+
+    def _arm_idle(self) -> None:
+        self._cancel_idle()
+        idle = self.options.idle_timeout
+        if idle is None or self.closing or self._busy:
+            return
+        self._idle_handle = self.loop.call_later(idle, self._idle_expired)
+
+    def _cancel_idle(self) -> None:
+        if self._idle_handle is not None:
+            self._idle_handle.cancel()
+            self._idle_handle = None
+
+    def _idle_expired(self) -> None:
+        self._idle_handle = None
+        if not self._busy:
+            # An open but silent Join does not hold the server: cut it at once.
+            self.request_stop(f"idle for {self.options.idle_timeout:g} s", drain=False)
+
+    # -- the one mapping of errors to gRPC statuses
+
+    def _mapped(
+        self, handler: Callable[[Stream[bytes, bytes]], Awaitable[None]]
+    ) -> Callable[[Stream[bytes, bytes]], Awaitable[None]]:
+        """Every handler runs inside this: an exception becomes the call's gRPC status."""
+
+        async def mapped(stream: Stream[bytes, bytes]) -> None:
+            try:
+                await handler(stream)
+            except (GRPCError, asyncio.CancelledError):
+                raise
+            except Exception as exc:
+                if not isinstance(exc, RlmeshTrioError):  # a bug of ours: log it whole
+                    log.exception("the %s handler failed", handler.__name__.lstrip("_"))
+                code, message = grpc_status(exc)
+                raise GRPCError(Status(code), message or None) from None
+
+        return mapped
+
+    def _unary(
+        self, handler: Callable[[Stream[bytes, bytes]], Awaitable[None]]
+    ) -> Callable[[Stream[bytes, bytes]], Awaitable[None]]:
+        mapped = self._mapped(handler)
+
+        async def counted(stream: Stream[bytes, bytes]) -> None:
+            self._unary_calls += 1
+            try:
+                await mapped(stream)
+            finally:
+                self._unary_calls -= 1
+                self._changed.set()
+
+        return counted
+
+    async def refuse_compressed(
+        self, stream: H2Stream, encoding: str, release: Callable[[], Any]
+    ) -> None:
+        code, message = grpc_status(CompressedRequestError(encoding))
+        await send_trailers_only(stream, code, message, release)
+
+    # -- handlers
+
+    async def _read_unary(self, stream: Stream[bytes, bytes]) -> bytes | bytearray:
+        data = await read_message(stream, self.max_message_bytes)
+        if data is None:
+            raise GRPCError(Status.INTERNAL, "missing request message")
+        return data
+
+    async def _decode_unary(
+        self, stream: Stream[bytes, bytes], decode: Callable[[Any], Any]
+    ) -> Any:
+        data = await self._read_unary(stream)
+        if len(data) > OFF_LOOP_DECODE_BYTES:
+            return await self.off_loop(lambda d, max_lanes: decode(d), data, 0)
+        return decode(data)
+
+    async def _handshake(self, stream: Stream[bytes, bytes]) -> None:
+        request = await self._decode_unary(stream, decode_handshake_request)
+        response = self.endpoint.handshake(request)
+        await stream.send_message(bytes(response))
+        await stream.send_trailing_metadata()
+
+    async def _shutdown(self, stream: Stream[bytes, bytes]) -> None:
+        request = await self._decode_unary(stream, decode_shutdown_request)
+        response, stop = self.endpoint.shutdown(request)
+        await stream.send_message(bytes(response))
+        await stream.send_trailing_metadata()
+        if stop:
+            self.request_stop("remote shutdown accepted")
+
+    async def _health_check(self, stream: Stream[bytes, bytes]) -> None:
+        service = await self._decode_unary(stream, decode_health_request)
+        if service not in ("", SERVICE_NAME):
+            raise UnknownServiceError(service)
+        status = HEALTH_NOT_SERVING if self.closing else HEALTH_SERVING
+        await stream.send_message(health_response(status))
+        await stream.send_trailing_metadata()
+
+    async def _unknown(self, stream: Stream[bytes, bytes]) -> None:
+        raise UnknownMethodError()
+
+    async def _join(self, stream: Stream[bytes, bytes]) -> None:
+        if self.closing:
+            raise ServerStoppingError()
+        if self.join is not None:
+            raise AlreadyJoinedError()
+        call = JoinCall(self, stream)
+        self.join = call
+        self._arm_idle()
+        try:
+            await call.run()
+        finally:
+            self.join = None
+            self._changed.set()
+            self._arm_idle()

@@ -1,0 +1,17 @@
+"""The wire format, sans-IO: protobuf fields, the request decoders, the reply encoder,
+gRPC framing and the size limit. Nothing here does I/O or imports asyncio."""
+
+from .._errors import DecodeError as DecodeError
+from ._framing import PREFIX_SIZE as PREFIX_SIZE
+from ._framing import check_outgoing as check_outgoing
+from ._framing import parse_prefix as parse_prefix
+from ._join import Clipped as Clipped
+from ._join import decode_join_request as decode_join_request
+from ._join import encode_join_response as encode_join_response
+from ._protobuf import decode_message as decode_message
+from ._unary import HEALTH_NOT_SERVING as HEALTH_NOT_SERVING
+from ._unary import HEALTH_SERVING as HEALTH_SERVING
+from ._unary import decode_handshake_request as decode_handshake_request
+from ._unary import decode_health_request as decode_health_request
+from ._unary import decode_shutdown_request as decode_shutdown_request
+from ._unary import encode_health_response as encode_health_response

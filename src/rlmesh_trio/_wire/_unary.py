@@ -1,0 +1,46 @@
+"""Strict decoders of the unary requests, and the grpc.health.v1 messages.
+
+Handshake and Shutdown go through the schema-driven decoder (rare, small, and their
+nested PeerInfo must be checked as strictly as the reference checks it); the health
+request has one field that matters, so it is read directly.
+"""
+
+from __future__ import annotations
+
+from .._proto.rlmesh.env import v1 as env_v1
+from ._protobuf import decode_message, encode_varint, expect_wire, iter_fields, text
+
+__all__ = [
+    "HEALTH_NOT_SERVING",
+    "HEALTH_SERVING",
+    "decode_handshake_request",
+    "decode_health_request",
+    "decode_shutdown_request",
+    "encode_health_response",
+]
+
+HEALTH_SERVING = 1
+HEALTH_NOT_SERVING = 2
+
+
+def decode_handshake_request(data: bytes | bytearray) -> env_v1.HandshakeRequest:
+    return decode_message(env_v1.HandshakeRequest, data)
+
+
+def decode_shutdown_request(data: bytes | bytearray) -> env_v1.ShutdownRequest:
+    return decode_message(env_v1.ShutdownRequest, data)
+
+
+def decode_health_request(data: bytes | bytearray) -> str:
+    """``grpc.health.v1.HealthCheckRequest.service`` (field 1; the last one wins)."""
+    service = ""
+    for number, wire, _value, start, stop in iter_fields(data, 0, len(data)):
+        if number == 1:
+            expect_wire(wire, 2)
+            service = text(data, start, stop)
+    return service
+
+
+def encode_health_response(status: int) -> bytes:
+    """``grpc.health.v1.HealthCheckResponse{status}`` (field 1, an enum)."""
+    return b"\x08" + encode_varint(status)
