@@ -350,6 +350,117 @@ CASES: dict[str, Case] = {
     ),
 }
 
+
+def twice(*requests: wire.env_v1.JoinRequest) -> bytes:
+    """The requests' bytes concatenated: one JoinRequest in which their fields repeat."""
+    return b"".join(bytes(r) for r in requests)
+
+
+# Hostile input (issue 7): repeated fields merge as protobuf says, the reference's check
+# order, unknown fields encoded as groups, the edition's Rust {:?} escaping.
+CASES.update(
+    {
+        "merge-two-lane-step-arms": Case(
+            "cartpole",
+            4,
+            twice(
+                wire.step([wire.i64([0])], env_indices=[1]),
+                wire.step([wire.i64([0])], env_indices=[3]),
+            ),
+            seeded(4),
+            Expect(INVALID, True, "length mismatch: got 2 leaf slabs, spec expects 1", True),
+        ),
+        "merge-whole-step-twice": Case(
+            "cartpole",
+            4,
+            twice(wire.step([wire.i64([0] * 4)]), wire.step([wire.i64([0] * 4)])),
+            seeded(4),
+            Expect(INVALID, True, "length mismatch: got 2 leaf slabs, spec expects 1", True),
+        ),
+        "merge-render-twice": Case(
+            "cartpole",
+            4,
+            twice(wire.render([0]), wire.render([0])),
+            seeded(4),
+            Expect(UNSUPPORTED, True, "render requests support at most one env_index", True),
+        ),
+        "merge-lane-reset-twice": Case(
+            "cartpole",
+            4,
+            twice(wire.reset(env_indices=[2]), wire.reset(env_indices=[2])),
+            seeded(4),
+            Expect(INVALID, True, "partial reset: duplicate env_index 2", True),
+        ),
+        "partial-reset-seeds-length-before-range": Case(
+            "cartpole",
+            4,
+            wire.reset(seeds=[1], env_indices=[0, 1, 2, 3, 4]),
+            seeded(4),
+            Expect(
+                INVALID,
+                True,
+                "partial reset: seeds length 1 does not match env_indices length 5 "
+                "(provide one seed per reset lane, or none)",
+                True,
+            ),
+        ),
+        "partial-reset-episode-ids-length-before-duplicate": Case(
+            "cartpole",
+            4,
+            wire.reset(env_indices=[0, 0], episode_ids=["a"]),
+            seeded(4),
+            Expect(
+                INVALID,
+                True,
+                "partial reset: episode_ids length 1 does not match env_indices length 2 "
+                "(provide one episode id per reset lane, or none)",
+                True,
+            ),
+        ),
+        "unknown-group-field-is-skipped": Case(
+            "cartpole",
+            1,
+            bytes.fromhex("3b3c"),
+            seeded(1),
+            Expect(UNSUPPORTED, True, UNRECOGNIZED, True),
+        ),
+        "largest-field-number-is-skipped": Case(
+            "cartpole",
+            1,
+            bytes.fromhex("f8ffffff0f012a0178"),
+            seeded(1),
+            Expect(UNSUPPORTED, True, UNRECOGNIZED, True),
+        ),
+        "edition-with-nul-is-debug-escaped": Case(
+            "cartpole",
+            1,
+            wire.configure("\0"),
+            (),
+            Expect(
+                INVALID,
+                False,
+                'runtime pinned this env to workflow edition "\\0", which this env build '
+                'does not implement (implements ["2026.06"])',
+                False,
+            ),
+        ),
+        "edition-escapes-controls-and-combining-marks": Case(
+            "cartpole",
+            1,
+            wire.configure("\x01\u00a0a\u0301\ufeff\"'\\"),
+            (),
+            Expect(
+                INVALID,
+                False,
+                "runtime pinned this env to workflow edition "
+                '"\\u{1}\\u{a0}a\\u{301}\\u{feff}\\"\'\\\\", which this env build '
+                'does not implement (implements ["2026.06"])',
+                False,
+            ),
+        ),
+    }
+)
+
 NOT_ERRORS: dict[str, Case] = {
     "step-before-any-reset-of-the-session": Case(
         "cartpole",
@@ -600,6 +711,48 @@ def test_join_admission_close_and_malformed(servers: ServerPool, peer: str) -> N
     assert reference["reply-after-close"] is None
     assert reference["malformed-join-request"] == wire.CallEnd(0)
     assert reference["oversize-join-request"] == wire.CallEnd(0)
+
+
+UNDECODABLE = {
+    "field-number-2^29": "8080808010012a0178",
+    "key-over-32-bits": "80808080800101",
+    "wire-type-6": "0e",
+    "wire-type-7": "0f",
+    "end-group-without-start": "3c",
+    "group-closed-by-another-tag": "3b44",
+    "unclosed-group": "3b",
+    "reset-arm-as-group": "0b0c",
+    "request-id-not-utf8": "2a02c0af",
+    "ten-byte-varint-ending-in-2": "a8ffffffffffffffffff02",
+}
+"""JoinRequests prost refuses (issue 7, item 3): the stream ends with status 0, no reply."""
+
+
+async def undecodable(address: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    async with wire.WireClient(address) as client:
+        for name, data in UNDECODABLE.items():
+            for attempt in range(50):
+                async with client.join() as join:
+                    await join.send(bytes.fromhex(data))
+                    reply = await join.recv()
+                    end = join.end
+                if end is None or end.status != 9 or attempt == 49:
+                    break
+                await asyncio.sleep(0.05)  # the reference frees its Join slot asynchronously
+            out[name] = (None if reply is None else wire.plain(reply), end)
+    return out
+
+
+@pytest.mark.parametrize("peer", PEERS)
+def test_undecodable_join_requests_end_the_stream(servers: ServerPool, peer: str) -> None:
+    cfg = config("cartpole")
+    ref, other_server = servers.pair(peer, cfg)  # type: ignore[arg-type]
+    reference = wire.run(undecodable(ref.address))
+    other = wire.run(undecodable(other_server.address))
+    assert reference == other
+    for name in UNDECODABLE:
+        assert reference[name] == (None, wire.CallEnd(0)), name
 
 
 # --------------------------------------------------------------------------- §10 lifecycle

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import itertools
 import time
-import unicodedata
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from typing import Any
 
 import betterproto2
 import outcome
+import unicodedata2  # Unicode 18 tables: Python's own unicodedata lags (3.11: Unicode 14)
 
 from .._codec import Candidate, from_meta_map
 from .._errors import ActionError, env_error
@@ -64,7 +64,7 @@ def rust_debug_str(text: str) -> str:
         escaped = _SIMPLE_ESCAPES.get(char)
         if escaped is not None:
             out.append(escaped)
-        elif char.isprintable() and not _grapheme_extend(char):
+        elif _printable(char) and not _grapheme_extend(char):
             out.append(char)
         else:
             out.append(f"\\u{{{ord(char):x}}}")
@@ -80,14 +80,33 @@ _EXTEND_EXTRA = frozenset(
         *(0x0D57, 0x0DCF, 0x0DDF, 0x1B35, 0x200C, 0x302E, 0x302F, 0xFF9E, 0xFF9F, 0x1133E),
         *(0x11357, 0x114B0, 0x114BD, 0x115AF, 0x11930, 0x1D165),
         *range(0x1D16E, 0x1D173),
-        *range(0x1F3FB, 0x1F400),
         *range(0xE0020, 0xE0080),
     ]
 )
 
 
 def _grapheme_extend(char: str) -> bool:
-    return unicodedata.category(char) in ("Mn", "Me") or ord(char) in _EXTEND_EXTRA
+    return unicodedata2.category(char) in ("Mn", "Me") or ord(char) in _EXTEND_EXTRA
+
+
+def _printable(char: str) -> bool:
+    """Not Unicode "Other" (Cc Cf Cs Co Cn) nor "Separator" (Zl Zp Zs), the space aside."""
+    if char == " ":
+        return True
+    return unicodedata2.category(char)[0] not in "CZ"
+
+
+# Rust's char::is_whitespace (Unicode White_Space), which str::trim strips.
+_RUST_WHITESPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000"
+
+
+def edition_matches(selected: str, implemented: str) -> bool:
+    """The reference's test of a configure edition: empty, or -- trimmed of Unicode
+    whitespace -- the implemented edition or one of its ``<edition>-...`` variants."""
+    if not selected:
+        return True
+    trimmed = selected.strip(_RUST_WHITESPACE)
+    return trimmed == implemented or trimmed.startswith(implemented + "-")
 
 
 _UNRECOGNIZED = (
@@ -499,10 +518,10 @@ class Session:
     def _configure(self, rid: str, body: env_v1.ConfigureEnvRequest, read_ns: int) -> list[Action]:
         edition = body.selected_workflow_edition
         implemented = self._endpoint.edition
-        if edition and edition != implemented and not edition.startswith(implemented + "-"):
+        if not edition_matches(edition, implemented):
             message = (
-                f'runtime pinned this env to workflow edition "{edition}", which this env build '
-                f'does not implement (implements ["{implemented}"])'
+                f"runtime pinned this env to workflow edition {rust_debug_str(edition)}, which "
+                f'this env build does not implement (implements ["{implemented}"])'
             )
             actions: list[Action] = [
                 self._error(rid, read_ns, Code.INVALID_ACTION, message, recoverable=False)

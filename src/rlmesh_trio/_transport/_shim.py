@@ -8,7 +8,8 @@ grpclib is pinned (0.4.9); each use below is covered by the transport tests:
 * ``grpclib.protocol.H2Protocol`` is subclassed (:class:`Connection`) to track
   connections, write GOAWAY frames, cut connections, and answer an HTTP/2 protocol error
   with the GOAWAY h2 prepared (grpclib closes without sending it; this reads the h2
-  connection inside grpclib's ``Connection._connection``).
+  connection inside grpclib's ``Connection._connection``), and to refuse an over-long
+  frame on its header (h2's ``incoming_buffer._data``, ``_terminate_connection``).
 * ``grpclib.server.Stream._stream`` (the h2-level stream) is read directly, so a message's
   length prefix is read before its body and a big body is copied into one buffer as it
   arrives instead of being joined from thousands of chunks at the end.
@@ -221,18 +222,42 @@ class Connection(H2Protocol):
         try:
             events = self.connection.feed(data)
         except h2.exceptions.ProtocolError as exc:
-            log.debug("HTTP/2 protocol error (%r); GOAWAY and close", exc)
-            transport = self._transport
-            with contextlib.suppress(Exception):
-                pending = self.connection._connection.data_to_send()
-                if pending and transport is not None and not transport.is_closing():
-                    transport.write(pending)
-            self.processor.close("Protocol error")
+            self._protocol_error(exc)
             return
         self.connection.flush()
         for event in events:
             self.processor.process(event)
         self.connection.flush()
+        self._check_partial_frame()
+
+    def _protocol_error(self, exc: Exception) -> None:
+        log.debug("HTTP/2 protocol error (%r); GOAWAY and close", exc)
+        transport = self._transport
+        with contextlib.suppress(Exception):
+            pending = self.connection._connection.data_to_send()
+            if pending and transport is not None and not transport.is_closing():
+                transport.write(pending)
+        self.processor.close("Protocol error")
+
+    def _check_partial_frame(self) -> None:
+        """A frame whose header announces more than our MAX_FRAME_SIZE is an error at once.
+
+        h2 checks a frame's length only when its whole body has arrived, so a header
+        announcing 16 MiB would hold the connection open waiting for it; the reference
+        answers GOAWAY(FRAME_SIZE_ERROR) on the header, and so do we. Reads h2's frame
+        buffer (``H2Connection.incoming_buffer``).
+        """
+        h2_connection = self.connection._connection
+        buffer = h2_connection.incoming_buffer
+        pending = buffer._data
+        if len(pending) < 9:
+            return
+        length = int.from_bytes(pending[:3], "big")
+        if length > buffer.max_frame_size:
+            h2_connection._terminate_connection(ErrorCodes.FRAME_SIZE_ERROR)
+            self._protocol_error(
+                h2.exceptions.FrameTooLargeError(f"frame of {length} bytes announced")
+            )
 
     def send_goaway(self, last_stream_id: int) -> None:
         transport = self._transport
