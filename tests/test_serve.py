@@ -348,3 +348,34 @@ async def test_rlmesh_run_drives_three_lanes() -> None:
     episodes = sorted(result.episodes, key=lambda e: e.index)
     assert [e.seed for e in episodes] == [21, 22, 23, 24, 25]
     assert all(e.steps > 0 and e.terminated for e in episodes)
+
+
+async def test_the_stop_bound_is_enforced_on_trio_time(autojump_clock: Any) -> None:
+    """One function computes the stop bound, and the stop meets it even when a part of
+    it would not: under the autojump clock every real-time wait of the transport thread
+    and of the lanes looks endless to Trio, so only the enforcement ends the stop."""
+    from rlmesh_trio._options import stop_bound
+
+    options = ServeOptions(drain_timeout_seconds=0.25, close_timeout_seconds=0.5)
+    bound = stop_bound(0.25, 0.5)
+    assert bound == 0.25 + 0.5 + 1.0
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(functools.partial(serve_env, "CartPole-v1", options=options))
+            started = trio.current_time()
+            scope.cancel()
+    elapsed = trio.current_time() - started
+    assert elapsed <= bound + 1e-6, elapsed
+    # Real time: let the abandoned transport thread and lanes finish their own stop.
+    await trio.to_thread.run_sync(_wait_server_threads_gone)
+
+
+def _wait_server_threads_gone() -> None:
+    import time
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        names = [t.name for t in threading.enumerate()]
+        if not any(n.startswith(("rlmesh-trio-transport", "rlmesh-trio-lane-")) for n in names):
+            return
+        time.sleep(0.02)

@@ -247,3 +247,14 @@ def test_every_truncation_is_refused_or_a_shorter_message(kind: dict[str, Any], 
         assert prefix != data  # the whole message always decodes
         return
     assert decode_join_request(bytes(message)) == message
+
+
+@pytest.mark.parametrize("table", ["REQUEST_FIELDS", "RESPONSE_FIELDS"])
+def test_hand_written_field_tables_match_the_generated_classes(table: str) -> None:
+    """A field added to proto/ (and so to the generated classes) cannot be silently
+    dropped by the hand-written decoder or encoder: their tables must list it."""
+    from rlmesh_trio._wire import _join
+    from rlmesh_trio._wire._protobuf import schema
+
+    for cls, fields in getattr(_join, table).items():
+        assert fields == {n: f.name for n, f in schema(cls).items()}, cls.__name__

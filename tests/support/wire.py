@@ -311,7 +311,8 @@ class WireClient:
     async def _send(
         self, stream: _Stream, payload: bytes, *, end: bool = False, compressed: bool = False
     ) -> None:
-        data = struct.pack(">?I", compressed, len(payload)) + payload
+        # A memoryview: slicing a big message frame by frame must not copy the rest.
+        data = memoryview(struct.pack(">?I", compressed, len(payload)) + payload)
         while data:
             if self.closed is not None:
                 raise ConnectionError(self.closed)
@@ -323,8 +324,10 @@ class WireClient:
                 await asyncio.wait_for(self._window.wait(), self.timeout)
                 continue
             chunk, data = data[:window], data[window:]
-            self._conn.send_data(stream.id, chunk, end_stream=end and not data)
+            self._conn.send_data(stream.id, bytes(chunk), end_stream=end and not data)
             self._flush()
+            if self._writer is not None and len(data) > (1 << 20):
+                await self._writer.drain()  # a big message: let the socket take it
         if self._writer is not None:
             await self._writer.drain()
 

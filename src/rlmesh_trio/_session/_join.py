@@ -343,6 +343,7 @@ class Session:
             self._pending.popleft()
             self._entry = entry
             actions.extend(self._dispatch(entry.request, kind, body, entry.read_ns))
+            self._entry = None
             if entry.timer_started and entry.token not in self._ops:
                 actions.append(CancelTimer(entry.token))  # answered at once after all
         return actions

@@ -289,6 +289,7 @@ class JoinCall:
                     self.server.big_message_done()
                 data = None  # the request's buffer goes now, not with the next one
             self._drive(self.session.on_request, request)
+            del request  # a big request's leaves must not wait here for the next one
 
     async def _write_loop(self) -> None:
         """The one writer: sends in order; a slow send never blocks the reader."""

@@ -523,6 +523,9 @@ def decode_join_request(
         elif number in _ARMS:
             expect_wire(wire, 2)
             if number != arm:
+                if arm:  # replaced by another arm: still decoded (and so checked), as prost does
+                    _, replaced = _ARMS[arm]
+                    replaced(*_merged(data, slices), cap)
                 arm, slices = number, []
             slices.append((s, e))
     if not arm:
