@@ -1,4 +1,4 @@
-"""Development sessions: ``nox -s tests | lint | typecheck | codegen | bench``.
+"""Development sessions: ``nox -s tests | fuzz | lint | typecheck | codegen | bench``.
 
 Every session builds its own virtualenv (``venv`` backend) with the interpreter that
 runs nox, and installs exactly the pins of ``pyproject.toml``: the ``test`` extra for
@@ -7,6 +7,7 @@ tests and benchmarks, the ``dev`` extra's pins for the tools.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -33,6 +34,20 @@ def tests(session: nox.Session) -> None:
     """Install the package with its test extra and run the whole pytest suite."""
     session.install(".[test]")
     session.run("pytest", *session.posargs)
+
+
+@nox.session
+def fuzz(session: nox.Session) -> None:
+    """The differential JoinRequest fuzz test, long: ``RLMESH_FUZZ_COUNT`` messages per peer
+    (3000 unless set; the default suite runs 400)."""
+    session.install(".[test]")
+    count = os.environ.get("RLMESH_FUZZ_COUNT", "3000")
+    session.run(
+        "pytest",
+        "tests/test_fuzz_differential.py",
+        *session.posargs,
+        env={"RLMESH_FUZZ_COUNT": count},
+    )
 
 
 @nox.session

@@ -150,17 +150,27 @@ def skip_field(
 
 
 def iter_fields(
-    data: bytes | bytearray, start: int, end: int, depth: int = 0
+    data: bytes | bytearray,
+    start: int,
+    end: int,
+    depth: int = 0,
+    maps: frozenset[int] = frozenset(),
 ) -> Iterator[tuple[int, int, int, int, int]]:
     """Yield ``(number, wire, value, start, stop)`` for each field of ``data[start:end]``.
 
     ``value`` is the varint of a wire-type-0 field (else 0); ``start:stop`` is the payload
     of a length-delimited or fixed-size field. Groups are yielded with wire type 3 and
     their whole extent as the payload (callers treat them as unknown fields).
+
+    ``maps`` are the numbers of map fields: prost's generated code reads a map entry as
+    length-delimited whatever the key's wire type says, so these are always read so
+    (and yielded with wire type 2).
     """
     pos = start
     while pos < end:
         number, wire, pos = read_key(data, pos, end)
+        if maps and number in maps:
+            wire = 2
         try:
             if wire == 0:
                 value, pos = read_varint(data, pos, end)
@@ -396,7 +406,8 @@ def _fields_into(
     stop: int,
     depth: int,
 ) -> None:
-    for number, wire, raw, s, e in iter_fields(data, start, stop, depth):
+    maps = _map_numbers(cls, fields)
+    for number, wire, raw, s, e in iter_fields(data, start, stop, depth, maps):
         field = fields.get(number)
         if field is None:
             continue
@@ -443,6 +454,16 @@ def _fields_into(
         except DecodeError as exc:
             exc.stack.append((cls.__name__, field.name))
             raise
+
+
+_MAPS: dict[type[betterproto2.Message], frozenset[int]] = {}
+
+
+def _map_numbers(cls: type[betterproto2.Message], fields: dict[int, _Field]) -> frozenset[int]:
+    numbers = _MAPS.get(cls)
+    if numbers is None:
+        numbers = _MAPS[cls] = frozenset(n for n, f in fields.items() if f.map_meta is not None)
+    return numbers
 
 
 _M = TypeVar("_M", bound=betterproto2.Message)
