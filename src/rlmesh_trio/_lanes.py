@@ -52,7 +52,7 @@ from ._jobs import (
     StepJob,
     StepResult,
 )
-from ._options import Policy
+from ._options import DEFAULT_CLOSE_TIMEOUT, Policy
 from ._png import encode_png
 from ._proto.rlmesh.spaces import v1 as spaces_v1
 
@@ -62,8 +62,9 @@ __all__ = [
     "LaneEngine",
 ]
 
-LANE_TEARDOWN_TIMEOUT: float = 5.0
-"""Default shared teardown deadline, in seconds, for all lanes together."""
+LANE_TEARDOWN_TIMEOUT: float = DEFAULT_CLOSE_TIMEOUT
+"""Default shared teardown deadline, in seconds, for all lanes together (the servers'
+``close_timeout_seconds`` default)."""
 
 LANE_THREAD_PREFIX: Final = "rlmesh-trio-lane-"
 """Lane ``i``'s thread is named ``f"{LANE_THREAD_PREFIX}{i}"`` while it serves the lane."""

@@ -100,11 +100,8 @@ class Endpoint:
         workflow_edition: str | None = None,
         allow_remote_shutdown: bool = False,
     ) -> None:
+        # Validated once, by _options.resolve(); None means the only edition there is.
         edition = workflow_edition or WORKFLOW_EDITION
-        if edition != WORKFLOW_EDITION:
-            raise ValueError(
-                f"workflow edition {edition!r} is not implemented (implements [{WORKFLOW_EDITION!r}])"
-            )
         self.contract = contract
         self.num_envs = num_envs
         self.policy: Policy = policy

@@ -93,6 +93,9 @@ LOOP_CLOSE_TIMEOUT = 0.2
 TRIM_DELAY = 1.0
 """Seconds after a big message until the allocator is asked to give memory back."""
 
+STOP_MARGIN = 0.1
+"""Seconds of the stop bound kept for scheduling (reporting back to Trio)."""
+
 _MAX_STREAM_ID = 2**31 - 1
 
 
@@ -244,6 +247,13 @@ class LoopServer:
            handlers unwind (:data:`CUT_TIMEOUT`).
         """
         options = self.options
+        # Every phase is bounded by what is left of the stop bound (less what closing the
+        # loop may take after us), so the whole stop meets it.
+        deadline = self.loop.time() + options.stop_bound - LOOP_CLOSE_TIMEOUT - STOP_MARGIN
+
+        def left(phase: float) -> float:
+            return max(0.0, min(phase, deadline - self.loop.time()))
+
         self.closing = True
         self._cancel_idle()
         server.close()
@@ -254,7 +264,7 @@ class LoopServer:
             proto.send_goaway(proto.dispatcher.last_stream_id)
         if self._drain_joins:
             try:
-                await asyncio.wait_for(self._until(self._streams_done), options.drain_timeout)
+                await asyncio.wait_for(self._until(self._streams_done), left(options.drain_timeout))
             except asyncio.TimeoutError:
                 log.info(
                     "drain bound of %.3g s expired with %d stream(s) open",
@@ -265,7 +275,7 @@ class LoopServer:
         if self.join is not None:
             self.join.stop_reading()
         self._notify_drained()
-        inflight = options.close_timeout + INFLIGHT_GRACE
+        inflight = left(options.close_timeout + INFLIGHT_GRACE)
         try:
             await asyncio.wait_for(self._until(self._nothing_in_flight), inflight)
         except asyncio.TimeoutError:
@@ -275,7 +285,7 @@ class LoopServer:
             proto.cut()
         waits = [self.loop.create_task(handler.wait_closed()) for handler in handlers]
         if waits:
-            _, pending = await asyncio.wait(waits, timeout=CUT_TIMEOUT)
+            _, pending = await asyncio.wait(waits, timeout=left(CUT_TIMEOUT))
             for task in pending:
                 task.cancel()
             if pending:
@@ -284,7 +294,7 @@ class LoopServer:
         self._cancel_trim()
         # Python >= 3.12: wait_closed() waits for every connection; they are cut, but bound it.
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(server.wait_closed(), CUT_TIMEOUT)
+            await asyncio.wait_for(server.wait_closed(), left(CUT_TIMEOUT))
 
     def _streams_done(self) -> bool:
         return not self._unary_calls and self.join is None
