@@ -25,6 +25,14 @@ from support.refserver import ServerConfig, ServerPool
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(120)]
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+JOIN_HEADERS = [
+    (":method", "POST"),
+    (":scheme", "http"),
+    (":path", wire.JOIN),
+    (":authority", "localhost"),
+    ("content-type", "application/grpc"),
+    ("te", "trailers"),
+]
 
 OTHER_CONNECTION_BOUND = 2.0
 """Seconds a Handshake on another connection may wait while a huge request is decoded
@@ -164,17 +172,7 @@ class StubbornClient:
         self.sent = 0
 
     def open_join(self) -> None:
-        self.conn.send_headers(
-            1,
-            [
-                (":method", "POST"),
-                (":scheme", "http"),
-                (":path", wire.JOIN),
-                (":authority", "localhost"),
-                ("content-type", "application/grpc"),
-                ("te", "trailers"),
-            ],
-        )
+        self.conn.send_headers(1, JOIN_HEADERS)
         self.sock.sendall(self.conn.data_to_send())
 
     def pump(self, wait: float) -> None:
@@ -248,16 +246,7 @@ def goaway_after(port: int, payload: bytes, *, join: bool = False) -> tuple[int,
     try:
         data = PREFACE + SettingsFrame(0).serialize()
         if join:
-            headers = hpack.Encoder().encode(
-                [
-                    (":method", "POST"),
-                    (":scheme", "http"),
-                    (":path", wire.JOIN),
-                    (":authority", "localhost"),
-                    ("content-type", "application/grpc"),
-                    ("te", "trailers"),
-                ]
-            )
+            headers = hpack.Encoder().encode(JOIN_HEADERS)
             data += HeadersFrame(1, headers, flags=["END_HEADERS"]).serialize()
         sock.sendall(data + payload)
         received = b""

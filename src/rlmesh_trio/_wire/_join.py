@@ -37,6 +37,7 @@ from .._errors import DecodeError
 from .._proto.rlmesh.env import v1 as env_v1
 from .._proto.rlmesh.spaces import v1 as spaces_v1
 from ._protobuf import (
+    OPAQUE,
     decode_message,
     encode_varint,
     expect_wire,
@@ -143,6 +144,10 @@ RESPONSE_FIELDS: dict[type[Any], dict[int, str]] = {
 }
 """Every field the hand-written encoder writes, per message."""
 
+
+# MetaValue has a member 8 in the reference's schema, absent from SPEC.md and proto/ (the
+# differential fuzz test found it): a message, so its wire form is checked.
+OPAQUE[spaces_v1.MetaValue] = frozenset({8})
 
 # --------------------------------------------------------------------------- encoding
 

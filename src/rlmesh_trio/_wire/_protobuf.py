@@ -253,6 +253,11 @@ class _Field:
 
 _SCHEMAS: dict[type[betterproto2.Message], dict[int, _Field]] = {}
 
+OPAQUE: dict[type[betterproto2.Message], frozenset[int]] = {}
+"""Field numbers the reference's schema has and ours does not, per message, known to be
+message-typed: they must be length-delimited and hold a well-formed message (checked,
+then skipped), as the reference's decoder requires."""
+
 
 def schema(cls: type[betterproto2.Message]) -> dict[int, _Field]:
     """Field number -> field facts of a generated message class (cached)."""
@@ -410,6 +415,10 @@ def _fields_into(
     for number, wire, raw, s, e in iter_fields(data, start, stop, depth, maps):
         field = fields.get(number)
         if field is None:
+            if number in OPAQUE.get(cls, ()):
+                expect_wire(wire, 2)
+                for _ in iter_fields(data, s, e, depth + 1):
+                    pass
             continue
         if field.group is not None:  # a oneof keeps its last member (merging repeats)
             for other in fields.values():
