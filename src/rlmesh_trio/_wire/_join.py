@@ -407,10 +407,14 @@ def _merged(data: Any, slices: list[tuple[int, int]]) -> tuple[Any, int, int]:
 
 
 def _bytes(data: Any, start: int, stop: int) -> bytes:
-    """A bytes field's payload (one copy, also out of a bytearray)."""
+    """A bytes field's payload: a copy out of a small message, a read-only view into a
+    big one's buffer (a bytearray: see the transport's ``read_message``), so that a
+    near-limit action costs one copy of its bytes, not two. The codec reads leaves
+    through the buffer protocol only."""
     if type(data) is bytes:
         return data[start:stop]
-    return bytes(memoryview(data)[start:stop])
+    view: Any = memoryview(data).toreadonly()[start:stop]
+    return view  # type: ignore[no-any-return]
 
 
 def _space_value_of(data: Any, slices: list[tuple[int, int]]) -> spaces_v1.SpaceValue:

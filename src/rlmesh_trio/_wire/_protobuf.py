@@ -167,31 +167,62 @@ def iter_fields(
     (and yielded with wire type 2).
     """
     pos = start
-    while pos < end:
-        number, wire, pos = read_key(data, pos, end)
-        if maps and number in maps:
-            wire = 2
-        try:
-            if wire == 0:
-                value, pos = read_varint(data, pos, end)
-                yield number, 0, value, 0, 0
-                continue
+    number = 0
+    try:
+        while pos < end:
+            key = data[pos]
+            if key < 0x80:  # one-byte key: fields 1-15, the common case
+                number, wire = key >> 3, key & 7
+                if wire > 5:
+                    raise DecodeError(f"invalid wire type value: {wire}")
+                if number == 0:
+                    raise DecodeError("invalid tag value: 0")
+                pos += 1
+            else:
+                number, wire, pos = read_key(data, pos, end)
+            if maps and number in maps:
+                wire = 2
             if wire == 2:
-                length, pos = read_varint(data, pos, end)
-                if length > end - pos:
-                    raise DecodeError("buffer underflow")
+                length = data[pos] if pos < end else 0x80
+                if length < 0x80:
+                    pos += 1
+                else:
+                    length, pos = _value_varint(data, pos, end, number)
                 stop = pos + length
+                if stop > end:
+                    raise _field_error(DecodeError("buffer underflow"), number)
+                yield number, 2, 0, pos, stop
+                pos = stop
+            elif wire == 0:
+                value, pos = _value_varint(data, pos, end, number)
+                yield number, 0, value, 0, 0
             elif wire == 1 or wire == 5:
                 stop = pos + (8 if wire == 1 else 4)
                 if stop > end:
-                    raise DecodeError("buffer underflow")
+                    raise _field_error(DecodeError("buffer underflow"), number)
+                yield number, wire, 0, pos, stop
+                pos = stop
             else:
-                stop = skip_field(data, pos, end, wire, number, depth)
-        except DecodeError as exc:
-            exc.field = number  # the value of this field was unreadable: see field_error()
-            raise
-        yield number, wire, 0, pos, stop
-        pos = stop
+                try:
+                    stop = skip_field(data, pos, end, wire, number, depth)
+                except DecodeError as exc:
+                    raise _field_error(exc, number) from None
+                yield number, wire, 0, pos, stop
+                pos = stop
+    except IndexError:  # pragma: no cover - every index above is checked against end
+        raise DecodeError("buffer underflow") from None
+
+
+def _value_varint(data: Any, pos: int, end: int, number: int) -> tuple[int, int]:
+    try:
+        return read_varint(data, pos, end)
+    except DecodeError as exc:
+        raise _field_error(exc, number) from None
+
+
+def _field_error(exc: DecodeError, number: int) -> DecodeError:
+    exc.field = number  # the value of this field was unreadable: see field_error()
+    return exc
 
 
 def field_error(exc: DecodeError, cls: type[Any], names: dict[int, str]) -> None:
