@@ -284,6 +284,7 @@ class LaneEngine:
         self._close_requested = False
         self._to_trio_bridge: ToTrio | None = None
         self._run_called = False
+        self._deadline_cap = math.inf
 
     # ---- construction helpers ---------------------------------------------------------
 
@@ -433,10 +434,22 @@ class LaneEngine:
         """Close every mailbox and give every lane scope the one shared deadline."""
         self.close()
         self._go.set()  # lanes waiting for the startup decision: wind down
-        deadline = trio.current_time() + self._teardown_timeout
+        deadline = min(trio.current_time() + self._teardown_timeout, self._deadline_cap)
         for lane in self._lanes:
             assert lane.scope is not None
-            lane.scope.deadline = deadline
+            lane.scope.deadline = min(lane.scope.deadline, deadline)
+
+    def limit_teardown(self, deadline: float) -> None:
+        """Trio thread: the teardown ends by ``deadline`` (Trio time) at the latest.
+
+        For an owner with a stop bound of its own: the lanes' shared deadline is then the
+        earlier of ``teardown_timeout`` after the teardown began and ``deadline``, also
+        when the teardown is already under way.
+        """
+        self._deadline_cap = min(self._deadline_cap, deadline)
+        for lane in self._lanes:
+            if lane.scope is not None and lane.scope.deadline != math.inf:
+                lane.scope.deadline = min(lane.scope.deadline, self._deadline_cap)
 
     async def _lane_task(self, lane: _Lane, limiter: trio.CapacityLimiter) -> None:
         assert lane.scope is not None

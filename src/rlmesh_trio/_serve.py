@@ -97,8 +97,11 @@ async def serve_env(
 class _StopClock:
     """When the stop began (Trio time), and the one deadline every part of it meets."""
 
-    def __init__(self, options: Resolved, lanes_scope: trio.CancelScope) -> None:
+    def __init__(
+        self, options: Resolved, engine: LaneEngine, lanes_scope: trio.CancelScope
+    ) -> None:
         self.options = options
+        self.engine = engine
         self.lanes_scope = lanes_scope
         self.began: float | None = None
 
@@ -106,9 +109,10 @@ class _StopClock:
         """Trio thread: a stop began (cancellation, Shutdown RPC, idle timeout)."""
         if self.began is None:
             self.began = trio.current_time()
-            self.lanes_scope.deadline = min(
-                self.lanes_scope.deadline, self.began + self.options.stop_bound
-            )
+            deadline = self.began + self.options.stop_bound
+            # The lanes' own (shielded) teardown and the scope around them both end by then.
+            self.engine.limit_teardown(deadline)
+            self.lanes_scope.deadline = min(self.lanes_scope.deadline, deadline)
 
 
 async def _serve(
@@ -124,7 +128,7 @@ async def _serve(
         # down); shielded once serving, so that the lanes keep answering during the
         # transport's drain. They are then stopped by close() with a deadline.
         lanes_scope = trio.CancelScope()
-        clock = _StopClock(options, lanes_scope)
+        clock = _StopClock(options, engine, lanes_scope)
         try:
             await nursery.start(_run_lanes, engine, lanes_scope)
             lanes_scope.shield = True
