@@ -344,3 +344,101 @@ def test_startup_failure_in_a_subprocess_exits_1() -> None:
     text = err.decode().strip().splitlines()
     assert len(text) == 1
     assert text[0].startswith("rlmesh-trio: error: cannot serve: NameNotFound")
+
+
+# --------------------------------------------------------------------------- operability
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from rlmesh_trio import __version__
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"rlmesh-trio {__version__}"
+
+
+def test_app_dir_makes_a_local_module_importable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--entrypoint mymod:make`` from the directory mymod.py is in (as uvicorn's
+    --app-dir): the console script, unlike ``python -m``, has no cwd on sys.path."""
+    (tmp_path / "appdir_probe_mod.py").write_text(
+        "import gymnasium as gym\n\ndef make():\n    return gym.make('CartPole-v1')\n"
+    )
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".")])
+    args = build_parser().parse_args(
+        ["serve", "--entrypoint", "appdir_probe_mod:make", "--app-dir", str(tmp_path)]
+    )
+    config = _cli._configure(args, "tcp://127.0.0.1:0")
+    assert callable(config.make_env) and config.make_env.__module__ == "appdir_probe_mod"
+    monkeypatch.delitem(sys.modules, "appdir_probe_mod")
+
+
+def test_an_unregistered_namespace_names_the_fix() -> None:
+    import gymnasium
+
+    with pytest.raises(gymnasium.error.NamespaceNotFound) as info:
+        gymnasium.make("ALE/Pong-v5")
+    text = _cli._describe(info.value)
+    assert text.startswith("NamespaceNotFound: Namespace ALE not found")
+    assert "--package ale_py" in text and "ale_py:ALE/" in text
+    other = _cli._describe(gymnasium.error.NamespaceNotFound("Namespace Nope not found."))
+    assert "--package PACKAGE" in other
+
+
+async def _fail_step_then_bad_action(address: str) -> list[Any]:
+    async with wire.WireClient(address) as client, client.join() as join:
+        await join.call(wire.reset(seeds=[1]))
+        bad = await join.call(wire.step([wire.i64([9])]))  # Discrete(4): refused
+        boom = await join.call(wire.step([wire.i64([2])]))  # BOOM_STEP_ACTION: the env raises
+        return [bad.error, boom.error]
+
+
+def test_env_failures_and_refusals_reach_the_log_and_the_stop_is_told(
+    procs: list[subprocess.Popen[bytes]],
+) -> None:
+    proc, address = start_serving(
+        procs, "--entrypoint", "support.envs:make_boom", "--idle-timeout-seconds", "1"
+    )
+    bad, boom = wire.run(_fail_step_then_bad_action(address))
+    assert bad is not None and boom is not None and not boom.is_recoverable
+    _, err = proc.communicate(timeout=BOUND)
+    assert proc.returncode == 0, err
+    text = err.decode()
+    lines = text.splitlines()
+    assert lines[0] == (
+        "rlmesh-trio: serving support.envs:make_boom (no env spec, served as UnknownEnv-v1)"
+        f" x1 lane on {address}"
+    )
+    assert (
+        "WARNING rlmesh_trio.requests: step request '' rejected: INVALID_ACTION $: value 9" in text
+    )
+    assert "ERROR rlmesh_trio.env: lane 0: step failed (request_id=''): step failed: " in text
+    assert "RuntimeError: boom in step" in text and "Traceback (most recent call last)" in text
+    assert lines[-1] == "rlmesh-trio: stopped: idle for 1 s"
+
+
+def test_json_log_format_is_one_object_per_line(procs: list[subprocess.Popen[bytes]]) -> None:
+    import json
+
+    proc, address = start_serving(
+        procs,
+        "--entrypoint",
+        "support.envs:make_boom",
+        "--idle-timeout-seconds",
+        "1",
+        "--log-format",
+        "json",
+        "--log-level",
+        "info",
+    )
+    wire.run(_fail_step_then_bad_action(address))
+    _, err = proc.communicate(timeout=BOUND)
+    assert proc.returncode == 0, err
+    records = [json.loads(line) for line in err.decode().splitlines()]
+    said = [r["message"] for r in records if r["logger"] == "rlmesh_trio.cli"]
+    assert said[0].startswith("serving support.envs:make_boom (no env spec")
+    (fault,) = [r for r in records if r["logger"] == "rlmesh_trio.env"]
+    assert fault["level"] == "ERROR" and fault["lane"] == "0" and fault["verb"] == "step"
+    assert "RuntimeError: boom in step" in fault["traceback"]
+    assert records[-1]["message"] == "stopped: idle for 1 s"
+    assert not [r for r in records if r["logger"].startswith(("hpack", "h2", "grpclib"))]

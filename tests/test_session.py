@@ -31,6 +31,7 @@ from rlmesh_trio._session import (
     Endpoint,
     EndStream,
     Post,
+    Report,
     Send,
     Session,
     StartTimer,
@@ -80,6 +81,7 @@ class Harness:
     def __init__(self, num_envs: int = 1, **endpoint_kwargs: Any) -> None:
         self.endpoint = Endpoint(make_contract(), num_envs, **endpoint_kwargs)
         self.posted: list[tuple[int, Any]] = []
+        self.reports: list[Report] = []
         self.num_envs = num_envs
         self.clock = itertools.count(1_000, 1_000)
         self.session: Any = _Driven(
@@ -94,7 +96,9 @@ class Harness:
     def perform(self, actions: list[Any]) -> list[Any]:
         left: list[Any] = []
         for act in actions:
-            if not isinstance(act, Post):
+            if isinstance(act, Report):
+                self.reports.append(act)
+            elif not isinstance(act, Post):
                 left.append(act)
             elif act.lane >= self.num_envs:
                 error = LaneError(f"lane {act.lane} out of range for {self.num_envs} lanes")
@@ -605,6 +609,38 @@ def test_render_out_of_range_is_fatal(num_envs: int, index: int) -> None:
 
 
 # ----------------------------------------------------------------- deadlines
+
+
+def test_failures_and_refusals_are_reported_for_the_log() -> None:
+    """Report actions: an env failure with its exception (lane, verb, request id), a
+    refused request, a timeout; the wire sees none of them."""
+    h = Harness(2)
+    h.request(request_id="s1", step=env_v1.StepRequest(action=action(0, 1)))
+    jobs = h.take()
+    boom = RuntimeError("boom in step")
+    h.answer(0, jobs[0][1], step_result())
+    h.answer(1, jobs[1][1], outcome.Error(boom))
+    (fault,) = h.reports
+    assert (fault.kind, fault.verb, fault.request_id, fault.lanes) == ("fault", "step", "s1", (1,))
+    assert fault.code == Code.INTERNAL and fault.error is boom
+    h = Harness(2)
+    h.request(request_id="bad", step=env_v1.StepRequest(action=action(0), env_indices=[7]))
+    h.session.on_request(env_v1.JoinRequest())  # no kind at all
+    kinds = [(r.kind, r.verb, r.request_id, r.code) for r in h.reports]
+    assert kinds == [
+        ("rejected", "step", "bad", Code.INVALID_ACTION),
+        ("rejected", "unknown", "", Code.UNSUPPORTED),
+    ]
+
+
+def test_a_timeout_is_reported() -> None:
+    h = Harness(1)
+    actions = h.request(request_id="slow", reset=env_v1.ResetRequest(timeout_ms=100))
+    (timer,) = [a for a in actions if isinstance(a, StartTimer)]
+    h.session.on_timer(timer.token)
+    (item,) = h.reports
+    assert (item.kind, item.verb, item.request_id, item.lanes) == ("timeout", "reset", "slow", (0,))
+    assert item.message == "env.reset timed out after 100ms"
 
 
 def test_timeout_replies_then_env_still_finishes_before_next_serial() -> None:

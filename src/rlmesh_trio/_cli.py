@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import functools
 import importlib
 import json
 import logging
@@ -32,13 +31,27 @@ from typing import Any, NoReturn
 import trio
 
 from ._address import DEFAULT_ADDRESS, parse_address
+from ._lanes import UNKNOWN_ENV_ID
+from ._logging import JsonFormatter
+from ._logging import configure as configure_logging
 from ._options import ServeOptions
 from ._serve import ServerInfo, serve_env
+from ._version import __version__
 
 PROG = "rlmesh-trio"
 log = logging.getLogger("rlmesh_trio.cli")
 
 _LOG_LEVELS = ("debug", "info", "warning", "error")
+
+NAMESPACE_PACKAGES = {
+    "ALE": "ale_py",
+    "MiniGrid": "minigrid",
+    "BabyAI": "minigrid",
+    "MetaWorld": "metaworld",
+    "GymV21": "shimmy",
+    "GymV26": "shimmy",
+}
+"""Env-id namespaces registered by a package that must be imported first."""
 
 
 class _UsageError(Exception):
@@ -101,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Serve gymnasium environments over rlmesh-wire-v1 (rlmesh 0.1.0 clients).",
     )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     commands.required = True
     serve = commands.add_parser(
@@ -134,6 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="NAME",
         help="import this package first (e.g. one that registers env ids); repeatable",
+    )
+    serve.add_argument(
+        "--app-dir",
+        default=".",
+        metavar="DIR",
+        help="put DIR first on sys.path before importing --package / --entrypoint "
+        "modules (default: the current directory)",
     )
     serve.add_argument(
         "--transport",
@@ -192,9 +213,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level",
         choices=_LOG_LEVELS,
         default="warning",
-        help="logging level (default: warning); debug also prints tracebacks",
+        help="logging level (default: warning); debug also turns on the debug logs of "
+        "the libraries underneath (h2, hpack, grpclib, asyncio)",
     )
-    serve.add_argument("--verbose", action="store_true", help="same as --log-level debug")
+    serve.add_argument(
+        "--verbose",
+        action="store_true",
+        help="rlmesh-trio's own debug logs, with tracebacks (other libraries stay at warning)",
+    )
+    serve.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default="text",
+        help="text (default) or json: one JSON object per line, for log shippers",
+    )
     return parser
 
 
@@ -207,6 +239,16 @@ class _Config:
     address: str
     options: ServeOptions
     ready_fd: int | None
+    log_format: str = "text"
+
+
+def _say(config: _Config, message: str) -> None:
+    """One status line on stderr: ``rlmesh-trio: ...``, or a JSON log line in json mode."""
+    if config.log_format == "json":
+        record = logging.LogRecord("rlmesh_trio.cli", logging.INFO, "", 0, message, None, None)
+        print(JsonFormatter().format(record), file=sys.stderr, flush=True)
+    else:
+        print(f"{PROG}: {message}", file=sys.stderr, flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -217,7 +259,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help (0) or a parse error (2, message already printed)
         return exc.code if isinstance(exc.code, int) else 2
     debug = args.verbose or args.log_level == "debug"
-    _setup_logging("debug" if debug else args.log_level)
+    configure_logging(
+        "debug" if debug else args.log_level,
+        fmt=args.log_format,
+        everything=args.log_level == "debug",
+    )
     try:
         address = _resolve_address(args)
         if args.ready_fd is not None:
@@ -248,14 +294,25 @@ def _describe(exc: BaseException) -> str:
         return _describe(inner[0])
     text = str(exc).strip().splitlines()
     first = text[0] if text else ""
-    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    described = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    return described + _namespace_hint(exc)
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
+def _namespace_hint(exc: BaseException) -> str:
+    """What to do about gymnasium's NamespaceNotFound: import the registering package."""
+    if type(exc).__name__ != "NamespaceNotFound":
+        return ""
+    match = re.search(r"Namespace (\S+) not found", str(exc))
+    namespace = match.group(1) if match else None
+    package = NAMESPACE_PACKAGES.get(namespace or "")
+    if package is None:
+        return (
+            " (import the package that registers this namespace first: "
+            "--package PACKAGE, or --env PACKAGE:NAMESPACE/ENV)"
+        )
+    return (
+        f" (the {namespace} envs are registered by the {package} package: install it in "
+        f"this environment and add --package {package}, or use --env {package}:{namespace}/...)"
     )
 
 
@@ -305,6 +362,11 @@ def _check_fd(fd: int) -> None:
 
 
 def _configure(args: argparse.Namespace, address: str) -> _Config:
+    # As uvicorn's --app-dir: `rlmesh-trio serve --entrypoint mymod:make` finds mymod in
+    # the current directory, as `python -m rlmesh_trio` does.
+    app_dir = os.path.abspath(args.app_dir)
+    if app_dir not in sys.path:
+        sys.path.insert(0, app_dir)
     for name in args.package:
         importlib.import_module(name)
     make_env: str | Callable[..., Any]
@@ -330,6 +392,7 @@ def _configure(args: argparse.Namespace, address: str) -> _Config:
         address=address,
         options=options,
         ready_fd=args.ready_fd,
+        log_format=args.log_format,
     )
 
 
@@ -349,30 +412,33 @@ async def _run(config: _Config) -> int:
     """Serve until stopped; first signal: graceful stop, second: exit at once."""
     startup_error: Exception | None = None
     status = 0
+    stopped: list[str] = []
+
+    async def serve(*, task_status: trio.TaskStatus[ServerInfo]) -> None:
+        reason = await serve_env(
+            config.make_env,
+            num_envs=config.num_envs,
+            address=config.address,
+            options=config.options,
+            env_kwargs=config.kwargs,
+            task_status=task_status,
+        )
+        stopped.append(reason)
+
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as outer:
             async with trio.open_nursery() as serving:
-                outer.start_soon(_watch_signals, signals, serving.cancel_scope)
+                outer.start_soon(_watch_signals, signals, serving.cancel_scope, config)
                 try:
-                    info: ServerInfo = await serving.start(
-                        functools.partial(
-                            serve_env,
-                            config.make_env,
-                            num_envs=config.num_envs,
-                            address=config.address,
-                            options=config.options,
-                            env_kwargs=config.kwargs,
-                        )
-                    )
+                    info: ServerInfo = await serving.start(serve)
                 except Exception as exc:
                     startup_error = exc
                 else:
                     lanes = "lane" if info.num_envs == 1 else "lanes"
-                    print(
-                        f"{PROG}: serving {info.env_id} x{info.num_envs} {lanes} on {info.address}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                    name = info.env_id
+                    if name == UNKNOWN_ENV_ID:  # no gymnasium spec: name what was served
+                        name = f"{config.label} (no env spec, served as {UNKNOWN_ENV_ID})"
+                    _say(config, f"serving {name} x{info.num_envs} {lanes} on {info.address}")
                     if config.ready_fd is not None:
                         try:
                             _write_ready_fd(config.ready_fd, info.address)
@@ -387,19 +453,23 @@ async def _run(config: _Config) -> int:
             outer.cancel_scope.cancel()  # the server stopped: stop watching signals
     if startup_error is not None:
         raise startup_error
+    if stopped:  # it stopped by itself (a signal's stop was printed when it came)
+        _say(config, f"stopped: {stopped[0]}")
     return status
 
 
-async def _watch_signals(signals: AsyncIterator[int], serving: trio.CancelScope) -> None:
+async def _watch_signals(
+    signals: AsyncIterator[int], serving: trio.CancelScope, config: _Config
+) -> None:
     count = 0
     async for signum in signals:
         count += 1
         name = signal.Signals(signum).name
         if count == 1:
-            print(f"{PROG}: {name}: draining and stopping", file=sys.stderr, flush=True)
+            _say(config, f"{name}: draining and stopping")
             serving.cancel()
         else:
-            print(f"{PROG}: second {name}: exiting now", file=sys.stderr, flush=True)
+            _say(config, f"second {name}: exiting now")
             sys.stdout.flush()
             os._exit(128 + signum)
 

@@ -45,7 +45,7 @@ async def serve_env(
     options: ServeOptions | None = None,
     env_kwargs: Mapping[str, Any] | None = None,
     task_status: trio.TaskStatus[ServerInfo] = trio.TASK_STATUS_IGNORED,
-) -> None:
+) -> str:
     """Serve ``num_envs`` copies of a gymnasium env as the lanes of one rlmesh endpoint.
 
     ``make_env`` is a gymnasium id (``gym.make(make_env, **env_kwargs)``) or a callable
@@ -63,8 +63,9 @@ async def serve_env(
     an unknown id), :class:`~rlmesh_trio.ContractMismatchError`, or a codec error for a
     space rlmesh-wire-v1 cannot express.
 
-    It returns when the server stopped by itself: a Shutdown RPC was accepted
-    (``allow_remote_shutdown``) or the idle timeout expired. A failure of the transport
+    It returns when the server stopped by itself -- a Shutdown RPC was accepted
+    (``allow_remote_shutdown``) or the idle timeout expired -- with the reason, e.g.
+    ``"remote shutdown accepted"`` or ``"idle for 30 s"``. A failure of the transport
     after startup is raised when the server has stopped.
 
     Cancellation (of the caller's scope), an accepted Shutdown RPC and the idle timeout
@@ -89,7 +90,7 @@ async def serve_env(
     )
     listener = bind(parsed)
     try:
-        await _serve(engine, listener, resolved, task_status)
+        return await _serve(engine, listener, resolved, task_status)
     finally:
         listener.cleanup()
 
@@ -120,8 +121,9 @@ async def _serve(
     listener: Listener,
     options: Resolved,
     task_status: trio.TaskStatus[ServerInfo],
-) -> None:
+) -> str:
     failures: list[Exception] = []
+    reasons: list[str] = []
     startup_error: Exception | None = None
     async with trio.open_nursery() as nursery:
         # Not shielded while the envs are being built (a cancel then tears the lanes
@@ -150,7 +152,7 @@ async def _serve(
                 on_drained=engine.close,
                 on_stop_begin=clock.begin,
             )
-            await nursery.start(_run_transport, service, engine, clock, failures)
+            await nursery.start(_run_transport, service, engine, clock, failures, reasons)
         except Exception as exc:
             # Raised plainly after the nursery has wound down, not as an ExceptionGroup.
             startup_error = exc
@@ -170,6 +172,7 @@ async def _serve(
         raise startup_error
     if failures:
         raise failures[0]
+    return reasons[0] if reasons else "stopped"
 
 
 async def _run_lanes(
@@ -197,6 +200,7 @@ async def _run_transport(
     engine: LaneEngine,
     clock: _StopClock,
     failures: list[Exception],
+    reasons: list[str],
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -210,4 +214,6 @@ async def _run_transport(
     finally:
         # The transport has stopped (or was abandoned): now the lanes.
         _stop_lanes(engine, clock)
-    log.info("server stopped: %s", service.stop_reason)
+    reason = service.stop_reason or "stopped"
+    reasons.append(reason)
+    log.info("server stopped: %s", reason)

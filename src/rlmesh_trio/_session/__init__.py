@@ -12,6 +12,7 @@ from ._join import Action as Action
 from ._join import CancelTimer as CancelTimer
 from ._join import EndStream as EndStream
 from ._join import Post as Post
+from ._join import Report as Report
 from ._join import Send as Send
 from ._join import Session as Session
 from ._join import StartTimer as StartTimer

@@ -10,8 +10,8 @@ events and performs the actions it returns, in order:
 - ``session.on_stream_end()`` -- the client half-closed, cancelled or vanished.
 
 Actions: :class:`Post` (queue this job on that lane; if the lane refuses it, feed the
-refusal back as a lane reply), :class:`Send`, :class:`StartTimer`, :class:`CancelTimer`,
-:class:`EndStream`.
+refusal back as a lane reply), :class:`Send`, :class:`Report` (for the log only),
+:class:`StartTimer`, :class:`CancelTimer`, :class:`EndStream`.
 
 Request classes (SPEC §7.4): a reset or step with ``env_indices`` is *lane-scoped*: it
 is posted at once, lanes run concurrently, replies go out when each request completes
@@ -125,6 +125,24 @@ class Post:
 
 
 @dataclass(frozen=True, slots=True)
+class Report:
+    """Tell the operator (the driver logs it; nothing goes on the wire).
+
+    ``kind`` is ``"fault"`` for an env failure (``error`` is the exception, with its
+    traceback), ``"rejected"`` for a request refused as invalid or unsupported, or
+    ``"timeout"`` for a request whose deadline expired.
+    """
+
+    kind: str
+    verb: str
+    request_id: str
+    lanes: tuple[int, ...]
+    code: env_v1.EnvErrorCode
+    message: str
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Send:
     """Send this JoinResponse (in the order the actions were returned)."""
 
@@ -149,7 +167,7 @@ class EndStream:
     """Finish the Join stream with grpc-status 0 after the sends before it."""
 
 
-Action = Post | Send | StartTimer | CancelTimer | EndStream
+Action = Post | Send | Report | StartTimer | CancelTimer | EndStream
 
 
 # --------------------------------------------------------------------------- session
@@ -236,6 +254,7 @@ class Session:
         self._n = endpoint.num_envs
         self._pending: deque[_Waiting] = deque()
         self._entry: _Waiting | None = None  # the request being dispatched right now
+        self._verb = ""  # its kind, for reports
         self._ops: dict[int, _Op] = {}
         self._serial: _Op | None = None
         self._outstanding = 0  # lane jobs posted and not answered yet (timed-out ones too)
@@ -283,14 +302,10 @@ class Session:
         if op.timed_out:
             return []
         op.timed_out = True
+        message = f"env.{op.verb} timed out after {op.timeout_ms}ms"
         actions: list[Action] = [
-            self._error(
-                op.request_id,
-                op.started_ns,
-                Code.TIMEOUT,
-                f"env.{op.verb} timed out after {op.timeout_ms}ms",
-                recoverable=True,
-            )
+            self._error(op.request_id, op.started_ns, Code.TIMEOUT, message, recoverable=True),
+            Report("timeout", op.verb, op.request_id, tuple(op.lanes), Code.TIMEOUT, message),
         ]
         if op.serial:
             # The reply is out, so the next request may be read; the barrier still waits
@@ -307,7 +322,10 @@ class Session:
                 verb = betterproto2.which_one_of(entry.request, "kind")[0]
                 message = f"env.{verb} timed out after {entry.timeout_ms}ms"
                 rid = entry.request.request_id
-                return [self._error(rid, entry.read_ns, Code.TIMEOUT, message, recoverable=True)]
+                return [
+                    self._error(rid, entry.read_ns, Code.TIMEOUT, message, recoverable=True),
+                    Report("timeout", verb, rid, (), Code.TIMEOUT, message),
+                ]
         return []
 
     def on_stream_end(self) -> list[Action]:
@@ -352,6 +370,7 @@ class Session:
         self, request: env_v1.JoinRequest, kind: str, body: Any, read_ns: int
     ) -> list[Action]:
         rid = request.request_id
+        self._verb = kind or "unknown"
         if kind == "reset":
             return self._start_reset(rid, body, read_ns)
         if kind == "step":
@@ -362,7 +381,7 @@ class Session:
             return self._configure(rid, body, read_ns)
         if kind == "close":
             return self._close(rid, read_ns)
-        return [self._error(rid, read_ns, Code.UNSUPPORTED, _UNRECOGNIZED, recoverable=True)]
+        return self._reject(rid, read_ns, Code.UNSUPPORTED, _UNRECOGNIZED, True)
 
     def _new_op(
         self, rid: str, verb: str, lanes: list[int], serial: bool, read_ns: int, timeout_ms: int
@@ -450,7 +469,7 @@ class Session:
             else:
                 problem = self._check_indices("partial reset", body.env_indices)
             if problem is not None:
-                return [self._error(rid, read_ns, Code.INVALID_ACTION, problem, recoverable=True)]
+                return self._reject(rid, read_ns, Code.INVALID_ACTION, problem, True)
             lanes = list(body.env_indices)
         else:
             lanes = list(range(self._n))
@@ -473,14 +492,14 @@ class Session:
         if indices:
             problem = self._check_indices("subset step", indices)
             if problem is not None:
-                return [self._error(rid, read_ns, Code.INVALID_ACTION, problem, recoverable=True)]
+                return self._reject(rid, read_ns, Code.INVALID_ACTION, problem, True)
             lanes = indices
         else:
             lanes = list(range(self._n))
         k = len(lanes)
         if body.action is None:
             message = f"expected {k} actions, got 0"
-            return [self._error(rid, read_ns, Code.INVALID_ACTION, message, recoverable=True)]
+            return self._reject(rid, read_ns, Code.INVALID_ACTION, message, True)
         leaves = list(body.action.leaves)
         op = self._new_op(rid, "step", lanes, not indices, read_ns, body.timeout_ms)
         op.echo_indices = indices or None
@@ -492,7 +511,7 @@ class Session:
             try:
                 self._endpoint.contract.action_codec.validate_action(leaves, k)
             except ActionError as exc:
-                return [self._error(rid, read_ns, Code.INVALID_ACTION, str(exc), recoverable=True)]
+                return self._reject(rid, read_ns, Code.INVALID_ACTION, str(exc), True)
             op.pre_decode_ns = self._clock_ns() - t0
             validated = True
         jobs = [
@@ -505,14 +524,14 @@ class Session:
         indices = list(body.env_indices)
         if len(indices) > 1:
             message = "render requests support at most one env_index"
-            return [self._error(rid, read_ns, Code.UNSUPPORTED, message, recoverable=True)]
+            return self._reject(rid, read_ns, Code.UNSUPPORTED, message, True)
         lane = indices[0] if indices else 0
         # An index past the lanes fails like the reference, as a fatal INTERNAL from the
         # lane engine ("lane 3 out of range for 2 lanes"); only an existing lane other
         # than 0 is the recoverable "single-env render" refusal.
         if 0 < lane < self._n:
             message = f"single-env render only supports env_index 0, got {lane}"
-            return [self._error(rid, read_ns, Code.INVALID_ACTION, message, recoverable=True)]
+            return self._reject(rid, read_ns, Code.INVALID_ACTION, message, True)
         op = self._new_op(rid, "render", [lane], True, read_ns, body.timeout_ms)
         return self._launch(op, [RenderJob(id=op.token)])
 
@@ -524,9 +543,7 @@ class Session:
                 f"runtime pinned this env to workflow edition {rust_debug_str(edition)}, which "
                 f'this env build does not implement (implements ["{implemented}"])'
             )
-            actions: list[Action] = [
-                self._error(rid, read_ns, Code.INVALID_ACTION, message, recoverable=False)
-            ]
+            actions = self._reject(rid, read_ns, Code.INVALID_ACTION, message, False)
             return actions + self._end()
         response = env_v1.JoinResponse(
             request_id=rid,
@@ -586,9 +603,12 @@ class Session:
         replies = [r for r in op.replies if r is not None]
         for reply in replies:
             if isinstance(reply.outcome, outcome.Error):
-                code, message, recoverable = env_error(op.verb, reply.outcome.error)
+                error = reply.outcome.error
+                code, message, recoverable = env_error(op.verb, error)
+                kind = "rejected" if code == Code.INVALID_ACTION else "fault"
                 actions: list[Action] = [
-                    self._error(op.request_id, op.started_ns, code, message, recoverable)
+                    self._error(op.request_id, op.started_ns, code, message, recoverable),
+                    Report(kind, op.verb, op.request_id, (reply.lane,), code, message, error),
                 ]
                 if not recoverable and op.serial:
                     actions.extend(self._end())
@@ -727,6 +747,21 @@ class Session:
                 request_id=rid, error=error, endpoint_total_ns=self._elapsed(read_ns)
             )
         )
+
+    def _reject(
+        self,
+        rid: str,
+        read_ns: int,
+        code: env_v1.EnvErrorCode,
+        message: str,
+        recoverable: bool,
+    ) -> list[Action]:
+        """A request refused before any lane ran it: the error reply, and a report."""
+        verb = self._verb
+        return [
+            self._error(rid, read_ns, code, message, recoverable),
+            Report("rejected", verb, rid, (), code, message),
+        ]
 
     def _end(self) -> list[Action]:
         self._finish()

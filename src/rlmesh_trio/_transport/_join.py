@@ -43,8 +43,9 @@ from .._errors import (
     grpc_status,
 )
 from .._jobs import LaneReply, Phases
+from .._logging import report
 from .._proto.rlmesh.env import v1 as env_v1
-from .._session import Action, CancelTimer, EndStream, Post, Send, StartTimer
+from .._session import Action, CancelTimer, EndStream, Post, Report, Send, StartTimer
 from .._wire import check_outgoing, decode_join_request, encode_join_response
 from ._shim import read_message, reset_if_open
 
@@ -137,6 +138,8 @@ class JoinCall:
                     self.timers[action.token] = self.loop.call_later(
                         action.seconds, self._on_timer, action.token
                     )
+            elif isinstance(action, Report):
+                report(action, self.server.report_limit)
             elif isinstance(action, CancelTimer):
                 handle = self.timers.pop(action.token, None)
                 if handle is not None:

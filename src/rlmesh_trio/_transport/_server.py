@@ -42,6 +42,7 @@ from .._errors import (
     grpc_status,
 )
 from .._jobs import Job, ReplyFn
+from .._logging import RateLimit
 from .._options import Resolved
 from .._proto.rlmesh.env import v1 as env_v1
 from .._wire import (
@@ -185,6 +186,7 @@ class LoopServer:
         self._idle_handle: asyncio.TimerHandle | None = None
         self._trim_handle: asyncio.TimerHandle | None = None
         self.worker = Worker("rlmesh-trio-decode")
+        self.report_limit = RateLimit(clock=loop.time)  # rejected-request warnings
         self.codec = RawCodec()
         self.config, self.h2_config = server_config()
         unary = Cardinality.UNARY_UNARY
