@@ -442,3 +442,58 @@ def test_json_log_format_is_one_object_per_line(procs: list[subprocess.Popen[byt
     assert "RuntimeError: boom in step" in fault["traceback"]
     assert records[-1]["message"] == "stopped: idle for 1 s"
     assert not [r for r in records if r["logger"].startswith(("hpack", "h2", "grpclib"))]
+
+
+def run_probe(*args: str) -> tuple[int, str, str]:
+    proc = spawn("probe", *args)
+    out, err = proc.communicate(timeout=BOUND)
+    return proc.returncode, out.decode(), err.decode()
+
+
+def test_probe_a_live_server(procs: list[subprocess.Popen[bytes]]) -> None:
+    import json
+
+    _, address = start_serving(procs, "--env", "CartPole-v1", "--num-envs", "2")
+    code, out, err = run_probe(address)
+    assert code == 0, (out, err)
+    assert "health:" in out and "SERVING" in out
+    assert "env_id:" in out and "CartPole-v1" in out
+    code, out, _ = run_probe(address, "--json")
+    assert code == 0
+    report = json.loads(out)
+    assert report["serving"] is True and report["health"] == "SERVING"
+    assert report["env_id"] == "CartPole-v1" and report["num_envs"] == 2
+    assert report["action_space"] == "Discrete(2)"
+    assert report["observation_space"].startswith("Box(")
+    assert report["capabilities"] == {"subset_step": "true"}
+    assert report["server"].startswith("rlmesh-trio ")
+
+
+def test_probe_fails_without_a_server_or_the_token(procs: list[subprocess.Popen[bytes]]) -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        free = sock.getsockname()[1]
+    code, out, _ = run_probe(f"127.0.0.1:{free}", "--timeout", "2")
+    assert code == 1 and "unreachable" in out
+    _, address = start_serving(procs, "--env", "CartPole-v1", "--auth-token", "t0k")
+    code, out, _ = run_probe(address, "--json")
+    assert code == 1 and "UNAUTHENTICATED" in out
+    code, out, _ = run_probe(address, "--json", "--auth-token", "t0k")
+    assert code == 0, out
+    assert run_probe("not an address")[0] == 2
+
+
+@pytest.mark.interop
+def test_probe_the_reference_server() -> None:
+    """rlmesh 0.1.0 has no health service: a compatible Handshake counts as serving."""
+    from support.refserver import ServerConfig, start_server
+
+    server = start_server("ref", ServerConfig(entrypoint="support.envs:make_cartpole"))
+    try:
+        code, out, _ = run_probe(server.address)
+    finally:
+        server.stop()
+    assert code == 0, out
+    assert "no health service" in out and "CartPole-v1" in out

@@ -815,3 +815,73 @@ async def test_handshake_request_shape_from_core() -> None:
         reply = await in_thread(go(server.address))
     assert reply.base.compatible
     assert reply.base.preferred_workflow_edition == "2026.06"
+
+
+# --------------------------------------------------------------------------- auth
+
+
+async def auth_session(address: str, token: str | None) -> dict[str, Any]:
+    headers = [] if token is None else [("authorization", token)]
+    out: dict[str, Any] = {}
+    async with wire.WireClient(address) as client:
+        result = await client.unary(
+            wire.HANDSHAKE, bytes(wire.client_handshake()), extra_headers=headers
+        )
+        out["handshake"] = result.end
+        async with client.join(headers) as join:
+            await join.send(wire.configure())
+            reply = await join.recv()
+            out["join"] = (None if reply is None else wire.reply_kind(reply), join.end)
+        health = await client.unary(HEALTH_CHECK_PATH, b"")  # never needs the token
+        out["health"] = (health.end, health.reply)
+    return out
+
+
+async def test_auth_token_refuses_every_call_without_it_but_health() -> None:
+    options = ServeOptions(auth_token="s3cret")
+    assert "s3cret" not in repr(options) and "s3cret" not in repr(resolve(options))
+    async with running(options=options) as server:
+        missing = await in_thread(auth_session(server.address, None))
+        wrong = await in_thread(auth_session(server.address, "Bearer nope"))
+        bare = await in_thread(auth_session(server.address, "s3cret"))
+        right = await in_thread(auth_session(server.address, "Bearer s3cret"))
+    refused = wire.CallEnd(16, "invalid env token")
+    for out in (missing, wrong, bare):
+        assert out["handshake"] == refused
+        assert out["join"] == (None, refused)
+        assert out["health"] == (wire.CallEnd(0), b"\x08\x01")
+    assert right["handshake"] == wire.CallEnd(0)
+    assert right["join"][0] == "configure"
+    assert right["health"] == (wire.CallEnd(0), b"\x08\x01")
+
+
+async def test_auth_token_through_a_grpc_library_client() -> None:
+    """grpclib's generated stub (a real gRPC client) with and without the metadata."""
+    from grpclib.client import Channel
+    from grpclib.exceptions import GRPCError
+
+    async def call(address: str, metadata: dict[str, str] | None) -> Any:
+        host, port = address.removeprefix("tcp://").rsplit(":", 1)
+        channel = Channel(host, int(port))
+        try:
+            stub = env_v1.EnvServiceStub(channel)
+            return await stub.handshake(wire.client_handshake(), metadata=metadata, timeout=10)
+        except GRPCError as exc:
+            return (int(exc.status.value), exc.message)
+        finally:
+            channel.close()
+
+    options = ServeOptions(auth_token="tok")
+    async with running(options=options) as server:
+        refused = await in_thread(call(server.address, None))
+        accepted = await in_thread(call(server.address, {"authorization": "Bearer tok"}))
+    assert refused == (16, "invalid env token")
+    assert accepted.base.compatible
+
+
+def test_auth_token_from_the_environment() -> None:
+    assert resolve(ServeOptions(), {"RLMESH_TRIO_AUTH_TOKEN": "x"}).auth_token == "x"
+    assert resolve(ServeOptions(), {}).auth_token is None
+    assert resolve(ServeOptions(auth_token="a"), {"RLMESH_TRIO_AUTH_TOKEN": "x"}).auth_token == "a"
+    with pytest.raises(ValueError, match="auth_token"):
+        resolve(ServeOptions(auth_token=" "))

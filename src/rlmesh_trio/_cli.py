@@ -199,6 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="at stop, how long the lanes together may take to close their envs (default: 5)",
     )
     serve.add_argument(
+        "--auth-token",
+        metavar="TOKEN",
+        help="require 'authorization: Bearer TOKEN' on every call but the health check "
+        "(also: RLMESH_TRIO_AUTH_TOKEN, which keeps it off the command line); never logged",
+    )
+    serve.add_argument(
         "--workflow-edition",
         metavar="EDITION",
         help="the workflow edition the endpoint declares (default: RLMESH_WORKFLOW_EDITION, "
@@ -226,6 +232,27 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("text", "json"),
         default="text",
         help="text (default) or json: one JSON object per line, for log shippers",
+    )
+    probe = commands.add_parser(
+        "probe",
+        help="check an endpoint: health, handshake, env contract",
+        description="Check an rlmesh endpoint (rlmesh-trio or rlmesh 0.1.0): health, "
+        "handshake and env contract. Exit 0 when it serves, 1 otherwise (a container "
+        "health command).",
+    )
+    probe.add_argument("address", help="tcp://host:port, host:port, port or unix:///path")
+    probe.add_argument("--json", action="store_true", help="print one JSON object")
+    probe.add_argument(
+        "--timeout",
+        type=_seconds(minimum_exclusive=True),
+        default=5.0,
+        metavar="S",
+        help="seconds each call may take (default: 5)",
+    )
+    probe.add_argument(
+        "--auth-token",
+        metavar="TOKEN",
+        help="bearer token of the endpoint (also: RLMESH_TRIO_AUTH_TOKEN)",
     )
     return parser
 
@@ -258,6 +285,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help (0) or a parse error (2, message already printed)
         return exc.code if isinstance(exc.code, int) else 2
+    if args.command == "probe":
+        return _probe_command(args)
     debug = args.verbose or args.log_level == "debug"
     configure_logging(
         "debug" if debug else args.log_level,
@@ -279,6 +308,68 @@ def main(argv: Sequence[str] | None = None) -> int:
         return trio.run(_run, config)
     except Exception as exc:
         return _fail("cannot serve", exc, debug)
+
+
+def _probe_command(args: argparse.Namespace) -> int:
+    from ._codec import spec_to_space
+    from ._transport import probe
+
+    try:
+        parse_address(args.address)
+    except ValueError as exc:
+        print(f"{PROG} probe: error: {exc}", file=sys.stderr)
+        return 2
+    token = args.auth_token or os.environ.get("RLMESH_TRIO_AUTH_TOKEN") or None
+    result = probe(args.address, timeout=args.timeout, token=token)
+    report: dict[str, Any] = {
+        "address": result.address,
+        "serving": result.serving,
+        "health": result.health,
+    }
+    if result.error is not None:
+        report["error"] = result.error
+    response = result.handshake
+    if response is not None and response.base is not None:
+        base = response.base
+        peer = base.peer_info
+        report["compatible"] = base.compatible
+        report["edition"] = base.preferred_workflow_edition
+        report["editions"] = list(base.supported_workflow_editions)
+        report["capabilities"] = dict(base.capabilities)
+        if peer is not None:
+            report["server"] = peer.extra.get("rlmesh.server.implementation") or (
+                f"{peer.component} {peer.package_version}"
+            )
+            report["platform"] = f"{peer.language} {peer.language_version}, {peer.os} {peer.arch}"
+    contract = None if response is None else response.env_contract
+    if contract is not None and contract.spec is not None:
+        spec = contract.spec
+        report["env_id"] = spec.id
+        report["num_envs"] = contract.num_envs
+        report["render_mode"] = contract.render_mode or None
+        report["autoreset_mode"] = contract.autoreset_mode.name
+        for key, space in (
+            ("observation_space", spec.observation_space),
+            ("action_space", spec.action_space),
+        ):
+            try:
+                report[key] = repr(spec_to_space(space)) if space is not None else None
+            except Exception as exc:  # a space this build cannot show: say so, not fail
+                report[key] = f"<{type(exc).__name__}: {exc}>"
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        width = max(len(key) for key in report) + 1
+        for key, value in report.items():
+            shown = (
+                ", ".join(f"{k}={v}" for k, v in value.items())
+                if isinstance(value, dict)
+                else value
+            )
+            if isinstance(value, list):
+                shown = ", ".join(str(v) for v in value)
+            print(f"{key + ':':<{width}} {shown}")
+    return 0 if result.serving else 1
 
 
 def _fail(what: str, exc: BaseException, debug: bool) -> int:
@@ -383,6 +474,7 @@ def _configure(args: argparse.Namespace, address: str) -> _Config:
         close_timeout_seconds=args.close_timeout_seconds,
         workflow_edition=edition,
         validation_policy=args.validation_policy,
+        auth_token=args.auth_token,
     )
     return _Config(
         make_env=make_env,

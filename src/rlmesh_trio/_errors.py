@@ -29,6 +29,7 @@ RESOURCE_EXHAUSTED = 8
 UNIMPLEMENTED = 12
 INTERNAL = 13
 UNAVAILABLE = 14
+UNAUTHENTICATED = 16
 
 
 class RlmeshTrioError(Exception):
@@ -167,6 +168,15 @@ class ServerStoppingError(RlmeshTrioError):
 
     def __init__(self) -> None:
         super().__init__("server is shutting down")
+
+
+class UnauthenticatedError(RlmeshTrioError):
+    """A request without the configured bearer token (the reference's native wording)."""
+
+    grpc_status = UNAUTHENTICATED
+
+    def __init__(self) -> None:
+        super().__init__("invalid env token")
 
 
 class UnknownMethodError(RlmeshTrioError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 Policy = Literal["warn", "strict", "off"]
@@ -22,6 +22,9 @@ DEFAULT_CLOSE_TIMEOUT = 5.0
 
 DEFAULT_DRAIN_TIMEOUT = 5.0
 """Seconds in-flight requests get to finish after a shutdown was requested."""
+
+AUTH_TOKEN_ENV = "RLMESH_TRIO_AUTH_TOKEN"
+"""The environment variable an auth token may come from (so it is not on a command line)."""
 
 STOP_SLACK = 1.0
 """Seconds a stop may take beyond drain and close: the GOAWAY gap, cutting the
@@ -41,6 +44,9 @@ class ServeOptions:
     ``workflow_edition``: the edition the endpoint declares (only ``"2026.06"`` exists).
     ``validation_policy``: ``warn``/``strict``/``off``; None reads
     ``RLMESH_VALIDATION_POLICY`` from the environment like the reference.
+    ``auth_token``: when set, every request but the health check must carry
+    ``authorization: Bearer <token>`` (else UNAUTHENTICATED "invalid env token"); None
+    reads ``RLMESH_TRIO_AUTH_TOKEN``. Never shown in a repr or a log.
     """
 
     allow_remote_shutdown: bool = False
@@ -50,6 +56,7 @@ class ServeOptions:
     workflow_edition: str | None = None
     validation_policy: Policy | None = None
     max_message_bytes: int = MAX_MESSAGE_BYTES
+    auth_token: str | None = field(default=None, repr=False)
 
     def remote_shutdown_allowed(self, environ: Mapping[str, str] = os.environ) -> bool:
         """The option, or the environment variable (which can only enable it)."""
@@ -90,6 +97,7 @@ class Resolved:
     workflow_edition: str
     policy: Policy
     max_message_bytes: int
+    auth_token: str | None = field(default=None, repr=False)
 
     @property
     def stop_bound(self) -> float:
@@ -141,6 +149,11 @@ def resolve(options: ServeOptions, environ: Mapping[str, str] = os.environ) -> R
         raise ValueError(
             f"workflow edition {edition!r} is not implemented (implements [{WORKFLOW_EDITION!r}])"
         )
+    token = options.auth_token
+    if token is None:
+        token = environ.get(AUTH_TOKEN_ENV) or None
+    if token is not None and (not isinstance(token, str) or not token.strip()):
+        raise ValueError("auth_token must be a non-empty string or None")
     drain, close, idle = (
         options.drain_timeout_seconds,
         options.close_timeout_seconds,
@@ -154,4 +167,5 @@ def resolve(options: ServeOptions, environ: Mapping[str, str] = os.environ) -> R
         workflow_edition=edition,
         policy=options.resolved_policy(environ),
         max_message_bytes=size,
+        auth_token=token,
     )

@@ -364,9 +364,9 @@ class WireClient:
             raise AssertionError(f"Shutdown failed: {result.end}")
         return env_v1.ShutdownResponse.parse(result.reply)
 
-    def join(self) -> JoinStream:
+    def join(self, extra_headers: Sequence[tuple[str, str]] = ()) -> JoinStream:
         """A Join stream: ``async with client.join() as join: ...``."""
-        return JoinStream(self)
+        return JoinStream(self, extra_headers)
 
 
 class JoinStream:
@@ -377,13 +377,14 @@ class JoinStream:
     ``async with`` block resets the stream (RST_STREAM CANCEL) if it is still open.
     """
 
-    def __init__(self, client: WireClient) -> None:
+    def __init__(self, client: WireClient, extra_headers: Sequence[tuple[str, str]] = ()) -> None:
+        self.extra_headers = tuple(extra_headers)
         self.client = client
         self.end: CallEnd | None = None
         self._stream: _Stream | None = None
 
     async def __aenter__(self) -> JoinStream:
-        self._stream = self.client._open(JOIN)
+        self._stream = self.client._open(JOIN, self.extra_headers)
         return self
 
     async def __aexit__(

@@ -4,9 +4,12 @@
 * :mod:`._server` -- the loop side: method table, the one error-to-status mapping,
   health, idle timer, stop phases;
 * :mod:`._join` -- the Join driver (explicit states, back-pressure);
-* :mod:`._shim` -- every use of a grpclib private.
+* :mod:`._shim` -- every use of a grpclib private;
+* :mod:`._probe` -- the client side of ``rlmesh-trio probe``.
 """
 
+from ._probe import ProbeResult as ProbeResult
+from ._probe import probe as probe
 from ._server import HANDSHAKE_PATH as HANDSHAKE_PATH
 from ._server import HEALTH_CHECK_PATH as HEALTH_CHECK_PATH
 from ._server import JOIN_PATH as JOIN_PATH

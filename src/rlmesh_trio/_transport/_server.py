@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import ctypes
 import ctypes.util
+import hmac
 import logging
 import socket
 import sys
@@ -34,7 +35,6 @@ from grpclib.server import Stream
 from .._bridge import ToLoop, Worker
 from .._errors import (
     AlreadyJoinedError,
-    CompressedRequestError,
     RlmeshTrioError,
     ServerStoppingError,
     UnknownMethodError,
@@ -187,6 +187,10 @@ class LoopServer:
         self._trim_handle: asyncio.TimerHandle | None = None
         self.worker = Worker("rlmesh-trio-decode")
         self.report_limit = RateLimit(clock=loop.time)  # rejected-request warnings
+        token = options.auth_token
+        self._expected_authorization = (
+            None if token is None else f"Bearer {token}".encode("utf-8", "surrogateescape")
+        )
         self.codec = RawCodec()
         self.config, self.h2_config = server_config()
         unary = Cardinality.UNARY_UNARY
@@ -412,10 +416,21 @@ class LoopServer:
 
         return counted
 
-    async def refuse_compressed(
-        self, stream: H2Stream, encoding: str, release: Callable[[], Any]
-    ) -> None:
-        code, message = grpc_status(CompressedRequestError(encoding))
+    def authorized(self, path: str | None, authorization: str | None) -> bool:
+        """With a token configured, every call but the health check must carry it.
+
+        Compared in constant time (``hmac.compare_digest``), as bytes; the token is
+        never logged.
+        """
+        expected = self._expected_authorization
+        if expected is None or path == HEALTH_CHECK_PATH:
+            return True
+        given = (authorization or "").encode("utf-8", "surrogateescape")
+        return hmac.compare_digest(given, expected)
+
+    async def refuse(self, stream: H2Stream, error: Exception, release: Callable[[], Any]) -> None:
+        """A trailers-only answer to a stream refused before dispatch."""
+        code, message = grpc_status(error)
         await send_trailers_only(stream, code, message, release)
 
     # -- handlers

@@ -44,7 +44,7 @@ from grpclib.server import Stream
 from h2.errors import ErrorCodes
 from hyperframe.frame import GoAwayFrame
 
-from .._errors import FrameError
+from .._errors import CompressedRequestError, FrameError, UnauthenticatedError
 from .._wire import PREFIX_SIZE, parse_prefix
 
 if TYPE_CHECKING:
@@ -66,9 +66,9 @@ class Admission(Protocol):
     @property
     def closing(self) -> bool: ...
 
-    def refuse_compressed(
-        self, stream: H2Stream, encoding: str, release: Callable[[], Any]
-    ) -> Any: ...
+    def authorized(self, path: str | None, authorization: str | None) -> bool: ...
+
+    def refuse(self, stream: H2Stream, error: Exception, release: Callable[[], Any]) -> Any: ...
 
 
 class RawCodec(CodecBase):
@@ -143,11 +143,17 @@ class Dispatcher(GrpclibHandler):
             return
         if stream.id is not None:
             self.last_stream_id = max(self.last_stream_id, stream.id)
-        encoding = _header(headers, "grpc-encoding")
-        if encoding is not None and encoding != "identity":
-            task = self.loop.create_task(
-                self._admission.refuse_compressed(stream, encoding, release_stream)
-            )
+        error: Exception | None = None
+        if not self._admission.authorized(
+            _header(headers, ":path"), _header(headers, "authorization")
+        ):
+            error = UnauthenticatedError()
+        else:
+            encoding = _header(headers, "grpc-encoding")
+            if encoding is not None and encoding != "identity":
+                error = CompressedRequestError(encoding)
+        if error is not None:
+            task = self.loop.create_task(self._admission.refuse(stream, error, release_stream))
             self._tasks[stream] = task
             return
         super().accept(stream, headers, release_stream)
