@@ -51,6 +51,13 @@ def fuzz(session: nox.Session) -> None:
 
 
 @nox.session
+def envs(session: nox.Session) -> None:
+    """Popular third-party envs (MiniGrid, ...) served through rlmesh's own clients."""
+    session.install(".[test,envs]")
+    session.run("pytest", "-m", "envs", *session.posargs)
+
+
+@nox.session
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the repository."""
     session.install(dev_pin("ruff"))

@@ -408,3 +408,45 @@ def test_codec_from_spec() -> None:
     codec = SpaceCodec.from_spec(spec)
     assert bytes(codec.spec) == bytes(spec)
     assert codec.num_leaves == 2
+
+
+class _FakeMissionSpace(gym.spaces.Space[str]):
+    """Shaped like minigrid.core.mission.MissionSpace (recognised by name and module)."""
+
+    def __init__(self, func: Any, placeholders: list[list[str]] | None) -> None:
+        super().__init__()
+        self.mission_func = func
+        self.ordered_placeholders = placeholders
+
+
+_FakeMissionSpace.__name__ = "MissionSpace"
+_FakeMissionSpace.__module__ = "minigrid.core.mission"
+
+
+def test_a_minigrid_mission_space_is_served_as_text_holding_every_mission() -> None:
+    from rlmesh_trio._codec._spaces import MISSION_FALLBACK_MAX_LENGTH, mission_text_space
+
+    space = _FakeMissionSpace(
+        lambda color, obj: f"pick up the {color} {obj}",
+        [["red", "green"], ["ball", "key"]],
+    )
+    spec = space_to_spec(space)
+    assert spec.text is not None
+    missions = [f"pick up the {c} {o}" for c in ("red", "green") for o in ("ball", "key")]
+    assert spec.text.min_length == min(map(len, missions))
+    assert spec.text.max_length == max(map(len, missions))
+    assert set(spec.text.charset) == set("".join(missions))
+    codec = SpaceCodec(gym.spaces.Dict({"mission": space}))
+    assert codec.encode({"mission": "pick up the red key"})
+    fixed = mission_text_space(_FakeMissionSpace(lambda: "get to the goal", None))
+    assert (fixed.min_length, fixed.max_length) == (15, 15)
+    free = mission_text_space(_FakeMissionSpace(None, None))  # not enumerable: printable ASCII
+    assert free.max_length == MISSION_FALLBACK_MAX_LENGTH and "~" in free.character_set
+
+
+def test_an_unsupported_space_names_its_path_and_suggests_a_wrapper() -> None:
+    class Odd(gym.spaces.Space[Any]):
+        pass
+
+    with pytest.raises(UnsupportedSpaceError, match=r"at \$\.x: Odd .*wrap the env"):
+        space_to_spec(gym.spaces.Dict({"x": Odd()}))

@@ -345,3 +345,16 @@ class HangEnv(gym.Env[np.ndarray, Any]):
 
 def make_hang() -> HangEnv:
     return HangEnv()
+
+
+def make_minigrid_empty() -> gym.Env[Any, Any]:
+    """MiniGrid's Empty-5x5 (needs the ``envs`` extra): its mission is a MissionSpace."""
+    import minigrid  # noqa: F401  (registers the MiniGrid ids)
+
+    return gym.make("MiniGrid-Empty-5x5-v0")
+
+
+def make_minigrid_doorkey() -> gym.Env[Any, Any]:
+    import minigrid  # noqa: F401
+
+    return gym.make("MiniGrid-DoorKey-5x5-v0")
