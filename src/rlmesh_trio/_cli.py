@@ -205,6 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(also: RLMESH_TRIO_AUTH_TOKEN, which keeps it off the command line); never logged",
     )
     serve.add_argument(
+        "--metrics-address",
+        metavar="ADDR",
+        help="serve Prometheus metrics over HTTP at tcp://host:port (default: off; "
+        "loopback unless given otherwise; needs the metrics extra)",
+    )
+    serve.add_argument(
         "--workflow-edition",
         metavar="EDITION",
         help="the workflow edition the endpoint declares (default: RLMESH_WORKFLOW_EDITION, "
@@ -475,6 +481,7 @@ def _configure(args: argparse.Namespace, address: str) -> _Config:
         workflow_edition=edition,
         validation_policy=args.validation_policy,
         auth_token=args.auth_token,
+        metrics_address=_metrics_address(args.metrics_address),
     )
     return _Config(
         make_env=make_env,
@@ -486,6 +493,15 @@ def _configure(args: argparse.Namespace, address: str) -> _Config:
         ready_fd=args.ready_fd,
         log_format=args.log_format,
     )
+
+
+def _metrics_address(value: str | None) -> str | None:
+    """``PORT`` and ``host:port`` as for ``--address``; only TCP."""
+    if value is None:
+        return None
+    if "://" not in value:
+        value = "tcp://" + (value if ":" in value else f"127.0.0.1:{value}")
+    return value
 
 
 def _load_entrypoint(spec: str) -> Callable[..., Any]:
@@ -531,6 +547,8 @@ async def _run(config: _Config) -> int:
                     if name == UNKNOWN_ENV_ID:  # no gymnasium spec: name what was served
                         name = f"{config.label} (no env spec, served as {UNKNOWN_ENV_ID})"
                     _say(config, f"serving {name} x{info.num_envs} {lanes} on {info.address}")
+                    if info.metrics_address is not None:
+                        _say(config, f"metrics on http{info.metrics_address[3:]}/metrics")
                     if config.ready_fd is not None:
                         try:
                             _write_ready_fd(config.ready_fd, info.address)

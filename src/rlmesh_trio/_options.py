@@ -47,6 +47,8 @@ class ServeOptions:
     ``auth_token``: when set, every request but the health check must carry
     ``authorization: Bearer <token>`` (else UNAUTHENTICATED "invalid env token"); None
     reads ``RLMESH_TRIO_AUTH_TOKEN``. Never shown in a repr or a log.
+    ``metrics_address``: serve Prometheus metrics over HTTP there (``tcp://host:port``,
+    port 0 picks one; needs the ``metrics`` extra); None: no metrics.
     """
 
     allow_remote_shutdown: bool = False
@@ -57,6 +59,7 @@ class ServeOptions:
     validation_policy: Policy | None = None
     max_message_bytes: int = MAX_MESSAGE_BYTES
     auth_token: str | None = field(default=None, repr=False)
+    metrics_address: str | None = None
 
     def remote_shutdown_allowed(self, environ: Mapping[str, str] = os.environ) -> bool:
         """The option, or the environment variable (which can only enable it)."""
@@ -98,6 +101,7 @@ class Resolved:
     policy: Policy
     max_message_bytes: int
     auth_token: str | None = field(default=None, repr=False)
+    metrics_address: str | None = None
 
     @property
     def stop_bound(self) -> float:
@@ -154,6 +158,12 @@ def resolve(options: ServeOptions, environ: Mapping[str, str] = os.environ) -> R
         token = environ.get(AUTH_TOKEN_ENV) or None
     if token is not None and (not isinstance(token, str) or not token.strip()):
         raise ValueError("auth_token must be a non-empty string or None")
+    metrics = options.metrics_address
+    if metrics is not None:
+        from ._address import TcpAddress, parse_address
+
+        if not isinstance(metrics, str) or not isinstance(parse_address(metrics), TcpAddress):
+            raise ValueError(f"metrics_address must be tcp://host:port or None, got {metrics!r}")
     drain, close, idle = (
         options.drain_timeout_seconds,
         options.close_timeout_seconds,
@@ -168,4 +178,5 @@ def resolve(options: ServeOptions, environ: Mapping[str, str] = os.environ) -> R
         policy=options.resolved_policy(environ),
         max_message_bytes=size,
         auth_token=token,
+        metrics_address=metrics,
     )

@@ -8,6 +8,7 @@ transport goes first (GOAWAY, drain, cut), then the lanes are closed (mailboxes 
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import trio
 
 from ._address import DEFAULT_ADDRESS, Listener, bind, parse_address
 from ._lanes import LaneEngine
+from ._metrics import ServerMetrics, start_http
 from ._options import STOP_SLACK, Resolved, ServeOptions, resolve
 from ._session import Endpoint, Session
 from ._transport import TransportService
@@ -35,6 +37,8 @@ class ServerInfo:
     """How many lanes (envs) the endpoint serves."""
     env_id: str
     """The served env's id (``env.spec.id``, or ``UnknownEnv-v1``)."""
+    metrics_address: str | None = None
+    """Where Prometheus metrics are served (``tcp://host:port``), when asked for."""
 
 
 async def serve_env(
@@ -105,6 +109,13 @@ class _StopClock:
         self.engine = engine
         self.lanes_scope = lanes_scope
         self.began: float | None = None
+        self.transport_done = trio.Event()
+
+    def left(self) -> float:
+        """Seconds left of the stop bound (the whole bound before any stop began)."""
+        if self.began is None:
+            return self.options.stop_bound
+        return max(0.0, self.began + self.options.stop_bound - trio.current_time())
 
     def begin(self) -> None:
         """Trio thread: a stop began (cancellation, Shutdown RPC, idle timeout)."""
@@ -134,6 +145,13 @@ async def _serve(
         try:
             await nursery.start(_run_lanes, engine, lanes_scope)
             lanes_scope.shield = True
+            metrics = None
+            metrics_address = None
+            if options.metrics_address is not None:
+                metrics = ServerMetrics(engine.num_envs, engine.contract.env_id)
+                metrics_address = await nursery.start(
+                    _run_metrics, metrics, options.metrics_address, clock
+                )
             endpoint = Endpoint(
                 engine.contract,
                 engine.num_envs,
@@ -146,7 +164,10 @@ async def _serve(
                 post=engine.post,
                 listener=listener.sock,
                 options=options,
-                session_factory=Session,
+                session_factory=Session
+                if metrics is None
+                else functools.partial(Session, observe=True),
+                metrics=metrics,
                 # Once the drain is over the lanes start closing: a request still in
                 # flight finishes (and is answered) while they do.
                 on_drained=engine.close,
@@ -157,14 +178,17 @@ async def _serve(
             # Raised plainly after the nursery has wound down, not as an ExceptionGroup.
             startup_error = exc
             _stop_lanes(engine, clock)
+            clock.transport_done.set()  # no transport: the metrics stop too
         except BaseException:
             _stop_lanes(engine, clock)
+            clock.transport_done.set()
             raise
         else:
             info = ServerInfo(
                 address=str(listener.address),
                 num_envs=engine.num_envs,
                 env_id=engine.contract.env_id,
+                metrics_address=metrics_address,
             )
             log.info("serving %s x%d lanes on %s", info.env_id, info.num_envs, info.address)
             task_status.started(info)
@@ -173,6 +197,29 @@ async def _serve(
     if failures:
         raise failures[0]
     return reasons[0] if reasons else "stopped"
+
+
+async def _run_metrics(
+    metrics: ServerMetrics,
+    address: str,
+    clock: _StopClock,
+    *,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the metrics over HTTP until the transport has stopped, then stop within
+    what is left of the stop bound (the HTTP thread is a daemon: abandoned past it)."""
+    server, _thread, bound = start_http(metrics, address)
+    try:
+        task_status.started(bound)
+        await clock.transport_done.wait()
+    finally:
+
+        def close() -> None:
+            server.shutdown()  # wakes serve_forever (it polls every 0.5 s)
+            server.server_close()
+
+        with trio.move_on_after(clock.left(), shield=True):
+            await trio.to_thread.run_sync(close, abandon_on_cancel=True)
 
 
 async def _run_lanes(
@@ -212,8 +259,9 @@ async def _run_transport(
         log.error("the transport failed: %r", exc)
         failures.append(exc)
     finally:
-        # The transport has stopped (or was abandoned): now the lanes.
+        # The transport has stopped (or was abandoned): now the lanes (and the metrics).
         _stop_lanes(engine, clock)
+        clock.transport_done.set()
     reason = service.stop_reason or "stopped"
     reasons.append(reason)
     log.info("server stopped: %s", reason)

@@ -10,6 +10,7 @@ from ._endpoint import ConformanceLedger as ConformanceLedger
 from ._endpoint import Endpoint as Endpoint
 from ._join import Action as Action
 from ._join import CancelTimer as CancelTimer
+from ._join import Done as Done
 from ._join import EndStream as EndStream
 from ._join import Post as Post
 from ._join import Report as Report

@@ -10,8 +10,9 @@ events and performs the actions it returns, in order:
 - ``session.on_stream_end()`` -- the client half-closed, cancelled or vanished.
 
 Actions: :class:`Post` (queue this job on that lane; if the lane refuses it, feed the
-refusal back as a lane reply), :class:`Send`, :class:`Report` (for the log only),
-:class:`StartTimer`, :class:`CancelTimer`, :class:`EndStream`.
+refusal back as a lane reply), :class:`Send`, :class:`Report` (for the log and the
+metrics), :class:`Done` (for the metrics, with ``observe=True``), :class:`StartTimer`,
+:class:`CancelTimer`, :class:`EndStream`.
 
 Request classes (SPEC §7.4): a reset or step with ``env_indices`` is *lane-scoped*: it
 is posted at once, lanes run concurrently, replies go out when each request completes
@@ -143,6 +144,17 @@ class Report:
 
 
 @dataclass(frozen=True, slots=True)
+class Done:
+    """A reset/step/render completed on ``lanes`` (emitted only for ``observe=True``, for
+    metrics): the server time and the env time of the request."""
+
+    verb: str
+    lanes: tuple[int, ...]
+    total_ns: int
+    user_ns: int
+
+
+@dataclass(frozen=True, slots=True)
 class Send:
     """Send this JoinResponse (in the order the actions were returned)."""
 
@@ -167,7 +179,7 @@ class EndStream:
     """Finish the Join stream with grpc-status 0 after the sends before it."""
 
 
-Action = Post | Send | Report | StartTimer | CancelTimer | EndStream
+Action = Post | Send | Report | Done | StartTimer | CancelTimer | EndStream
 
 
 # --------------------------------------------------------------------------- session
@@ -247,8 +259,10 @@ class Session:
         *,
         clock_ns: Callable[[], int] = time.perf_counter_ns,
         wall_ns: Callable[[], int] = time.time_ns,
+        observe: bool = False,
     ) -> None:
         self._endpoint = endpoint
+        self._observe = observe
         self._clock_ns = clock_ns
         self._wall_ns = wall_ns
         self._n = endpoint.num_envs
@@ -625,10 +639,14 @@ class Session:
             )
             response = env_v1.JoinResponse(request_id=op.request_id, render=body)
             self._stamp(response, op, phases, None, decode=False)
+        elif op.verb == "reset":
+            response = self._reset_response(op, results, phases, skew)
+        else:
+            response = self._step_response(op, results, phases, skew)
+        if not self._observe:
             return [Send(response)]
-        if op.verb == "reset":
-            return [Send(self._reset_response(op, results, phases, skew))]
-        return [Send(self._step_response(op, results, phases, skew))]
+        total = response.endpoint_total_ns or 0
+        return [Send(response), Done(op.verb, tuple(op.lanes), total, phases.user_ns)]
 
     def _place_warnings(
         self, op: _Op, results: Sequence[ResetResult | StepResult]

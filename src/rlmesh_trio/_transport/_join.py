@@ -45,8 +45,8 @@ from .._errors import (
 from .._jobs import LaneReply, Phases
 from .._logging import report
 from .._proto.rlmesh.env import v1 as env_v1
-from .._session import Action, CancelTimer, EndStream, Post, Report, Send, StartTimer
-from .._wire import check_outgoing, decode_join_request, encode_join_response
+from .._session import Action, CancelTimer, Done, EndStream, Post, Report, Send, StartTimer
+from .._wire import PREFIX_SIZE, check_outgoing, decode_join_request, encode_join_response
 from ._shim import read_message, reset_if_open
 
 if TYPE_CHECKING:
@@ -99,6 +99,7 @@ class JoinCall:
         self.reader: asyncio.Task[None] | None = None
         self.status = Status.OK
         self.status_message: str | None = None
+        self.metrics = server.metrics
 
     # -- events into the session
 
@@ -140,6 +141,11 @@ class JoinCall:
                     )
             elif isinstance(action, Report):
                 report(action, self.server.report_limit)
+                if self.metrics is not None:
+                    self.metrics.report(action)
+            elif isinstance(action, Done):
+                if self.metrics is not None:
+                    self.metrics.done(action)
             elif isinstance(action, CancelTimer):
                 handle = self.timers.pop(action.token, None)
                 if handle is not None:
@@ -148,6 +154,8 @@ class JoinCall:
                 self.session_told = True
                 self.finish()
         self._update_room()
+        if self.metrics is not None:
+            self.metrics.depth(self.session.backlog)
         self.server.join_activity(self)
 
     def _post(self, action: Post) -> None:
@@ -279,6 +287,8 @@ class JoinCall:
                 data = await read_message(self.stream, limit)
                 if data is None:
                     return  # the client half-closed
+                if self.metrics is not None:
+                    self.metrics.received(len(data) + PREFIX_SIZE)
                 if len(data) > OFF_LOOP_DECODE_BYTES:
                     request = await self.server.off_loop(decode_join_request, data, lanes)
                 else:
@@ -306,6 +316,8 @@ class JoinCall:
                     finally:
                         self.sending = False
                         self.outbox_bytes -= len(data)
+                    if self.metrics is not None:
+                        self.metrics.sent(len(data) + PREFIX_SIZE)
                     del data
                     if not self.outbox:
                         self._update_room()

@@ -67,6 +67,7 @@ from ._shim import (
 if TYPE_CHECKING:
     from grpclib.protocol import Stream as H2Stream
 
+    from .._metrics import ServerMetrics
     from .._session import Action
 
 log = logging.getLogger("rlmesh_trio.transport")
@@ -163,8 +164,10 @@ class LoopServer:
         session_factory: SessionFactory,
         on_drained: Callable[[], None] | None,
         on_stop_begin: Callable[[], None] | None,
+        metrics: ServerMetrics | None = None,
     ) -> None:
         self.loop = loop
+        self.metrics = metrics
         self.to_loop = ToLoop(loop.call_soon_threadsafe)
         self.endpoint = endpoint
         self.post = post
@@ -475,10 +478,12 @@ class LoopServer:
         raise UnknownMethodError()
 
     async def _join(self, stream: Stream[bytes, bytes]) -> None:
-        if self.closing:
-            raise ServerStoppingError()
-        if self.join is not None:
-            raise AlreadyJoinedError()
+        if self.closing or self.join is not None:
+            if self.metrics is not None:
+                self.metrics.session(admitted=False)
+            raise ServerStoppingError() if self.closing else AlreadyJoinedError()
+        if self.metrics is not None:
+            self.metrics.session(admitted=True)
         call = JoinCall(self, stream)
         self.join = call
         self._arm_idle()

@@ -14,6 +14,7 @@ import logging
 import socket
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import trio
 
@@ -54,7 +55,9 @@ class TransportService:
         on_drained: Callable[[], None] | None = None,
         on_stop_begin: Callable[[], None] | None = None,
         loop_factory: Callable[[], asyncio.AbstractEventLoop] = asyncio.SelectorEventLoop,
+        metrics: Any = None,
     ) -> None:
+        self.metrics = metrics
         self.endpoint = endpoint
         self.post = post
         self.options = options
@@ -191,6 +194,7 @@ class TransportService:
             session_factory=self.session_factory,
             on_drained=self.on_drained,
             on_stop_begin=on_stop_begin,
+            metrics=self.metrics,
         )
         with self._lock:
             self._to_loop, self._loop_server = server.to_loop, server
