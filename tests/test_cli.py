@@ -383,6 +383,13 @@ def test_an_unregistered_namespace_names_the_fix() -> None:
     assert "--package ale_py" in text and "ale_py:ALE/" in text
     other = _cli._describe(gymnasium.error.NamespaceNotFound("Namespace Nope not found."))
     assert "--package PACKAGE" in other
+    minigrid = _cli._describe(
+        gymnasium.error.NameNotFound("Environment `MiniGrid-Empty-5x5` doesn't exist.")
+    )
+    assert "--package minigrid" in minigrid
+    assert "--package" not in _cli._describe(
+        gymnasium.error.NameNotFound("Environment `NoSuch` doesn't exist.")
+    )
 
 
 async def _fail_step_then_bad_action(address: str) -> list[Any]:

@@ -45,13 +45,14 @@ _LOG_LEVELS = ("debug", "info", "warning", "error")
 
 NAMESPACE_PACKAGES = {
     "ALE": "ale_py",
-    "MiniGrid": "minigrid",
-    "BabyAI": "minigrid",
     "MetaWorld": "metaworld",
     "GymV21": "shimmy",
     "GymV26": "shimmy",
 }
-"""Env-id namespaces registered by a package that must be imported first."""
+"""Env-id namespaces (``NS/Name-v0``) registered by a package that must be imported first."""
+
+NAME_PREFIX_PACKAGES = {"MiniGrid-": "minigrid", "BabyAI-": "minigrid"}
+"""Env ids without a namespace, registered by a package when it is imported."""
 
 
 class _UsageError(Exception):
@@ -396,7 +397,16 @@ def _describe(exc: BaseException) -> str:
 
 
 def _namespace_hint(exc: BaseException) -> str:
-    """What to do about gymnasium's NamespaceNotFound: import the registering package."""
+    """What to do about gymnasium's NamespaceNotFound (or NameNotFound for ids a known
+    package registers): import the registering package."""
+    if type(exc).__name__ == "NameNotFound":
+        for prefix, registrar in NAME_PREFIX_PACKAGES.items():
+            if f"`{prefix}" in str(exc):
+                return (
+                    f" (these envs are registered by the {registrar} package: install it in "
+                    f"this environment and add --package {registrar})"
+                )
+        return ""
     if type(exc).__name__ != "NamespaceNotFound":
         return ""
     match = re.search(r"Namespace (\S+) not found", str(exc))
