@@ -379,3 +379,23 @@ def _wait_server_threads_gone() -> None:
         if not any(n.startswith(("rlmesh-trio-transport", "rlmesh-trio-lane-")) for n in names):
             return
         time.sleep(0.02)
+
+
+def test_event_loop_option_resolves_to_an_installed_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from rlmesh_trio._options import resolve
+
+    assert resolve(ServeOptions(event_loop="asyncio")).event_loop == "asyncio"
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "uvloop" else real(name, *a)
+    )
+    assert resolve(ServeOptions()).event_loop == "asyncio"  # auto: the fallback
+    with pytest.raises(ValueError, match="needs uvloop"):
+        resolve(ServeOptions(event_loop="uvloop"))
+    with pytest.raises(ValueError, match="event_loop"):
+        resolve(ServeOptions(event_loop="tokio"))  # type: ignore[arg-type]
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    if real("uvloop") is not None:
+        assert resolve(ServeOptions()).event_loop == "uvloop"

@@ -11,12 +11,13 @@ client where that is cheap.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import socket
 import struct
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +57,20 @@ ALREADY_JOINED = str(AlreadyJoinedError())
 
 pytestmark = pytest.mark.timeout(60)
 
+EVENT_LOOP = ["asyncio"]
+"""The loop ``running()`` serves on (set per test by the fixture below)."""
+
+
+@pytest.fixture(autouse=True, params=["asyncio", "uvloop"])
+def event_loop_kind(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every transport test runs on asyncio's selector loop and on uvloop."""
+    if request.param == "uvloop":
+        pytest.importorskip("uvloop")
+    EVENT_LOOP[0] = request.param
+    yield request.param
+    EVENT_LOOP[0] = "asyncio"
+
+
 T = TypeVar("T")
 
 BOUND = 10.0
@@ -86,8 +101,10 @@ async def running(
     session_factory: Any = None,
     teardown_timeout: float = 5.0,
 ) -> AsyncIterator[Running]:
-    """Lanes + endpoint + transport, as serve_env composes them, with the service exposed."""
-    options = options or ServeOptions()
+    """Lanes + endpoint + transport, as serve_env composes them, with the service exposed.
+
+    The transport runs on the loop the module's ``event_loop`` fixture picked."""
+    options = dataclasses.replace(options or ServeOptions(), event_loop=EVENT_LOOP[0])
     engine = LaneEngine(make_env, num_envs, teardown_timeout=teardown_timeout)
     listener = bind(parse_address(address))
     try:

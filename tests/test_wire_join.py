@@ -269,7 +269,7 @@ def test_only_the_transport_package_imports_asyncio_grpclib_or_h2() -> None:
     import rlmesh_trio
 
     root = Path(rlmesh_trio.__file__).parent
-    banned = {"asyncio", "grpclib", "h2", "hyperframe", "hpack"}
+    banned = {"asyncio", "grpclib", "h2", "hyperframe", "hpack", "uvloop"}
     offenders = []
     for path in root.rglob("*.py"):
         parts = path.relative_to(root).parts

@@ -206,6 +206,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(also: RLMESH_TRIO_AUTH_TOKEN, which keeps it off the command line); never logged",
     )
     serve.add_argument(
+        "--event-loop",
+        choices=("auto", "uvloop", "asyncio"),
+        default="auto",
+        help="the transport's event loop (default auto: uvloop where installed, as on "
+        "Linux and macOS; else asyncio's selector loop)",
+    )
+    serve.add_argument(
         "--metrics-address",
         metavar="ADDR",
         help="serve Prometheus metrics over HTTP at tcp://host:port (default: off; "
@@ -492,6 +499,7 @@ def _configure(args: argparse.Namespace, address: str) -> _Config:
         validation_policy=args.validation_policy,
         auth_token=args.auth_token,
         metrics_address=_metrics_address(args.metrics_address),
+        event_loop=args.event_loop,
     )
     return _Config(
         make_env=make_env,

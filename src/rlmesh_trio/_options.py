@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from collections.abc import Mapping
@@ -9,6 +10,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 Policy = Literal["warn", "strict", "off"]
+
+EventLoop = Literal["auto", "uvloop", "asyncio"]
+"""The transport thread's event loop: uvloop when installed (``auto``), or one of them."""
 """How soft conformance violations are handled (SPEC §3.7.8)."""
 
 WORKFLOW_EDITION = "2026.06"
@@ -49,6 +53,9 @@ class ServeOptions:
     reads ``RLMESH_TRIO_AUTH_TOKEN``. Never shown in a repr or a log.
     ``metrics_address``: serve Prometheus metrics over HTTP there (``tcp://host:port``,
     port 0 picks one; needs the ``metrics`` extra); None: no metrics.
+    ``event_loop``: the transport thread's loop: ``auto`` (uvloop when installed -- a
+    dependency on Linux and macOS CPython -- else asyncio's selector loop), ``uvloop``
+    or ``asyncio``.
     """
 
     allow_remote_shutdown: bool = False
@@ -60,6 +67,7 @@ class ServeOptions:
     max_message_bytes: int = MAX_MESSAGE_BYTES
     auth_token: str | None = field(default=None, repr=False)
     metrics_address: str | None = None
+    event_loop: EventLoop = "auto"
 
     def remote_shutdown_allowed(self, environ: Mapping[str, str] = os.environ) -> bool:
         """The option, or the environment variable (which can only enable it)."""
@@ -102,6 +110,7 @@ class Resolved:
     max_message_bytes: int
     auth_token: str | None = field(default=None, repr=False)
     metrics_address: str | None = None
+    event_loop: Literal["uvloop", "asyncio"] = "asyncio"
 
     @property
     def stop_bound(self) -> float:
@@ -164,6 +173,14 @@ def resolve(options: ServeOptions, environ: Mapping[str, str] = os.environ) -> R
 
         if not isinstance(metrics, str) or not isinstance(parse_address(metrics), TcpAddress):
             raise ValueError(f"metrics_address must be tcp://host:port or None, got {metrics!r}")
+    loop = options.event_loop
+    if loop not in ("auto", "uvloop", "asyncio"):
+        raise ValueError(f"event_loop must be 'auto', 'uvloop' or 'asyncio', got {loop!r}")
+    if loop != "asyncio":
+        available = importlib.util.find_spec("uvloop") is not None
+        if loop == "uvloop" and not available:
+            raise ValueError("event_loop='uvloop' needs uvloop (pip install uvloop)")
+        loop = "uvloop" if available else "asyncio"
     drain, close, idle = (
         options.drain_timeout_seconds,
         options.close_timeout_seconds,
@@ -179,4 +196,5 @@ def resolve(options: ServeOptions, environ: Mapping[str, str] = os.environ) -> R
         max_message_bytes=size,
         auth_token=token,
         metrics_address=metrics,
+        event_loop=loop,
     )
