@@ -8,8 +8,7 @@ health service: a Handshake that answers then counts as serving).
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from grpclib.client import Channel
 from grpclib.const import Cardinality, Status
@@ -19,7 +18,7 @@ from .._address import TcpAddress, UnixAddress, parse_address
 from .._proto.rlmesh.core import v1 as core_v1
 from .._proto.rlmesh.env import v1 as env_v1
 from .._session import PROTOCOL_GENERATION
-from ._server import HEALTH_CHECK_PATH, SERVICE_NAME
+from ._server import HANDSHAKE_PATH, HEALTH_CHECK_PATH, SERVICE_NAME
 from ._shim import RawCodec
 
 __all__ = ["ProbeResult", "probe"]
@@ -37,23 +36,27 @@ class ProbeResult:
     health: str = "unknown"
     handshake: env_v1.HandshakeResponse | None = None
     error: str | None = None
-    details: dict[str, Any] = field(default_factory=dict)
+
+
+async def _call(
+    channel: Channel, path: str, payload: bytes, metadata: dict[str, str] | None, timeout: float
+) -> bytes | None:
+    """One unary call with raw bytes; raises GRPCError for a non-OK status."""
+    async with channel.request(
+        path, _UNARY, bytes, bytes, timeout=timeout, metadata=metadata
+    ) as stream:
+        await stream.send_message(payload, end=True)
+        reply: bytes | None = await stream.recv_message()
+    return reply
 
 
 async def _health(channel: Channel, metadata: dict[str, str] | None, timeout: float) -> str:
+    # grpc.health.v1.HealthCheckRequest{service}: field 1, a string.
+    name = SERVICE_NAME.encode()
     try:
-        async with channel.request(
-            HEALTH_CHECK_PATH,
-            _UNARY,
-            bytes,
-            bytes,
-            timeout=timeout,
-            metadata=metadata,
-        ) as stream:
-            # grpc.health.v1.HealthCheckRequest{service}: field 1, a string.
-            name = SERVICE_NAME.encode()
-            await stream.send_message(b"\x0a" + bytes([len(name)]) + name, end=True)
-            reply = await stream.recv_message()
+        reply = await _call(
+            channel, HEALTH_CHECK_PATH, b"\x0a" + bytes([len(name)]) + name, metadata, timeout
+        )
     except GRPCError as exc:
         if exc.status is Status.UNIMPLEMENTED:
             return "no health service"
@@ -77,16 +80,7 @@ async def _probe(address: str, timeout: float, token: str | None) -> ProbeResult
         request = env_v1.HandshakeRequest(
             base=core_v1.HandshakeRequest(protocol_generation=PROTOCOL_GENERATION)
         )
-        async with channel.request(
-            "/rlmesh.env.v1.EnvService/Handshake",
-            _UNARY,
-            bytes,
-            bytes,
-            timeout=timeout,
-            metadata=metadata,
-        ) as stream:
-            await stream.send_message(bytes(request), end=True)
-            data = await stream.recv_message()
+        data = await _call(channel, HANDSHAKE_PATH, bytes(request), metadata, timeout)
         response = env_v1.HandshakeResponse.parse(data or b"")
         result.handshake = response
         compatible = response.base is not None and response.base.compatible
