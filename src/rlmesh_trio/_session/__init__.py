@@ -5,19 +5,19 @@ Shutdown answers); :class:`Session` is one Join stream. Neither imports the lane
 transport: the transport's Join driver performs the actions.
 """
 
+from ._actions import Action as Action
+from ._actions import CancelTimer as CancelTimer
+from ._actions import Done as Done
+from ._actions import EndStream as EndStream
+from ._actions import Post as Post
+from ._actions import Report as Report
+from ._actions import Send as Send
+from ._actions import StartTimer as StartTimer
+from ._edition import rust_debug_str as rust_debug_str
 from ._endpoint import PROTOCOL_GENERATION as PROTOCOL_GENERATION
 from ._endpoint import ConformanceLedger as ConformanceLedger
 from ._endpoint import Endpoint as Endpoint
-from ._join import Action as Action
-from ._join import CancelTimer as CancelTimer
-from ._join import Done as Done
-from ._join import EndStream as EndStream
-from ._join import Post as Post
-from ._join import Report as Report
-from ._join import Send as Send
 from ._join import Session as Session
-from ._join import StartTimer as StartTimer
-from ._join import rust_debug_str as rust_debug_str
 from ._results import CONFORMANCE_KEY as CONFORMANCE_KEY
 from ._results import batch_infos as batch_infos
 from ._results import fold_phases as fold_phases

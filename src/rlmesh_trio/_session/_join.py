@@ -32,7 +32,6 @@ from typing import Any
 
 import betterproto2
 import outcome
-import unicodedata2  # Unicode 18 tables: Python's own unicodedata lags (3.11: Unicode 14)
 
 from .._codec import Candidate, from_meta_map
 from .._errors import ActionError, env_error
@@ -49,66 +48,11 @@ from .._jobs import (
 )
 from .._proto.rlmesh.env import v1 as env_v1
 from .._proto.rlmesh.spaces import v1 as spaces_v1
+from ._actions import Action, CancelTimer, Done, EndStream, Post, Report, Send, StartTimer
+from ._edition import edition_matches, rust_debug_str
 from ._endpoint import Endpoint
+from ._episodes import Episode
 from ._results import CONFORMANCE_KEY, batch_infos, fold_phases, warning_value
-
-
-def rust_debug_str(text: str) -> str:
-    """``text`` as Rust's ``{:?}`` prints a str (the reference's error texts use it).
-
-    Quotes around it; ``\\0 \\t \\r \\n \\\\ \\"`` escaped; a grapheme extender or a
-    non-printable char (Unicode "Other" and "Separator" but the space, as Rust's and
-    Python's definitions agree) as ``\\u{hex}``; everything else as is.
-    """
-    out = ['"']
-    for char in text:
-        escaped = _SIMPLE_ESCAPES.get(char)
-        if escaped is not None:
-            out.append(escaped)
-        elif _printable(char) and not _grapheme_extend(char):
-            out.append(char)
-        else:
-            out.append(f"\\u{{{ord(char):x}}}")
-    out.append('"')
-    return "".join(out)
-
-
-_SIMPLE_ESCAPES = {"\0": "\\0", "\t": "\\t", "\r": "\\r", "\n": "\\n", "\\": "\\\\", '"': '\\"'}
-# Grapheme_Extend beyond the Mn/Me categories (Unicode's DerivedCoreProperties).
-_EXTEND_EXTRA = frozenset(
-    [
-        *(0x09BE, 0x09D7, 0x0B3E, 0x0B57, 0x0BBE, 0x0BD7, 0x0CC2, 0x0CD5, 0x0CD6, 0x0D3E),
-        *(0x0D57, 0x0DCF, 0x0DDF, 0x1B35, 0x200C, 0x302E, 0x302F, 0xFF9E, 0xFF9F, 0x1133E),
-        *(0x11357, 0x114B0, 0x114BD, 0x115AF, 0x11930, 0x1D165),
-        *range(0x1D16E, 0x1D173),
-        *range(0xE0020, 0xE0080),
-    ]
-)
-
-
-def _grapheme_extend(char: str) -> bool:
-    return unicodedata2.category(char) in ("Mn", "Me") or ord(char) in _EXTEND_EXTRA
-
-
-def _printable(char: str) -> bool:
-    """Not Unicode "Other" (Cc Cf Cs Co Cn) nor "Separator" (Zl Zp Zs), the space aside."""
-    if char == " ":
-        return True
-    return unicodedata2.category(char)[0] not in "CZ"
-
-
-# Rust's char::is_whitespace (Unicode White_Space), which str::trim strips.
-_RUST_WHITESPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000"
-
-
-def edition_matches(selected: str, implemented: str) -> bool:
-    """The reference's test of a configure edition: empty, or -- trimmed of Unicode
-    whitespace -- the implemented edition or one of its ``<edition>-...`` variants."""
-    if not selected:
-        return True
-    trimmed = selected.strip(_RUST_WHITESPACE)
-    return trimmed == implemented or trimmed.startswith(implemented + "-")
-
 
 _UNRECOGNIZED = (
     "empty or unrecognized Join request (a newer-edition arm this build does not implement?)"
@@ -117,103 +61,7 @@ _UNRECOGNIZED = (
 Code = env_v1.EnvErrorCode
 
 
-@dataclass(frozen=True, slots=True)
-class Post:
-    """Queue ``job`` on lane ``lane``; its answer comes back through ``on_lane_reply``."""
-
-    lane: int
-    job: Job
-
-
-@dataclass(frozen=True, slots=True)
-class Report:
-    """Tell the operator (the driver logs it; nothing goes on the wire).
-
-    ``kind`` is ``"fault"`` for an env failure (``error`` is the exception, with its
-    traceback), ``"rejected"`` for a request refused as invalid or unsupported, or
-    ``"timeout"`` for a request whose deadline expired.
-    """
-
-    kind: str
-    verb: str
-    request_id: str
-    lanes: tuple[int, ...]
-    code: env_v1.EnvErrorCode
-    message: str
-    error: BaseException | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Done:
-    """A reset/step/render completed on ``lanes`` (emitted only for ``observe=True``, for
-    metrics): the server time and the env time of the request."""
-
-    verb: str
-    lanes: tuple[int, ...]
-    total_ns: int
-    user_ns: int
-
-
-@dataclass(frozen=True, slots=True)
-class Send:
-    """Send this JoinResponse (in the order the actions were returned)."""
-
-    response: env_v1.JoinResponse
-
-
-@dataclass(frozen=True, slots=True)
-class StartTimer:
-    """Call ``on_timer(token)`` after ``seconds``, unless cancelled first."""
-
-    token: int
-    seconds: float
-
-
-@dataclass(frozen=True, slots=True)
-class CancelTimer:
-    token: int
-
-
-@dataclass(frozen=True, slots=True)
-class EndStream:
-    """Finish the Join stream with grpc-status 0 after the sends before it."""
-
-
-Action = Post | Send | Report | Done | StartTimer | CancelTimer | EndStream
-
-
 # --------------------------------------------------------------------------- session
-
-
-@dataclass
-class _Episode:
-    episode_id: str
-    seed: int | None
-    lane: int
-    start_ns: int
-    steps: int = 0
-    reward: float = 0.0
-
-    def record(
-        self,
-        end_ns: int,
-        *,
-        terminated: bool = False,
-        truncated: bool = False,
-        final_info: spaces_v1.MetaMap | None = None,
-    ) -> env_v1.EpisodeMetadata:
-        return env_v1.EpisodeMetadata(
-            episode_id=self.episode_id,
-            seed=self.seed,
-            env_index=self.lane,
-            step_count=self.steps,
-            cumulative_reward=self.reward,
-            terminated=terminated,
-            truncated=truncated,
-            start_timestamp_ns=self.start_ns,
-            end_timestamp_ns=end_ns,
-            final_info=final_info,
-        )
 
 
 @dataclass
@@ -247,7 +95,7 @@ class _Op:
     timer_started: bool = False  # the deadline started while the request waited
     timed_out: bool = False
     # lane position -> (episode, terminated, truncated, end_ns) of an episode completed by this op
-    completions: dict[int, tuple[_Episode, bool, bool, int]] = field(default_factory=dict)
+    completions: dict[int, tuple[Episode, bool, bool, int]] = field(default_factory=dict)
 
 
 class Session:
@@ -273,7 +121,7 @@ class Session:
         self._serial: _Op | None = None
         self._outstanding = 0  # lane jobs posted and not answered yet (timed-out ones too)
         self._tokens = itertools.count(1)
-        self._episodes: list[_Episode | None] = [None] * self._n
+        self._episodes: list[Episode | None] = [None] * self._n
         self._interrupted: list[env_v1.EpisodeMetadata] = []
         self._finished = False
 
@@ -590,7 +438,7 @@ class Session:
             previous = self._episodes[lane]
             if previous is not None:
                 self._interrupted.append(previous.record(self._wall_ns(), truncated=True))
-            self._episodes[lane] = _Episode(
+            self._episodes[lane] = Episode(
                 episode_id=op.episode_ids[pos],
                 seed=op.seeds[pos],
                 lane=lane,

@@ -1,0 +1,77 @@
+"""What a Session asks its driver to do (sans-IO actions), performed in order:
+:class:`Post` (queue a job on a lane; a refusal comes back as a lane reply), :class:`Send`,
+:class:`Report` (for the log and the metrics), :class:`Done` (for the metrics, with
+``observe=True``), :class:`StartTimer`, :class:`CancelTimer`, :class:`EndStream`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .._jobs import Job
+from .._proto.rlmesh.env import v1 as env_v1
+
+
+@dataclass(frozen=True, slots=True)
+class Post:
+    """Queue ``job`` on lane ``lane``; its answer comes back through ``on_lane_reply``."""
+
+    lane: int
+    job: Job
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """Tell the operator (the driver logs it; nothing goes on the wire).
+
+    ``kind`` is ``"fault"`` for an env failure (``error`` is the exception, with its
+    traceback), ``"rejected"`` for a request refused as invalid or unsupported, or
+    ``"timeout"`` for a request whose deadline expired.
+    """
+
+    kind: str
+    verb: str
+    request_id: str
+    lanes: tuple[int, ...]
+    code: env_v1.EnvErrorCode
+    message: str
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """A reset/step/render completed on ``lanes`` (emitted only for ``observe=True``, for
+    metrics): the server time and the env time of the request."""
+
+    verb: str
+    lanes: tuple[int, ...]
+    total_ns: int
+    user_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Send this JoinResponse (in the order the actions were returned)."""
+
+    response: env_v1.JoinResponse
+
+
+@dataclass(frozen=True, slots=True)
+class StartTimer:
+    """Call ``on_timer(token)`` after ``seconds``, unless cancelled first."""
+
+    token: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class CancelTimer:
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
+class EndStream:
+    """Finish the Join stream with grpc-status 0 after the sends before it."""
+
+
+Action = Post | Send | Report | Done | StartTimer | CancelTimer | EndStream
