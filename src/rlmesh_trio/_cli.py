@@ -498,7 +498,7 @@ def _configure(args: argparse.Namespace, address: str) -> _Config:
         workflow_edition=edition,
         validation_policy=args.validation_policy,
         auth_token=args.auth_token,
-        metrics_address=_metrics_address(args.metrics_address),
+        metrics_address=args.metrics_address,
         event_loop=args.event_loop,
     )
     return _Config(
@@ -511,15 +511,6 @@ def _configure(args: argparse.Namespace, address: str) -> _Config:
         ready_fd=args.ready_fd,
         log_format=args.log_format,
     )
-
-
-def _metrics_address(value: str | None) -> str | None:
-    """``PORT`` and ``host:port`` as for ``--address``; only TCP."""
-    if value is None:
-        return None
-    if "://" not in value:
-        value = "tcp://" + (value if ":" in value else f"127.0.0.1:{value}")
-    return value
 
 
 def _load_entrypoint(spec: str) -> Callable[..., Any]:

@@ -171,8 +171,10 @@ def resolve(options: ServeOptions, environ: Mapping[str, str] = os.environ) -> R
     if metrics is not None:
         from ._address import TcpAddress, parse_address
 
+        # Any TCP form rlmesh accepts (tcp://host:port, host:port, port), resolved once.
         if not isinstance(metrics, str) or not isinstance(parse_address(metrics), TcpAddress):
             raise ValueError(f"metrics_address must be tcp://host:port or None, got {metrics!r}")
+        metrics = str(parse_address(metrics))
     loop = options.event_loop
     if loop not in ("auto", "uvloop", "asyncio"):
         raise ValueError(f"event_loop must be 'auto', 'uvloop' or 'asyncio', got {loop!r}")

@@ -21,7 +21,6 @@ import math
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from time import perf_counter_ns
 from typing import Any, Final
 
@@ -29,16 +28,16 @@ import gymnasium as gym
 import outcome
 import trio
 
-from ._bridge import ToTrio
-from ._codec import Candidate, SpaceCodec, from_meta_map, space_to_spec, to_meta_map
-from ._errors import (
+from .._bridge import ToTrio
+from .._codec import Candidate, SpaceCodec, to_meta_map
+from .._errors import (
     ContractMismatchError,
     LaneBrokenError,
     LaneClosedError,
     LaneError,
     PolicyViolation,
 )
-from ._jobs import (
+from .._jobs import (
     CallJob,
     EnvContract,
     Job,
@@ -52,9 +51,12 @@ from ._jobs import (
     StepJob,
     StepResult,
 )
-from ._options import DEFAULT_CLOSE_TIMEOUT, Policy
-from ._png import encode_png
-from ._proto.rlmesh.spaces import v1 as spaces_v1
+from .._options import DEFAULT_CLOSE_TIMEOUT, Policy
+from .._png import encode_png
+from ._contract import EnvFacts as _LaneFacts
+from ._contract import contract_differences as _contract_differences
+from ._contract import lane_facts as _lane_facts
+from ._lane import _DECODE, _ENCODE, _STOP, _USER, _Lane, _Split, _Stop, _stopped
 
 __all__ = [
     "LANE_TEARDOWN_TIMEOUT",
@@ -69,163 +71,9 @@ LANE_TEARDOWN_TIMEOUT: float = DEFAULT_CLOSE_TIMEOUT
 LANE_THREAD_PREFIX: Final = "rlmesh-trio-lane-"
 """Lane ``i``'s thread is named ``f"{LANE_THREAD_PREFIX}{i}"`` while it serves the lane."""
 
-UNKNOWN_ENV_ID: Final = "UnknownEnv-v1"
-"""The env id served for an env without a gymnasium spec (SPEC §4.8)."""
-
 logger = logging.getLogger("rlmesh_trio.lanes")
 
 _POLICIES: Final = ("warn", "strict", "off")
-
-
-class _Stop:
-    """The mailbox sentinel that tells a lane thread to wind down."""
-
-    __slots__ = ()
-
-
-_STOP: Final = _Stop()
-
-_MailboxItem = tuple[int, Job, ReplyFn] | _Stop
-"""``(perf_counter_ns() at post, job, reply)``, or the stop sentinel."""
-
-
-# --------------------------------------------------------------------------------------
-# Contract agreement
-
-
-@dataclass(frozen=True)
-class _LaneFacts:
-    """What one lane would serve, computed on the lane's own thread."""
-
-    env_id: str
-    action_space: gym.spaces.Space[Any]
-    observation_space: gym.spaces.Space[Any]
-    action_spec: bytes
-    observation_spec: bytes
-    metadata: spaces_v1.MetaMap
-    metadata_value: dict[str, object]
-    render_mode: str
-
-
-def _lane_facts(env: gym.Env[Any, Any]) -> _LaneFacts:
-    spec = getattr(env, "spec", None)
-    env_id = getattr(spec, "id", None) if spec is not None else None
-    action_space = env.action_space
-    observation_space = env.observation_space
-    # The metadata is served as it is. Checked against rlmesh 0.1.0: it does not drop an
-    # ``autoreset_mode`` entry (an env whose metadata holds AutoresetMode.NEXT_STEP is served
-    # with ``autoreset_mode: "NextStep"`` and an AUTORESET_MODE_DISABLED contract), and
-    # gymnasium 1.4's vector envs copy the metadata before adding that key, so building a
-    # vector env in the same process leaves a scalar env's class-level metadata alone.
-    raw_metadata = getattr(env, "metadata", None)
-    metadata = to_meta_map(dict(raw_metadata) if raw_metadata else {})
-    render_mode = getattr(env, "render_mode", None)
-    return _LaneFacts(
-        env_id=env_id if isinstance(env_id, str) and env_id else UNKNOWN_ENV_ID,
-        action_space=action_space,
-        observation_space=observation_space,
-        action_spec=bytes(space_to_spec(action_space)),
-        observation_spec=bytes(space_to_spec(observation_space)),
-        metadata=metadata,
-        metadata_value=from_meta_map(metadata),
-        render_mode=render_mode if isinstance(render_mode, str) else "",
-    )
-
-
-def _same_meta(a: object, b: object) -> bool:
-    """Equality of decoded MetaMap values: exact types (``True`` is not ``1``), NaN == NaN."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, dict):
-        assert isinstance(b, dict)
-        return a.keys() == b.keys() and all(_same_meta(a[k], b[k]) for k in a)
-    if isinstance(a, list):
-        assert isinstance(b, list)
-        return len(a) == len(b) and all(_same_meta(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-        return True
-    return a == b
-
-
-def _contract_differences(lane0: _LaneFacts, other: _LaneFacts) -> list[str]:
-    diffs: list[str] = []
-    if other.env_id != lane0.env_id:
-        diffs.append(f"env_id {other.env_id!r} != {lane0.env_id!r}")
-    if other.action_spec != lane0.action_spec:
-        diffs.append(f"action_space {other.action_space} != {lane0.action_space}")
-    if other.observation_spec != lane0.observation_spec:
-        diffs.append(f"observation_space {other.observation_space} != {lane0.observation_space}")
-    if not _same_meta(other.metadata_value, lane0.metadata_value):
-        diffs.append(f"metadata {other.metadata_value!r} != {lane0.metadata_value!r}")
-    if other.render_mode != lane0.render_mode:
-        diffs.append(f"render_mode {other.render_mode!r} != {lane0.render_mode!r}")
-    return diffs
-
-
-# --------------------------------------------------------------------------------------
-# One lane
-
-
-class _Lane:
-    """One lane's mailbox and state. ``lock`` guards ``accepting``/``stopping``/``current``.
-
-    The lock is the lane's own (never shared between lanes) and is only held for a few
-    attribute reads and writes, never while a job runs, so ``post`` never really waits.
-    """
-
-    __slots__ = (
-        "accepting",
-        "current",
-        "index",
-        "lock",
-        "mailbox",
-        "running",
-        "scope",
-        "stopping",
-    )
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.mailbox: queue.SimpleQueue[_MailboxItem] = queue.SimpleQueue()
-        self.lock = threading.Lock()
-        self.accepting = True
-        """``post`` puts jobs into the mailbox (false once closing or the thread is gone)."""
-        self.stopping = False
-        """Close was requested: finish the current job, answer the queued ones as stopped."""
-        self.current: tuple[int, Job, ReplyFn] | None = None
-        """The job the lane thread is running; whoever takes it out answers it."""
-        self.running = False
-        """The lane thread is up and serving (set at startup, cleared when it exits)."""
-        self.scope: trio.CancelScope | None = None
-
-
-class _Split:
-    """Splits one job's time into decode / user / encode (indices 0, 1, 2)."""
-
-    __slots__ = ("mark", "ns", "phase")
-
-    def __init__(self, phase: int) -> None:
-        self.ns = [0, 0, 0]
-        self.phase = phase
-        self.mark = perf_counter_ns()
-
-    def enter(self, phase: int) -> None:
-        now = perf_counter_ns()
-        self.ns[self.phase] += now - self.mark
-        self.phase = phase
-        self.mark = now
-
-    def phases(self, queue_ns: int) -> Phases:
-        self.enter(self.phase)
-        decode_ns, user_ns, encode_ns = self.ns
-        return Phases(queue_ns=queue_ns, decode_ns=decode_ns, user_ns=user_ns, encode_ns=encode_ns)
-
-
-_DECODE, _USER, _ENCODE = 0, 1, 2
-
-
-def _stopped(index: int) -> LaneBrokenError:
-    return LaneBrokenError(f"lane {index} stopped before answering")
 
 
 # --------------------------------------------------------------------------------------
