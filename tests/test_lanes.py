@@ -50,6 +50,7 @@ from rlmesh_trio._jobs import (
     StepResult,
 )
 from rlmesh_trio._lanes import LANE_TEARDOWN_TIMEOUT, LANE_THREAD_PREFIX, LaneEngine
+from rlmesh_trio._lanes._work import LaneWork
 from rlmesh_trio._png import encode_png
 from rlmesh_trio._proto.rlmesh.spaces import v1 as spaces_v1
 from rlmesh_trio._session import batch_infos, fold_phases
@@ -424,14 +425,14 @@ async def test_a_lane_that_dies_answers_its_jobs_once_and_the_others_go_on(
     gate = threading.Event()
     built = Built()
     doomed: list[Job] = []
-    real_execute = LaneEngine._execute
+    real_execute = LaneWork.execute
 
-    def buggy_execute(self: LaneEngine, env: Any, job: Job, queue_ns: int) -> Any:
+    def buggy_execute(self: LaneWork, env: Any, job: Job, queue_ns: int) -> Any:
         if any(job is d for d in doomed):
             raise RuntimeError("engine bug")
         return real_execute(self, env, job, queue_ns)
 
-    monkeypatch.setattr(LaneEngine, "_execute", buggy_execute)
+    monkeypatch.setattr(LaneWork, "execute", buggy_execute)
     async with serving(built, 2) as engine:
         engine.post(0, CallJob(fn=lambda env: gate.wait(SAFETY)), replies.to("first"))
         bug = CallJob(fn=lambda env: "never")

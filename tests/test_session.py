@@ -654,9 +654,12 @@ def test_timeout_replies_then_env_still_finishes_before_next_serial() -> None:
         "env.reset timed out after 100ms",
         True,
     )
-    # the next serial request waits for the env call itself
-    assert h.request(request_id="close", close=env_v1.CloseEnvsRequest()) == []
+    # the next serial request waits for the env call itself (a Close for at most
+    # close_timeout: its own timer)
+    (bound,) = h.request(request_id="close", close=env_v1.CloseEnvsRequest())
+    assert bound == StartTimer(bound.token, 5.0)
     actions = h.answer(0, job, reset_result())
+    assert CancelTimer(bound.token) in actions
     resp = only(actions)
     assert resp.request_id == "close" and resp.close is not None
     (ep,) = resp.close.final_episodes  # the late reset still started its episode

@@ -97,6 +97,36 @@ class LaneBrokenError(LaneError):
     """The lane's thread is gone or stopped before answering (crash, abandon)."""
 
 
+class LaneTimeoutError(LaneError):
+    """A lane job ran past its deadline (``lane_timeout_seconds`` or the request's
+    ``timeout_ms``); ``str()`` is the reference's TIMEOUT text."""
+
+    env_code = EnvErrorCode.TIMEOUT
+    recoverable = True
+
+
+class LaneWedgedError(LaneError):
+    """A job for a lane whose env call overran a deadline and has not returned (policy
+    ``error``): refused at once instead of waiting behind it. Names the lane."""
+
+    env_code = EnvErrorCode.BUSY
+    recoverable = True
+
+
+class LaneNeedsResetError(LaneError):
+    """A step on a lane rebuilt after a fault and not reset since."""
+
+    env_code = EnvErrorCode.NOT_READY
+    recoverable = True
+
+
+class LaneDeadError(LaneError):
+    """The lane could not be rebuilt (the factory raised, or built a disagreeing env);
+    names the lane, the attempt and the last cause. Fatal."""
+
+    recoverable = False
+
+
 # --------------------------------------------------------------------------- wire
 
 

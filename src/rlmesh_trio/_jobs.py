@@ -54,6 +54,25 @@ class LaneReply:
     lane: int
     outcome: outcome.Outcome[Any]
     phases: Phases
+    fault: LaneFault | None = None
+    """Set (fault policy ``rebuild``/``truncate`` only) when this job's lane lost its env:
+    the job faulted or wedged and the lane is being rebuilt, or the job found the lane
+    rebuilt and not reset since. The lane's episode, if any, is over."""
+
+
+@dataclass(frozen=True, slots=True)
+class LaneFault:
+    """What happened to a lane, as ``rlmesh_trio.lane_fault`` reports it on the wire."""
+
+    lane: int
+    error: str
+    """``"<Type>: <message>"`` of the env's exception, or of the timeout."""
+    rebuilt: bool = True
+    """The lane's env was (being) replaced by a fresh one from the factory."""
+
+    def info(self) -> dict[str, Any]:
+        """The value of ``rlmesh_trio.lane_fault`` in a truncated step's info."""
+        return {"error": self.error, "lane": self.lane, "rebuilt": self.rebuilt}
 
 
 ReplyFn = Callable[[LaneReply], None]

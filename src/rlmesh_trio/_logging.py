@@ -68,7 +68,7 @@ class RateLimit:
 def report(item: Report, limit: RateLimit) -> None:
     """Log one session report (see the module docstring)."""
     lanes = ",".join(str(lane) for lane in item.lanes) or "-"
-    if item.kind == "fault":
+    if item.kind in ("fault", "truncated"):
         error = item.error
         exc_info = None if error is None else (type(error), error, error.__traceback__)
         env_log.error(

@@ -14,13 +14,17 @@ for metrics without it is a clear startup error.
 from __future__ import annotations
 
 import platform
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._address import TcpAddress, parse_address
 from ._version import __version__
 
 if TYPE_CHECKING:
+    from ._lanes import LaneStatus
     from ._session import Done, Report
+
+LANE_STATES = ("starting", "serving", "rebuilding", "wedged", "dead", "stopped")
 
 __all__ = ["ServerMetrics", "start_http"]
 
@@ -54,6 +58,13 @@ def _prometheus() -> Any:
     return prometheus_client
 
 
+def _prometheus_core() -> Any:
+    _prometheus()
+    import prometheus_client.core
+
+    return prometheus_client.core
+
+
 class ServerMetrics:
     """The metrics of one server; fed on the transport thread by the Join driver."""
 
@@ -81,9 +92,6 @@ class ServerMetrics:
             "Env failures (reset/step/render raised, or its result could not be sent)",
             lane,
             registry=registry,
-        )
-        self.rebuilds = prom.Counter(
-            "rlmesh_trio_lane_rebuilds", "Lanes rebuilt from the factory", lane, registry=registry
         )
         self.rejected = prom.Counter(
             "rlmesh_trio_requests_rejected",
@@ -132,10 +140,14 @@ class ServerMetrics:
         self._steps = [self.steps.labels(n) for n in names]
         self._timeouts = [self.timeouts.labels(n) for n in names]
         self._faults = [self.faults.labels(n) for n in names]
-        for n in names:
-            self.rebuilds.labels(n)  # present (at 0) from the start
+        self._lanes = _LaneCollector(num_envs)
+        registry.register(self._lanes)
         self._admitted = self.sessions.labels("admitted")
         self._refused = self.sessions.labels("refused")
+
+    def watch_lanes(self, status: Callable[[], Sequence[LaneStatus]]) -> None:
+        """Read the lanes' supervision state and counters from ``status`` at each scrape."""
+        self._lanes.status = status
 
     # -- fed by the transport
 
@@ -155,6 +167,10 @@ class ServerMetrics:
         code = item.code.name
         if item.kind == "rejected" and not item.lanes:
             self.rejected.labels(code).inc()
+            return
+        if item.kind == "truncated":  # answered, as a truncation: no EnvError went out
+            for lane in item.lanes:
+                self._faults[lane].inc()
             return
         for lane in item.lanes:
             self.errors.labels(str(lane), code).inc()
@@ -179,6 +195,47 @@ class ServerMetrics:
         """The Prometheus text format of everything above."""
         data: bytes = _prometheus().generate_latest(self.registry)
         return data
+
+
+class _LaneCollector:
+    """The lane engine's own counters and states, read at scrape time (nothing per step)."""
+
+    def __init__(self, num_envs: int) -> None:
+        self.num_envs = num_envs
+        self.status: Callable[[], Sequence[LaneStatus]] | None = None
+
+    def collect(self) -> Iterator[Any]:
+        core = _prometheus_core()
+        lanes = list(self.status()) if self.status is not None else []
+        rebuilds = core.CounterMetricFamily(
+            "rlmesh_trio_lane_rebuilds", "Lanes rebuilt from the factory", labels=["lane"]
+        )
+        wedges = core.CounterMetricFamily(
+            "rlmesh_trio_lane_wedges",
+            "Env calls declared wedged (past lane_timeout_seconds or a request's deadline)",
+            labels=["lane"],
+        )
+        abandoned = core.GaugeMetricFamily(
+            "rlmesh_trio_lane_abandoned_threads",
+            "Lane threads abandoned in a wedged env call and still running",
+            labels=["lane"],
+        )
+        state = core.GaugeMetricFamily(
+            "rlmesh_trio_lane_state",
+            "1 for the state each lane is in (serving, rebuilding, wedged, dead, ...)",
+            labels=["lane", "state"],
+        )
+        by_lane = {item.lane: item for item in lanes}
+        for index in range(self.num_envs):
+            name = str(index)
+            item = by_lane.get(index)
+            rebuilds.add_metric([name], item.rebuilds if item else 0)
+            wedges.add_metric([name], item.wedges if item else 0)
+            abandoned.add_metric([name], item.abandoned if item else 0)
+            current = item.state if item else "starting"
+            for each in LANE_STATES:
+                state.add_metric([name, each], 1.0 if each == current else 0.0)
+        yield from (rebuilds, wedges, abandoned, state)
 
 
 def start_http(metrics: ServerMetrics, address: str) -> tuple[Any, Any, str]:

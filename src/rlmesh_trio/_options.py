@@ -12,6 +12,14 @@ from typing import Literal
 Policy = Literal["warn", "strict", "off"]
 
 EventLoop = Literal["auto", "uvloop", "asyncio"]
+
+FaultPolicy = Literal["error", "rebuild", "truncate"]
+"""What a lane does when its env raises or wedges (docs/supervision.md)."""
+
+FAULT_POLICIES: tuple[FaultPolicy, ...] = ("error", "rebuild", "truncate")
+
+DEFAULT_MAX_ABANDONED_LANES = 8
+"""Wedged lane threads the process tolerates before health reports NOT_SERVING."""
 """The transport thread's event loop: uvloop when installed (``auto``), or one of them."""
 """How soft conformance violations are handled (SPEC §3.7.8)."""
 
@@ -56,6 +64,15 @@ class ServeOptions:
     ``event_loop``: the transport thread's loop: ``auto`` (uvloop when installed -- a
     dependency on Linux and macOS CPython -- else asyncio's selector loop), ``uvloop``
     or ``asyncio``.
+    ``on_lane_fault``: ``error`` (the reference's behaviour: the faulted env stays as the
+    exception left it), ``rebuild`` (the lane gets a fresh env from the factory on a fresh
+    thread) or ``truncate`` (as rebuild, and a failed step is answered as a truncation
+    carrying ``rlmesh_trio.lane_fault``); see docs/supervision.md.
+    ``lane_timeout_seconds``: a lane job running longer is wedged (answered TIMEOUT; in
+    ``rebuild``/``truncate`` its thread is abandoned and the lane rebuilt). None: only the
+    requests' own ``timeout_ms`` bound a job.
+    ``max_abandoned_lanes``: how many abandoned (wedged, still running) lane threads the
+    process tolerates before grpc.health.v1 reports NOT_SERVING.
     """
 
     allow_remote_shutdown: bool = False
@@ -68,6 +85,9 @@ class ServeOptions:
     auth_token: str | None = field(default=None, repr=False)
     metrics_address: str | None = None
     event_loop: EventLoop = "auto"
+    on_lane_fault: FaultPolicy = "error"
+    lane_timeout_seconds: float | None = None
+    max_abandoned_lanes: int = DEFAULT_MAX_ABANDONED_LANES
 
     def remote_shutdown_allowed(self, environ: Mapping[str, str] = os.environ) -> bool:
         """The option, or the environment variable (which can only enable it)."""
@@ -111,6 +131,9 @@ class Resolved:
     auth_token: str | None = field(default=None, repr=False)
     metrics_address: str | None = None
     event_loop: Literal["uvloop", "asyncio"] = "asyncio"
+    on_lane_fault: FaultPolicy = "error"
+    lane_timeout: float | None = None
+    max_abandoned_lanes: int = DEFAULT_MAX_ABANDONED_LANES
 
     @property
     def stop_bound(self) -> float:
@@ -183,6 +206,15 @@ def resolve(options: ServeOptions, environ: Mapping[str, str] = os.environ) -> R
         if loop == "uvloop" and not available:
             raise ValueError("event_loop='uvloop' needs uvloop (pip install uvloop)")
         loop = "uvloop" if available else "asyncio"
+    if options.on_lane_fault not in FAULT_POLICIES:
+        raise ValueError(
+            f"on_lane_fault must be 'error', 'rebuild' or 'truncate', got {options.on_lane_fault!r}"
+        )
+    if options.lane_timeout_seconds is not None:
+        _seconds("lane_timeout_seconds", options.lane_timeout_seconds, zero_ok=False)
+    cap = options.max_abandoned_lanes
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+        raise ValueError(f"max_abandoned_lanes must be an int >= 0, got {cap!r}")
     drain, close, idle = (
         options.drain_timeout_seconds,
         options.close_timeout_seconds,
@@ -199,4 +231,9 @@ def resolve(options: ServeOptions, environ: Mapping[str, str] = os.environ) -> R
         auth_token=token,
         metrics_address=metrics,
         event_loop=loop,
+        on_lane_fault=options.on_lane_fault,
+        lane_timeout=None
+        if options.lane_timeout_seconds is None
+        else float(options.lane_timeout_seconds),
+        max_abandoned_lanes=cap,
     )

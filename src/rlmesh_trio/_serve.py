@@ -90,7 +90,13 @@ async def serve_env(
     parsed = parse_address(address)
     factory = LaneEngine.factory(make_env, **dict(env_kwargs or {}))
     engine = LaneEngine(
-        factory, num_envs, policy=resolved.policy, teardown_timeout=resolved.close_timeout
+        factory,
+        num_envs,
+        policy=resolved.policy,
+        teardown_timeout=resolved.close_timeout,
+        on_fault=resolved.on_lane_fault,
+        lane_timeout=resolved.lane_timeout,
+        max_abandoned=resolved.max_abandoned_lanes,
     )
     listener = bind(parsed)
     try:
@@ -149,6 +155,7 @@ async def _serve(
             metrics_address = None
             if options.metrics_address is not None:
                 metrics = ServerMetrics(engine.num_envs, engine.contract.env_id)
+                metrics.watch_lanes(engine.status)
                 metrics_address = await nursery.start(
                     _run_metrics, metrics, options.metrics_address, clock
                 )
@@ -158,6 +165,8 @@ async def _serve(
                 policy=engine.policy,
                 workflow_edition=options.workflow_edition,
                 allow_remote_shutdown=options.allow_remote_shutdown,
+                on_lane_fault=options.on_lane_fault,
+                close_timeout=options.close_timeout,
             )
             service = TransportService(
                 endpoint,
@@ -168,6 +177,7 @@ async def _serve(
                 if metrics is None
                 else functools.partial(Session, observe=True),
                 metrics=metrics,
+                lanes=engine,
                 # Once the drain is over the lanes start closing: a request still in
                 # flight finishes (and is answered) while they do.
                 on_drained=engine.close,

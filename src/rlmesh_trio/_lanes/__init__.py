@@ -1,8 +1,10 @@
 """The lane engine: N gymnasium envs as the lanes of one endpoint.
 
-* :mod:`._engine` -- :class:`LaneEngine`: the lane tasks and threads, what a lane thread
-  does with a job, startup and bounded teardown;
-* :mod:`._lane` -- one lane's mailbox and state, the timing split of a job;
+* :mod:`._engine` -- :class:`LaneEngine`: the lane supervisors and threads, startup,
+  fault handling (rebuild, watchdog, abandon) and bounded teardown;
+* :mod:`._work` -- what a lane thread does with one job (decode, env call, encode);
+* :mod:`._lane` -- one lane's mailbox, state and thread incarnations, the timing split
+  of a job;
 * :mod:`._contract` -- what a lane's env serves, and the agreement of every lane with
   lane 0.
 """
@@ -11,3 +13,5 @@ from ._contract import UNKNOWN_ENV_ID as UNKNOWN_ENV_ID
 from ._engine import LANE_TEARDOWN_TIMEOUT as LANE_TEARDOWN_TIMEOUT
 from ._engine import LANE_THREAD_PREFIX as LANE_THREAD_PREFIX
 from ._engine import LaneEngine as LaneEngine
+from ._engine import LaneStatus as LaneStatus
+from ._lane import LaneState as LaneState

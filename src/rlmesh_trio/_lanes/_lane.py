@@ -1,7 +1,8 @@
-"""One lane's mailbox and state, and the timing split of one job."""
+"""One lane's mailbox and state, its thread incarnations, and the timing split of a job."""
 
 from __future__ import annotations
 
+import enum
 import queue
 import threading
 from time import perf_counter_ns
@@ -9,7 +10,7 @@ from typing import Final
 
 import trio
 
-from .._errors import LaneBrokenError
+from .._errors import LaneBrokenError, LaneError
 from .._jobs import Job, Phases, ReplyFn
 
 
@@ -21,26 +22,76 @@ class _Stop:
 
 _STOP: Final = _Stop()
 
-_MailboxItem = tuple[int, Job, ReplyFn] | _Stop
-"""``(perf_counter_ns() at post, job, reply)``, or the stop sentinel."""
+_Item = tuple[int, Job, ReplyFn]
+"""``(perf_counter_ns() at post, job, reply)``."""
+
+_MailboxItem = _Item | _Stop
+
+
+class LaneState(enum.Enum):
+    """Where a lane is in its life (docs/supervision.md has the state machine)."""
+
+    STARTING = "starting"
+    """The first env is being built (server startup)."""
+    SERVING = "serving"
+    """An env is up and the lane takes jobs."""
+    REBUILDING = "rebuilding"
+    """The env faulted or wedged; a fresh one is being built. Jobs queue meanwhile."""
+    WEDGED = "wedged"
+    """Policy ``error``: an env call overran a deadline and has not returned. Jobs are
+    refused at once (naming the lane) until it does."""
+    DEAD = "dead"
+    """A rebuild failed; jobs are refused (fatal) until the next attempt."""
+    STOPPED = "stopped"
+    """The engine closed the lane (or it was abandoned at teardown)."""
+
+
+class _Incarnation:
+    """One OS thread of a lane and the env it built (which only it ever touches)."""
+
+    __slots__ = ("abandoned", "detached", "exited", "number", "thread")
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+        self.thread: threading.Thread | None = None
+        self.detached = False
+        """The lane moved on (this thread faulted or was abandoned): it takes no more jobs,
+        closes its env when it gets control back, and exits."""
+        self.abandoned = False
+        """Detached while still inside an env call (wedged)."""
+        self.exited = trio.Event()
+        """Set on the Trio thread once the thread's last act ran."""
 
 
 class _Lane:
-    """One lane's mailbox and state. ``lock`` guards ``accepting``/``stopping``/``current``.
+    """One lane's mailbox and state. ``lock`` guards the mutable fields below.
 
     The lock is the lane's own (never shared between lanes) and is only held for a few
     attribute reads and writes, never while a job runs, so ``post`` never really waits.
+    The mailbox outlives the lane's incarnations: jobs queued while a lane is rebuilt are
+    served by the fresh env.
     """
 
     __slots__ = (
+        "abandoned",
         "accepting",
+        "attempt",
         "current",
+        "faults",
+        "incarnation",
         "index",
+        "last_cause",
         "lock",
         "mailbox",
+        "rebuilds",
+        "refusal",
+        "retry",
         "running",
         "scope",
+        "since",
+        "state",
         "stopping",
+        "wedges",
     )
 
     def __init__(self, index: int) -> None:
@@ -51,11 +102,27 @@ class _Lane:
         """``post`` puts jobs into the mailbox (false once closing or the thread is gone)."""
         self.stopping = False
         """Close was requested: finish the current job, answer the queued ones as stopped."""
-        self.current: tuple[int, Job, ReplyFn] | None = None
+        self.current: _Item | None = None
         """The job the lane thread is running; whoever takes it out answers it."""
+        self.since = 0
+        """``perf_counter_ns()`` when ``current`` started (or the rebuild began)."""
         self.running = False
         """The lane thread is up and serving (set at startup, cleared when it exits)."""
         self.scope: trio.CancelScope | None = None
+        self.state = LaneState.STARTING
+        self.refusal: LaneError | None = None
+        """While set, ``post`` raises it instead of queueing (wedged, dead)."""
+        self.incarnation = _Incarnation(0)
+        self.retry: tuple[_Item, int] | None = None
+        """A job the next incarnation runs first (a reset retried after a fault)."""
+        self.attempt = 0
+        """Rebuild attempts since the lane last served (for backoff and messages)."""
+        self.last_cause = ""
+        self.faults = 0
+        self.wedges = 0
+        self.rebuilds = 0
+        self.abandoned = 0
+        """Abandoned threads of this lane still running (wedged env calls)."""
 
 
 class _Split:

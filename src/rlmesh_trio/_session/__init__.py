@@ -13,11 +13,13 @@ from ._actions import Post as Post
 from ._actions import Report as Report
 from ._actions import Send as Send
 from ._actions import StartTimer as StartTimer
+from ._actions import Wedged as Wedged
 from ._edition import rust_debug_str as rust_debug_str
 from ._endpoint import PROTOCOL_GENERATION as PROTOCOL_GENERATION
 from ._endpoint import ConformanceLedger as ConformanceLedger
 from ._endpoint import Endpoint as Endpoint
 from ._join import Session as Session
 from ._results import CONFORMANCE_KEY as CONFORMANCE_KEY
+from ._results import LANE_FAULT_KEY as LANE_FAULT_KEY
 from ._results import batch_infos as batch_infos
 from ._results import fold_phases as fold_phases

@@ -1,7 +1,8 @@
 """What a Session asks its driver to do (sans-IO actions), performed in order:
 :class:`Post` (queue a job on a lane; a refusal comes back as a lane reply), :class:`Send`,
 :class:`Report` (for the log and the metrics), :class:`Done` (for the metrics, with
-``observe=True``), :class:`StartTimer`, :class:`CancelTimer`, :class:`EndStream`.
+``observe=True``), :class:`StartTimer`, :class:`CancelTimer`, :class:`Wedged` (tell the lanes a job overran its request's
+deadline), :class:`EndStream`.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ class Report:
     """Tell the operator (the driver logs it; nothing goes on the wire).
 
     ``kind`` is ``"fault"`` for an env failure (``error`` is the exception, with its
-    traceback), ``"rejected"`` for a request refused as invalid or unsupported, or
-    ``"timeout"`` for a request whose deadline expired.
+    traceback), ``"truncated"`` for an env failure answered as a truncation (policy
+    ``truncate``; ``error`` as for a fault), ``"rejected"`` for a request refused as
+    invalid or unsupported, or ``"timeout"`` for a request whose deadline expired.
     """
 
     kind: str
@@ -70,8 +72,18 @@ class CancelTimer:
 
 
 @dataclass(frozen=True, slots=True)
+class Wedged:
+    """``job`` on ``lane`` overran its request's deadline of ``seconds`` (the request was
+    answered): the lane engine decides whether the lane is wedged (docs/supervision.md)."""
+
+    lane: int
+    job: Job
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
 class EndStream:
     """Finish the Join stream with grpc-status 0 after the sends before it."""
 
 
-Action = Post | Send | Report | Done | StartTimer | CancelTimer | EndStream
+Action = Post | Send | Report | Done | StartTimer | CancelTimer | Wedged | EndStream

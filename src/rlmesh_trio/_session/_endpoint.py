@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from .._codec import Candidate
 from .._errors import InvalidRequestError
 from .._jobs import EnvContract
-from .._options import WORKFLOW_EDITION, Policy
+from .._options import DEFAULT_CLOSE_TIMEOUT, WORKFLOW_EDITION, FaultPolicy, Policy
 from .._proto.rlmesh.core import v1 as core_v1
 from .._proto.rlmesh.env import v1 as env_v1
 from .._version import __version__
@@ -99,6 +99,8 @@ class Endpoint:
         policy: Policy = "warn",
         workflow_edition: str | None = None,
         allow_remote_shutdown: bool = False,
+        on_lane_fault: FaultPolicy = "error",
+        close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
     ) -> None:
         # Validated once, by _options.resolve(); None means the only edition there is.
         edition = workflow_edition or WORKFLOW_EDITION
@@ -107,6 +109,10 @@ class Endpoint:
         self.policy: Policy = policy
         self.edition = edition
         self.allow_remote_shutdown = allow_remote_shutdown
+        self.on_lane_fault: FaultPolicy = on_lane_fault
+        """How the sessions answer a faulted lane (``truncate``: as a truncation)."""
+        self.close_timeout = close_timeout
+        """How long a Close waits for lane jobs still running before it is answered."""
         self.ledger = ConformanceLedger(num_envs)
         self.peer_info = _peer_info()
         self.env_contract = core_v1.EnvContract(

@@ -33,10 +33,11 @@ from typing import Any
 import betterproto2
 import outcome
 
-from .._codec import Candidate, from_meta_map
+from .._codec import Candidate, from_meta_map, to_meta_map
 from .._errors import ActionError, env_error
 from .._jobs import (
     Job,
+    LaneFault,
     LaneReply,
     Phases,
     RenderJob,
@@ -48,11 +49,21 @@ from .._jobs import (
 )
 from .._proto.rlmesh.env import v1 as env_v1
 from .._proto.rlmesh.spaces import v1 as spaces_v1
-from ._actions import Action, CancelTimer, Done, EndStream, Post, Report, Send, StartTimer
+from ._actions import (
+    Action,
+    CancelTimer,
+    Done,
+    EndStream,
+    Post,
+    Report,
+    Send,
+    StartTimer,
+    Wedged,
+)
 from ._edition import edition_matches, rust_debug_str
 from ._endpoint import Endpoint
 from ._episodes import Episode
-from ._results import CONFORMANCE_KEY, batch_infos, fold_phases, warning_value
+from ._results import CONFORMANCE_KEY, LANE_FAULT_KEY, batch_infos, fold_phases, warning_value
 
 _UNRECOGNIZED = (
     "empty or unrecognized Join request (a newer-edition arm this build does not implement?)"
@@ -73,6 +84,7 @@ class _Waiting:
     token: int
     timeout_ms: int
     timer_started: bool = False
+    close_wait: bool = False  # a Close waiting for lane jobs, with its own bound
 
 
 @dataclass
@@ -89,8 +101,10 @@ class _Op:
     seeds: list[int | None] = field(default_factory=list)
     episode_ids: list[str] = field(default_factory=list)
     pre_decode_ns: int = 0
+    jobs: Sequence[Job] = ()
     replies: list[LaneReply | None] = field(default_factory=list)
-    remaining: int = 0
+    remaining: int = 0  # lane replies still to come
+    unsettled: int = 0  # positions without an answer (a synthesized one counts)
     timeout_ms: int = 0
     timer_started: bool = False  # the deadline started while the request waited
     timed_out: bool = False
@@ -124,6 +138,9 @@ class Session:
         self._episodes: list[Episode | None] = [None] * self._n
         self._interrupted: list[env_v1.EpisodeMetadata] = []
         self._finished = False
+        self._truncate = endpoint.on_lane_fault == "truncate"
+        # Policy ``truncate``: each lane's last observation, for a faulted step's answer.
+        self._last_obs: list[list[bytes] | None] = [None] * self._n
 
     # ----------------------------------------------------------------- events
 
@@ -165,9 +182,25 @@ class Session:
             return []
         op.timed_out = True
         message = f"env.{op.verb} timed out after {op.timeout_ms}ms"
-        actions: list[Action] = [
+        missing = [pos for pos, reply in enumerate(op.replies) if reply is None]
+        lanes = tuple(op.lanes[pos] for pos in missing)
+        seconds = op.timeout_ms / 1000.0
+        actions: list[Action] = [Wedged(op.lanes[pos], op.jobs[pos], seconds) for pos in missing]
+        if self._can_truncate(op, missing):
+            # Policy ``truncate``: the wedged lanes' steps are answered as truncations, the
+            # others' as they answered; the request completes now.
+            for pos in missing:
+                fault = LaneFault(lane=op.lanes[pos], error=f"TimeoutError: {message}")
+                self._settle(op, pos, self._truncation(op, pos, fault, Phases()))
+            actions.append(Report("timeout", op.verb, op.request_id, lanes, Code.TIMEOUT, message))
+            actions.extend(self._complete(op))
+            actions.extend(self._pump())
+            return actions
+        actions += [
             self._error(op.request_id, op.started_ns, Code.TIMEOUT, message, recoverable=True),
-            Report("timeout", op.verb, op.request_id, tuple(op.lanes), Code.TIMEOUT, message),
+            Report(
+                "timeout", op.verb, op.request_id, lanes or tuple(op.lanes), Code.TIMEOUT, message
+            ),
         ]
         if op.serial:
             # The reply is out, so the next request may be read; the barrier still waits
@@ -180,6 +213,8 @@ class Session:
         """A request still waiting for its turn ran out of time: answer, never run it."""
         for entry in self._pending:
             if entry.token == token:
+                if entry.close_wait:
+                    return self._close_anyway(entry)
                 self._pending.remove(entry)
                 verb = betterproto2.which_one_of(entry.request, "kind")[0]
                 message = f"env.{verb} timed out after {entry.timeout_ms}ms"
@@ -189,6 +224,27 @@ class Session:
                     Report("timeout", verb, rid, (), Code.TIMEOUT, message),
                 ]
         return []
+
+    def _close_anyway(self, entry: _Waiting) -> list[Action]:
+        """A Close waited ``close_timeout`` for lane jobs still running: answer it without
+        them (their lanes are named in the log) and end the stream."""
+        busy = sorted(
+            {
+                op.lanes[pos]
+                for op in self._ops.values()
+                for pos, r in enumerate(op.replies)
+                if r is None
+            }
+        )
+        self._pending.remove(entry)
+        names = ", ".join(str(lane) for lane in busy) or "-"
+        message = (
+            f"close waited {self._endpoint.close_timeout:.3g} s for env calls still running "
+            f"on lanes {names}; answering it without them"
+        )
+        rid = entry.request.request_id
+        report = Report("timeout", "close", rid, tuple(busy), Code.TIMEOUT, message)
+        return [report, *self._close(rid, entry.read_ns)]
 
     def on_stream_end(self) -> list[Action]:
         """The stream ended without Close: drop the episode records (SPEC §7.9)."""
@@ -219,7 +275,12 @@ class Session:
             kind, body = betterproto2.which_one_of(entry.request, "kind")
             lane_scoped = kind in ("reset", "step") and bool(body.env_indices)  # type: ignore[union-attr]
             if not lane_scoped and self._outstanding:
-                break  # serial barrier: wait for every lane job to finish
+                # Serial barrier: wait for every lane job to finish. A Close waits at most
+                # ``close_timeout`` (an env call may never return).
+                if kind == "close" and not entry.timer_started:
+                    entry.timer_started = entry.close_wait = True
+                    actions.append(StartTimer(entry.token, self._endpoint.close_timeout))
+                break
             self._pending.popleft()
             self._entry = entry
             actions.extend(self._dispatch(entry.request, kind, body, entry.read_ns))
@@ -261,12 +322,13 @@ class Session:
             timer_started=entry.timer_started,
         )
         op.replies = [None] * len(lanes)
-        op.remaining = len(lanes)
+        op.remaining = op.unsettled = len(lanes)
         return op
 
     def _launch(self, op: _Op, jobs: Sequence[Job]) -> list[Action]:
         """Post one job per lane of ``op``; a lane that refuses answers at once."""
         self._ops[op.token] = op
+        op.jobs = jobs
         if op.serial:
             self._serial = op
         actions: list[Action] = []
@@ -284,18 +346,79 @@ class Session:
         if op is None or self._finished:
             return []
         pos = op.lanes.index(reply.lane) if len(op.lanes) > 1 else 0
-        op.replies[pos] = reply
         op.remaining -= 1
-        if isinstance(reply.outcome, outcome.Value):
-            self._account(op, pos, reply.outcome.value)
-        actions: list[Action] = []
         if op.remaining == 0:
             del self._ops[token]
-            if not op.timed_out:
-                if op.timeout_ms:
-                    actions.append(CancelTimer(token))
-                actions.extend(self._complete(op))
+        if op.replies[pos] is not None:
+            return []  # answered already (a wedged lane's step answered as a truncation)
+        actions: list[Action] = []
+        if reply.fault is not None:
+            original = reply
+            reply = self._faulted(op, pos, reply)
+            if reply is not original and isinstance(original.outcome, outcome.Error):
+                error = original.outcome.error
+                message = f"answered as a truncation: {reply.fault.error if reply.fault else ''}"
+                report = Report(
+                    "truncated",
+                    op.verb,
+                    op.request_id,
+                    (reply.lane,),
+                    Code.INTERNAL,
+                    message,
+                    error,
+                )
+                actions.append(report)
+        self._settle(op, pos, reply)
+        if op.unsettled == 0 and not op.timed_out:
+            if op.timeout_ms:
+                actions.append(CancelTimer(token))
+            actions.extend(self._complete(op))
         return actions
+
+    def _settle(self, op: _Op, pos: int, reply: LaneReply) -> None:
+        op.replies[pos] = reply
+        op.unsettled -= 1
+        if isinstance(reply.outcome, outcome.Value):
+            self._account(op, pos, reply.outcome.value)
+
+    # ----------------------------------------------------------------- lane faults
+
+    def _faulted(self, op: _Op, pos: int, reply: LaneReply) -> LaneReply:
+        """A lane lost its env (policy ``rebuild``/``truncate``): a step is answered as a
+        truncation (``truncate``, when the lane's last observation is known); otherwise
+        the error stands and the lane's episode is reported interrupted (SPEC §7.7)."""
+        assert reply.fault is not None
+        if not op.timed_out and self._can_truncate(op, [pos]):
+            return self._truncation(op, pos, reply.fault, reply.phases)
+        lane = op.lanes[pos]
+        episode = self._episodes[lane]
+        if episode is not None:
+            self._interrupted.append(episode.record(self._wall_ns(), truncated=True))
+            self._episodes[lane] = None
+        self._last_obs[lane] = None
+        return reply
+
+    def _can_truncate(self, op: _Op, positions: Sequence[int]) -> bool:
+        if not self._truncate or op.verb != "step":
+            return False
+        return all(self._last_obs[op.lanes[pos]] is not None for pos in positions)
+
+    def _truncation(self, op: _Op, pos: int, fault: LaneFault, phases: Phases) -> LaneReply:
+        """The lane's step answered as a truncation: its last observation, reward 0, and
+        ``rlmesh_trio.lane_fault`` in its info (so in the episode's ``final_info``)."""
+        lane = op.lanes[pos]
+        observation = self._last_obs[lane]
+        assert observation is not None
+        result = StepResult(
+            observation=observation,
+            reward=0.0,
+            terminated=False,
+            truncated=True,
+            info=to_meta_map({LANE_FAULT_KEY: fault.info()}),
+            action_warning=None,
+            obs_warning=None,
+        )
+        return LaneReply(op.token, lane, outcome.Value(result), phases, fault)
 
     # ----------------------------------------------------------------- requests
 
@@ -434,6 +557,8 @@ class Session:
     def _account(self, op: _Op, pos: int, result: object) -> None:
         """Episode bookkeeping for one lane's successful result, in lane order (SPEC §7.7)."""
         lane = op.lanes[pos]
+        if self._truncate and isinstance(result, (ResetResult, StepResult)):
+            self._last_obs[lane] = result.observation
         if isinstance(result, ResetResult):
             previous = self._episodes[lane]
             if previous is not None:

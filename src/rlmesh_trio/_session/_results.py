@@ -11,6 +11,10 @@ from .._proto.rlmesh.spaces import v1 as spaces_v1
 
 CONFORMANCE_KEY = "rlmesh.conformance.warning"
 
+LANE_FAULT_KEY = "rlmesh_trio.lane_fault"
+"""The info key of a step answered as a truncation because its lane faulted (policy
+``truncate``): ``{"error": "<Type>: <message>", "lane": i, "rebuilt": true}``."""
+
 
 def fold_phases(phases: Sequence[Phases]) -> tuple[Phases, int | None]:
     """Fold the phases of the lanes that served one operation; return them and lane skew.

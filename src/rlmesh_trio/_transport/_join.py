@@ -45,7 +45,17 @@ from .._errors import (
 from .._jobs import LaneReply, Phases
 from .._logging import report
 from .._proto.rlmesh.env import v1 as env_v1
-from .._session import Action, CancelTimer, Done, EndStream, Post, Report, Send, StartTimer
+from .._session import (
+    Action,
+    CancelTimer,
+    Done,
+    EndStream,
+    Post,
+    Report,
+    Send,
+    StartTimer,
+    Wedged,
+)
 from .._wire import PREFIX_SIZE, check_outgoing, decode_join_request, encode_join_response
 from ._shim import read_message, reset_if_open
 
@@ -150,6 +160,10 @@ class JoinCall:
                 handle = self.timers.pop(action.token, None)
                 if handle is not None:
                     handle.cancel()
+            elif isinstance(action, Wedged):
+                lanes = self.server.lanes
+                if lanes is not None:
+                    lanes.wedged(action.lane, action.job, action.seconds)
             elif isinstance(action, EndStream):
                 self.session_told = True
                 self.finish()

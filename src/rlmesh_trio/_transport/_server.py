@@ -133,6 +133,15 @@ SessionFactory = Callable[[Any], SessionLike]
 PostFn = Callable[[int, Job, ReplyFn], None]
 
 
+class LanesLike(Protocol):
+    """What the transport asks of the lane engine beyond ``post`` (supervision)."""
+
+    def wedged(self, lane: int, job: Job, seconds: float) -> None: ...
+
+    @property
+    def healthy(self) -> bool: ...
+
+
 def _libc_trim() -> Callable[[], None] | None:
     """glibc's ``malloc_trim(0)``: hand freed heap pages back to the OS (None elsewhere)."""
     if not sys.platform.startswith("linux"):
@@ -165,8 +174,10 @@ class LoopServer:
         on_drained: Callable[[], None] | None,
         on_stop_begin: Callable[[], None] | None,
         metrics: ServerMetrics | None = None,
+        lanes: LanesLike | None = None,
     ) -> None:
         self.loop = loop
+        self.lanes = lanes
         self.metrics = metrics
         self.to_loop = ToLoop(loop.call_soon_threadsafe)
         self.endpoint = endpoint
@@ -470,7 +481,8 @@ class LoopServer:
         service = await self._decode_unary(stream, decode_health_request)
         if service not in ("", SERVICE_NAME):
             raise UnknownServiceError(service)
-        status = HEALTH_NOT_SERVING if self.closing else HEALTH_SERVING
+        unhealthy = self.closing or (self.lanes is not None and not self.lanes.healthy)
+        status = HEALTH_NOT_SERVING if unhealthy else HEALTH_SERVING
         await stream.send_message(health_response(status))
         await stream.send_trailing_metadata()
 

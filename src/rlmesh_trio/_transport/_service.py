@@ -20,7 +20,14 @@ import trio
 
 from .._bridge import ToLoop, ToTrio
 from .._options import Resolved
-from ._server import LOOP_CLOSE_TIMEOUT, EndpointLike, LoopServer, PostFn, SessionFactory
+from ._server import (
+    LOOP_CLOSE_TIMEOUT,
+    EndpointLike,
+    LanesLike,
+    LoopServer,
+    PostFn,
+    SessionFactory,
+)
 
 log = logging.getLogger("rlmesh_trio.transport")
 
@@ -56,8 +63,10 @@ class TransportService:
         on_stop_begin: Callable[[], None] | None = None,
         loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
         metrics: Any = None,
+        lanes: LanesLike | None = None,
     ) -> None:
         self.metrics = metrics
+        self.lanes = lanes
         self.endpoint = endpoint
         self.post = post
         self.options = options
@@ -195,6 +204,7 @@ class TransportService:
             on_drained=self.on_drained,
             on_stop_begin=on_stop_begin,
             metrics=self.metrics,
+            lanes=self.lanes,
         )
         with self._lock:
             self._to_loop, self._loop_server = server.to_loop, server
