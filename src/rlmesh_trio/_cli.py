@@ -34,7 +34,7 @@ from ._address import DEFAULT_ADDRESS, parse_address
 from ._lanes import UNKNOWN_ENV_ID
 from ._logging import JsonFormatter
 from ._logging import configure as configure_logging
-from ._options import ServeOptions
+from ._options import DEFAULT_MAX_ABANDONED_LANES, ServeOptions
 from ._serve import ServerInfo, serve_env
 from ._version import __version__
 
@@ -72,6 +72,16 @@ def _num_envs(value: str) -> int:
         raise argparse.ArgumentTypeError(f"invalid int value: {value!r}") from None
     if parsed < 1:
         raise argparse.ArgumentTypeError(f"--num-envs must be >= 1, got {parsed}")
+    return parsed
+
+
+def _count(value: str) -> int:
+    try:
+        parsed = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {value!r}") from None
+    if parsed < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {parsed}")
     return parsed
 
 
@@ -198,6 +208,29 @@ def build_parser() -> argparse.ArgumentParser:
         type=_seconds(minimum_exclusive=False),
         metavar="S",
         help="at stop, how long the lanes together may take to close their envs (default: 5)",
+    )
+    serve.add_argument(
+        "--on-lane-fault",
+        choices=("error", "rebuild", "truncate"),
+        default="error",
+        help="when an env raises or wedges: error (as rlmesh: the env stays as the "
+        "exception left it), rebuild (a fresh env from the factory on a fresh thread), "
+        "truncate (rebuild, and a failed step answers as a truncation); default error",
+    )
+    serve.add_argument(
+        "--lane-timeout-seconds",
+        type=_seconds(minimum_exclusive=True),
+        metavar="S",
+        help="a lane job running longer is wedged: answered TIMEOUT (with rebuild/truncate "
+        "its thread is abandoned and the lane rebuilt); default: none",
+    )
+    serve.add_argument(
+        "--max-abandoned-lanes",
+        type=_count,
+        metavar="N",
+        default=DEFAULT_MAX_ABANDONED_LANES,
+        help="abandoned (wedged) lane threads tolerated before health reports NOT_SERVING "
+        f"(default: {DEFAULT_MAX_ABANDONED_LANES})",
     )
     serve.add_argument(
         "--auth-token",
@@ -500,6 +533,9 @@ def _configure(args: argparse.Namespace, address: str) -> _Config:
         auth_token=args.auth_token,
         metrics_address=args.metrics_address,
         event_loop=args.event_loop,
+        on_lane_fault=args.on_lane_fault,
+        lane_timeout_seconds=args.lane_timeout_seconds,
+        max_abandoned_lanes=args.max_abandoned_lanes,
     )
     return _Config(
         make_env=make_env,

@@ -1,0 +1,608 @@
+"""Lane supervision (docs/supervision.md): fault policies, rebuilds, the watchdog.
+
+Server-level tests drive an in-process ``serve_env`` over the wire (our h2 client, and
+rlmesh 0.1.0's ``rlmesh.run``) with :mod:`support.faulty`, whose action picks a fault;
+engine-level tests drive :class:`LaneEngine` directly for what the wire cannot show
+(backoff, counters, retired threads). Every test checks that no env was ever touched off
+the thread that built it, and the autouse fixture that no thread is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
+from typing import Any
+
+import numpy as np
+import outcome
+import pytest
+import trio
+from support import wire
+from support.faulty import HANG, RAISE, Controller, Factory
+
+from rlmesh_trio import ServeOptions, serve_env
+from rlmesh_trio._errors import LaneDeadError, LaneTimeoutError
+from rlmesh_trio._jobs import CallJob, LaneReply, ResetJob, StepJob
+from rlmesh_trio._lanes import LANE_THREAD_PREFIX, LaneEngine
+from rlmesh_trio._proto.rlmesh.env import v1 as env_v1
+from rlmesh_trio._transport._server import HEALTH_CHECK_PATH
+
+pytestmark = pytest.mark.timeout(60)
+
+Code = env_v1.EnvErrorCode
+MODES = ("error", "rebuild", "truncate")
+SUPERVISED = ("rebuild", "truncate")
+BOUND = 10.0
+SERVING, NOT_SERVING = b"\x08\x01", b"\x08\x02"
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+@asynccontextmanager
+async def served(ctl: Controller, num_envs: int = 2, **options: Any) -> AsyncIterator[str]:
+    """``serve_env`` over ``Factory(ctl)``; at exit hanging env calls are released."""
+    try:
+        async with trio.open_nursery() as nursery:
+            info = await nursery.start(
+                functools.partial(
+                    serve_env,
+                    Factory(ctl),
+                    num_envs=num_envs,
+                    options=ServeOptions(**{"close_timeout_seconds": 2.0, **options}),
+                )
+            )
+            try:
+                yield info.address
+            finally:
+                ctl.release.set()
+                nursery.cancel_scope.cancel()
+    finally:
+        ctl.release.set()
+    assert ctl.violations == [], ctl.violations
+
+
+async def on_wire(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run an asyncio client coroutine (support.wire) on a worker thread."""
+    return await trio.to_thread.run_sync(asyncio.run, coro)
+
+
+def acts(*actions: int) -> list[bytes]:
+    return [wire.i64(actions)]
+
+
+def obs(reply: env_v1.JoinResponse) -> np.ndarray:
+    body = reply.step if reply.step is not None else reply.reset
+    assert body is not None and body.observation is not None, reply
+    return np.frombuffer(body.observation.leaves[0], np.float32)
+
+
+def error(reply: env_v1.JoinResponse | None) -> tuple[Code, str, bool]:
+    assert reply is not None and reply.error is not None, reply
+    return reply.error.code, reply.error.message, reply.error.is_recoverable
+
+
+def lane_fault(final_info: Any) -> Any:
+    return wire.from_meta_map(final_info).get("rlmesh_trio.lane_fault")
+
+
+def threads_named(suffix: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.endswith(suffix)]
+
+
+async def wait_for(predicate: Callable[[], bool], seconds: float = BOUND) -> None:
+    """Poll a condition the code under test offers no event for (a thread's exit, a
+    supervisor's state change on another thread)."""
+    with trio.fail_after(seconds):
+        while not predicate():  # noqa: ASYNC110 - no event exists for these
+            await trio.sleep(0.01)
+
+
+# ------------------------------------------------------------------------ step raises
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_whole_vector_step_that_raises(mode: str) -> None:
+    ctl = Controller()
+
+    async def client(address: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        async with wire.WireClient(address) as c, c.join() as j:
+            await j.call(wire.reset(seeds=[1, 2]))
+            await j.call(wire.step(acts(0, 0)))
+            out["fault"] = await j.call(wire.step(acts(0, RAISE)))
+            if mode == "truncate":
+                out["reset"] = await j.call(wire.reset(seeds=[5], env_indices=[1]))
+                out["after"] = await j.call(wire.step(acts(0, 0)))
+                out["close"] = await j.call(wire.close())
+            else:
+                out["end"] = await j.wait_end(BOUND)
+        async with wire.WireClient(address) as c, c.join() as j:
+            out["next"] = await j.call(wire.reset(seeds=[3, 4]))
+            out["next_step"] = await j.call(wire.step(acts(1, 1)))
+        return out
+
+    async with served(ctl, on_lane_fault=mode) as address:
+        out = await on_wire(client(address))
+    first, second = ctl.built[0], ctl.built[1]
+    if mode != "truncate":
+        # The reference's reply: fatal, and the whole-vector stream ends.
+        assert error(out["fault"]) == (
+            Code.INTERNAL,
+            "step failed: RuntimeError: boom on step 1",
+            False,
+        )
+        assert out["end"].status == 0
+    if mode == "error":
+        assert len(ctl.built) == 2  # nothing rebuilt: lane 1 is the env the exception left
+        assert obs(out["next_step"]).tolist() == [1.0, 3.0, 1.0, 4.0]
+        return
+    assert len(ctl.built) == 3
+    rebuilt = ctl.built[2]
+    # A fresh OS thread built the new env; the faulted one was closed on its own thread.
+    assert rebuilt.thread_object not in (first.thread_object, second.thread_object)
+    assert second in ctl.closed
+    assert obs(out["next_step"]).tolist() == [1.0, 3.0, 1.0, 4.0]
+    if mode == "truncate":
+        step = out["fault"].step
+        assert step is not None
+        assert list(step.rewards) == [1.0, 0.0]
+        assert step.terminated_mask == b"\x00\x00" and step.truncated_mask == b"\x00\x01"
+        # lane 1 answers with its last observation ([t=1, seed 2]).
+        assert obs(out["fault"]).tolist() == [2.0, 1.0, 1.0, 2.0]
+        (episode,) = step.completed_episodes
+        assert (episode.env_index, episode.seed, episode.truncated) == (1, 2, True)
+        assert episode.step_count == 2 and episode.cumulative_reward == 1.0
+        fault = {"error": "RuntimeError: boom on step 1", "lane": 1, "rebuilt": True}
+        assert lane_fault(episode.final_info) == fault
+        infos = wire.from_meta_map(step.infos)
+        assert infos["_final_info"] == [False, True]
+        assert infos["final_info"][1] == {"rlmesh_trio.lane_fault": fault}
+        assert obs(out["reset"]).tolist() == [0.0, 5.0]
+        after = out["after"].step
+        assert after is not None and after.truncated_mask == b"\x00\x00"
+        assert obs(out["after"]).tolist() == [3.0, 1.0, 1.0, 5.0]
+        final = out["close"].close.final_episodes
+        assert sorted((e.env_index, e.seed, e.step_count) for e in final) == [(0, 1, 3), (1, 5, 1)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_lane_scoped_step_that_raises_keeps_the_stream(mode: str) -> None:
+    ctl = Controller()
+
+    async def client(address: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        async with wire.WireClient(address) as c, c.join() as j:
+            await j.call(wire.reset(seeds=[1, 2]))
+            out["fault"] = await j.call(wire.step(acts(RAISE), env_indices=[1]))
+            out["other"] = await j.call(wire.step(acts(0), env_indices=[0]))
+            out["unreset"] = await j.call(wire.step(acts(0), env_indices=[1]))
+            out["reset"] = await j.call(wire.reset(seeds=[7], env_indices=[1]))
+            out["again"] = await j.call(wire.step(acts(0), env_indices=[1]))
+            out["close"] = await j.call(wire.close())
+        return out
+
+    async with served(ctl, on_lane_fault=mode) as address:
+        out = await on_wire(client(address))
+    other = out["other"].step
+    assert other is not None
+    if mode == "truncate":
+        fault = out["fault"].step
+        assert fault is not None and fault.truncated_mask == b"\x01"
+        assert obs(out["fault"]).tolist() == [0.0, 2.0]
+        (episode,) = fault.completed_episodes
+        assert episode.env_index == 1 and episode.truncated
+        # Not reset since the rebuild: answered as a truncation again, no env call.
+        unreset = out["unreset"].step
+        assert unreset is not None and unreset.truncated_mask == b"\x01"
+        assert not unreset.completed_episodes  # the lane has no episode to end
+    else:
+        assert error(out["fault"]) == (
+            Code.INTERNAL,
+            "step failed: RuntimeError: boom on step 0",
+            False,
+        )
+    if mode == "rebuild":
+        # The lost episode is reported as interrupted, in the next step reply (SPEC §7.7).
+        (episode,) = other.completed_episodes
+        assert (episode.env_index, episode.seed, episode.truncated) == (1, 2, True)
+        assert error(out["unreset"]) == (
+            Code.NOT_READY,
+            "step failed: lane 1 was rebuilt after a fault (RuntimeError: boom on step 0); "
+            "reset it before stepping",
+            True,
+        )
+    if mode == "error":
+        assert not other.completed_episodes
+        assert obs(out["unreset"]).tolist() == [1.0, 2.0]  # the same env goes on
+        assert len(ctl.built) == 2
+    else:
+        assert len(ctl.built) == 3
+    assert obs(out["again"]).tolist() == [1.0, 7.0]
+
+
+# ----------------------------------------------------------------------- reset raises
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_reset_that_raises(mode: str) -> None:
+    ctl = Controller()
+
+    async def client(address: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        async with wire.WireClient(address) as c, c.join() as j:
+            await j.call(wire.reset(seeds=[1, 2]))
+            out["fault"] = await j.call(wire.reset(env_indices=[1], options={"raise": 1}))
+            out["ok"] = await j.call(wire.reset(seeds=[3], env_indices=[1]))
+        return out
+
+    async with served(ctl, on_lane_fault=mode) as address:
+        out = await on_wire(client(address))
+    assert error(out["fault"]) == (Code.INTERNAL, "reset failed: ValueError: reset refused", False)
+    assert obs(out["ok"]).tolist() == [0.0, 3.0]
+    # error: no rebuild; rebuild: one; truncate: one, the retried reset failed again: two.
+    assert len(ctl.built) == {"error": 2, "rebuild": 3, "truncate": 4}[mode]
+
+
+async def test_truncate_retries_a_failed_reset_once_on_the_rebuilt_env() -> None:
+    ctl = Controller()
+
+    async def client(address: str) -> env_v1.JoinResponse:
+        async with wire.WireClient(address) as c, c.join() as j:
+            return await j.call(wire.reset(seeds=[4, 5], options={"raise_once": "x"}))
+
+    async with served(ctl, on_lane_fault="truncate") as address:
+        reply = await on_wire(client(address))
+    # One lane raised (the first to get there); it was rebuilt and the reset retried there.
+    assert reply.reset is not None, reply
+    assert obs(reply).tolist() == [0.0, 4.0, 0.0, 5.0]
+    assert len(ctl.built) == 3
+
+
+# ---------------------------------------------------------------------- render raises
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_render_that_raises(mode: str) -> None:
+    ctl = Controller()
+
+    async def client(address: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        async with wire.WireClient(address) as c, c.join() as j:
+            await j.call(wire.reset(seeds=[1]))
+            ctl.render_raises = True
+            out["fault"] = await j.call(wire.render())
+            out["end"] = await j.wait_end(BOUND)
+        ctl.render_raises = False
+        async with wire.WireClient(address) as c, c.join() as j:
+            await j.call(wire.reset(seeds=[1]))
+            out["render"] = await j.call(wire.render())
+        return out
+
+    async with served(ctl, num_envs=1, on_lane_fault=mode) as address:
+        out = await on_wire(client(address))
+    assert error(out["fault"]) == (Code.INTERNAL, "render failed: OSError: no display", False)
+    assert out["render"].render is not None and out["render"].render.frame
+    assert len(ctl.built) == (1 if mode == "error" else 2)
+
+
+# ------------------------------------------------------------------- step hangs
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_step_that_hangs_past_its_deadline(mode: str) -> None:
+    ctl = Controller()
+
+    async def client(address: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        async with wire.WireClient(address) as c, c.join() as j:
+            await j.call(wire.reset(seeds=[1, 2]))
+            out["hang"] = await j.call(wire.step(acts(0, HANG), timeout_ms=300))
+            if mode != "error":
+                t0 = time.monotonic()
+                out["next"] = await j.call(wire.reset(seeds=[3, 4], timeout_ms=5000))
+                out["next_s"] = time.monotonic() - t0
+        if mode == "error":
+            # A later session is not stuck behind the wedged lane: refused at once.
+            async with wire.WireClient(address) as c, c.join() as j:
+                t0 = time.monotonic()
+                out["busy"] = await j.call(wire.reset(seeds=[3, 4], timeout_ms=5000))
+                out["busy_s"] = time.monotonic() - t0
+                ctl.release.set()
+                out["next"] = await j.call(wire.reset(seeds=[3, 4], timeout_ms=5000))
+        return out
+
+    async with served(ctl, on_lane_fault=mode) as address:
+        out = await on_wire(client(address))
+        if mode != "error":
+            assert [t.name for t in threads_named("-abandoned")] == [
+                f"{LANE_THREAD_PREFIX}1-abandoned"
+            ]
+    if mode == "truncate":
+        step = out["hang"].step
+        assert step is not None and step.truncated_mask == b"\x00\x01"
+        (episode,) = step.completed_episodes
+        assert lane_fault(episode.final_info) == {
+            "error": "TimeoutError: env.step timed out after 300ms",
+            "lane": 1,
+            "rebuilt": True,
+        }
+    else:
+        assert error(out["hang"]) == (Code.TIMEOUT, "env.step timed out after 300ms", True)
+    if mode == "error":
+        code, message, recoverable = error(out["busy"])
+        assert (code, recoverable) == (Code.BUSY, True)
+        assert message.startswith("lane 1 is wedged: its env.step overran a deadline"), message
+        assert out["busy_s"] < 4.0  # well within its 5 s deadline
+        assert len(ctl.built) == 2
+    else:
+        assert out["next_s"] < 4.0
+        assert len(ctl.built) == 3
+    assert obs(out["next"]).tolist() == [0.0, 3.0, 0.0, 4.0]
+    await wait_for(lambda: not threads_named("-abandoned"))
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_the_watchdog_answers_a_hanging_step(mode: str) -> None:
+    ctl = Controller()
+
+    async def client(address: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        async with wire.WireClient(address) as c, c.join() as j:
+            await j.call(wire.reset(seeds=[1, 2]))
+            out["hang"] = await j.call(wire.step(acts(0, HANG)))  # no deadline of its own
+            out["next"] = await j.call(wire.step(acts(0, 0)))
+            ctl.release.set()
+        return out
+
+    async with served(ctl, on_lane_fault=mode, lane_timeout_seconds=0.3) as address:
+        out = await on_wire(client(address))
+    if mode == "truncate":
+        step = out["hang"].step
+        assert step is not None and step.truncated_mask == b"\x00\x01"
+        next_step = out["next"].step
+        assert next_step is not None
+    else:
+        assert error(out["hang"]) == (Code.TIMEOUT, "env.step timed out after 300ms", True)
+    if mode == "error":
+        code, message, _ = error(out["next"])
+        assert code == Code.BUSY and message.startswith("lane 1 is wedged"), message
+    elif mode == "rebuild":
+        assert error(out["next"])[0] == Code.NOT_READY  # lane 1 is fresh: reset first
+    await wait_for(lambda: not threads_named("-abandoned"))
+
+
+async def test_a_close_waits_for_a_hanging_lane_at_most_close_timeout(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    ctl = Controller()
+
+    async def client(address: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        async with wire.WireClient(address) as c, c.join() as j:
+            await j.call(wire.reset(seeds=[1, 2]))
+            await j.send(wire.step(acts(HANG), env_indices=[1]))  # lane-scoped: no barrier
+            await asyncio.to_thread(ctl.wait_hanging)
+            t0 = time.monotonic()
+            out["close"] = await j.call(wire.close())
+            out["close_s"] = time.monotonic() - t0
+            out["end"] = await j.wait_end(BOUND)
+        return out
+
+    caplog.set_level(logging.WARNING)
+    async with served(ctl, close_timeout_seconds=0.5) as address:
+        out = await on_wire(client(address))
+    assert out["close"].close is not None
+    assert 0.4 <= out["close_s"] < 4.0
+    assert any(
+        "close waited 0.5 s for env calls still running on lanes 1" in r.getMessage()
+        for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
+
+
+# --------------------------------------------------------------- close and factory
+
+
+async def test_a_faulted_env_whose_close_hangs_does_not_hold_the_rebuild() -> None:
+    ctl = Controller()
+    ctl.close_hangs = True
+
+    async def client(address: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        async with wire.WireClient(address) as c, c.join() as j:
+            await j.call(wire.reset(seeds=[1, 2]))
+            out["fault"] = await j.call(wire.step(acts(RAISE), env_indices=[1]))
+            out["reset"] = await j.call(wire.reset(seeds=[3], env_indices=[1]))
+            out["step"] = await j.call(wire.step(acts(0), env_indices=[1]))
+            out["health"] = (await c.unary(HEALTH_CHECK_PATH, b"")).reply
+            await asyncio.to_thread(ctl.wait_hanging)
+            # The retired thread does not finish closing within close_timeout: it is
+            # counted abandoned, and with max_abandoned_lanes=0 health says so.
+            deadline = time.monotonic() + BOUND
+            while time.monotonic() < deadline:
+                out["health_later"] = (await c.unary(HEALTH_CHECK_PATH, b"")).reply
+                if out["health_later"] == NOT_SERVING:
+                    break
+                await asyncio.sleep(0.02)
+        return out
+
+    async with served(
+        ctl, on_lane_fault="rebuild", close_timeout_seconds=0.3, max_abandoned_lanes=0
+    ) as address:
+        out = await on_wire(client(address))
+        ctl.release.set()
+    assert obs(out["step"]).tolist() == [1.0, 3.0]
+    assert out["health"] == SERVING
+    assert out["health_later"] == NOT_SERVING
+
+
+async def test_a_rebuild_whose_factory_fails_answers_a_clear_fatal_error() -> None:
+    ctl = Controller()
+
+    async def client(address: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        async with wire.WireClient(address) as c, c.join() as j:
+            await j.call(wire.reset(seeds=[1, 2]))
+            ctl.fail_builds = 1
+            out["fault"] = await j.call(wire.step(acts(RAISE), env_indices=[1]))
+            out["dead"] = await j.call(wire.reset(env_indices=[1]))
+            out["other"] = await j.call(wire.step(acts(0), env_indices=[0]))
+        return out
+
+    async with served(ctl, on_lane_fault="rebuild") as address:
+        out = await on_wire(client(address))
+    assert error(out["dead"]) == (
+        Code.INTERNAL,
+        "lane 1 could not be rebuilt (attempt 1): RuntimeError: factory down",
+        False,
+    )
+    assert obs(out["other"]).tolist() == [1.0, 1.0]  # the other lane is untouched
+
+
+# ------------------------------------------------------------------- engine level
+
+
+class Replies:
+    """Lane replies bridged into Trio, by key."""
+
+    def __init__(self) -> None:
+        self.token = trio.lowlevel.current_trio_token()
+        self.got: dict[str, list[LaneReply]] = {}
+        self.changed = trio.Event()
+
+    def to(self, key: str) -> Callable[[LaneReply], None]:
+        def reply(r: LaneReply) -> None:
+            self.token.run_sync_soon(self._put, key, r)
+
+        return reply
+
+    def _put(self, key: str, reply: LaneReply) -> None:
+        self.got.setdefault(key, []).append(reply)
+        self.changed.set()
+        self.changed = trio.Event()
+
+    async def get(self, key: str) -> LaneReply:
+        with trio.fail_after(BOUND):
+            while key not in self.got:
+                await self.changed.wait()
+        return self.got[key][0]
+
+
+@asynccontextmanager
+async def engine_for(
+    ctl: Controller, num_envs: int = 2, **kwargs: Any
+) -> AsyncIterator[LaneEngine]:
+    try:
+        async with trio.open_nursery() as nursery:
+            engine = LaneEngine(Factory(ctl), num_envs, **kwargs)
+            await nursery.start(engine.run)
+            try:
+                yield engine
+            finally:
+                ctl.release.set()
+                engine.close()
+    finally:
+        ctl.release.set()
+    assert ctl.violations == [], ctl.violations
+
+
+def step_job(action: int, id: int = 1) -> StepJob:
+    return StepJob(leaves=[wire.i64([action])], n=1, row=0, validated=False, id=id)
+
+
+async def test_failed_rebuilds_back_off_then_the_lane_serves_again() -> None:
+    ctl = Controller()
+    replies = Replies()
+    async with engine_for(ctl, on_fault="rebuild", rebuild_backoff=(0.05, 0.2)) as engine:
+        engine.post(1, ResetJob(seed=1, options=None), replies.to("reset"))
+        await replies.get("reset")
+        ctl.fail_builds = 2
+        engine.post(1, step_job(RAISE), replies.to("fault"))
+        fault = await replies.get("fault")
+        assert fault.fault is not None and fault.fault.error == "RuntimeError: boom on step 0"
+        states: list[str] = []
+
+        def serving_again() -> bool:
+            states.append(engine.status()[1].state)
+            return engine.status()[1].state == "serving"
+
+        await wait_for(serving_again)
+        assert "dead" in states
+        status = engine.status()[1]
+        assert (status.faults, status.rebuilds) == (1, 1)
+        # two startup builds, two failed factory calls (not built), then the rebuild
+        assert len(ctl.built) == 3
+        engine.post(1, ResetJob(seed=2, options=None), replies.to("after"))
+        assert (await replies.get("after")).outcome.unwrap().observation
+
+
+async def test_a_dead_lane_refuses_with_the_attempt_and_the_cause() -> None:
+    ctl = Controller()
+    replies = Replies()
+    async with engine_for(ctl, on_fault="rebuild", rebuild_backoff=(30.0, 30.0)) as engine:
+        ctl.mismatch_builds = 1
+        engine.post(0, step_job(RAISE), replies.to("fault"))
+        await replies.get("fault")
+        await wait_for(lambda: engine.status()[0].state == "dead")
+        with pytest.raises(LaneDeadError) as info:
+            engine.post(0, ResetJob(seed=1, options=None), replies.to("never"))
+        message = str(info.value)
+        assert message.startswith(
+            "lane 0 could not be rebuilt (attempt 1): ContractMismatchError: the rebuilt env "
+            "disagrees with lane 0 on the env contract: observation_space"
+        ), message
+        # The other lane is untouched.
+        engine.post(1, ResetJob(seed=1, options=None), replies.to("other"))
+        assert isinstance((await replies.get("other")).outcome, outcome.Value)
+    assert "never" not in replies.got
+
+
+async def test_rebuilt_lanes_use_their_env_only_on_the_thread_that_built_it() -> None:
+    ctl = Controller()
+    replies = Replies()
+    async with engine_for(ctl, num_envs=1, on_fault="rebuild") as engine:
+        threads = []
+        for round_ in range(5):
+            engine.post(0, ResetJob(seed=round_, options=None), replies.to(f"reset{round_}"))
+            await replies.get(f"reset{round_}")
+            engine.post(
+                0,
+                CallJob(fn=lambda env: threading.current_thread()),
+                replies.to(f"who{round_}"),
+            )
+            threads.append((await replies.get(f"who{round_}")).outcome.unwrap())
+            engine.post(0, step_job(RAISE), replies.to(f"fault{round_}"))
+            await replies.get(f"fault{round_}")
+        assert len(set(threads)) == 5  # a fresh OS thread for every incarnation
+        assert [env.thread_object for env in ctl.built] == [*threads, ctl.built[-1].thread_object]
+        assert engine.status()[0].rebuilds == 5
+    assert len(ctl.closed) == 6  # every env closed, each on its own thread (no violation)
+
+
+async def test_the_watchdog_abandons_a_wedged_call_and_counts_it() -> None:
+    ctl = Controller()
+    replies = Replies()
+    async with engine_for(
+        ctl, num_envs=2, on_fault="rebuild", lane_timeout=0.2, max_abandoned=0
+    ) as engine:
+        engine.post(1, ResetJob(seed=1, options=None), replies.to("reset"))
+        await replies.get("reset")
+        engine.post(1, step_job(HANG), replies.to("hang"))
+        engine.post(1, ResetJob(seed=2, options=None), replies.to("queued"))
+        hang = await replies.get("hang")
+        with pytest.raises(LaneTimeoutError, match=r"^env\.step timed out after 200ms$"):
+            hang.outcome.unwrap()
+        assert hang.fault is not None and hang.fault.rebuilt
+        # The job queued behind the wedged call is served by the fresh env.
+        assert isinstance((await replies.get("queued")).outcome, outcome.Value)
+        status = engine.status()[1]
+        assert (status.wedges, status.abandoned, status.state) == (1, 1, "serving")
+        assert not engine.healthy
+        ctl.release.set()
+        await wait_for(lambda: engine.status()[1].abandoned == 0)
+        assert engine.healthy
