@@ -606,3 +606,163 @@ async def test_the_watchdog_abandons_a_wedged_call_and_counts_it() -> None:
         ctl.release.set()
         await wait_for(lambda: engine.status()[1].abandoned == 0)
         assert engine.healthy
+
+
+# ------------------------------------------------------------------ rlmesh.run
+
+
+@pytest.mark.interop
+async def test_rlmesh_run_completes_every_seed_while_a_lane_crashes_every_few_steps() -> None:
+    """rlmesh 0.1.0's own driver, 4 lanes, truncate mode: episodes whose seed is a
+    multiple of 3 crash on their third step; the run completes all seeds, and exactly the
+    crashed episodes are marked (truncated, with the fault in the step's info)."""
+    rlmesh = pytest.importorskip("rlmesh")
+    from rlmesh.numpy import Model
+
+    ctl = Controller()
+    seeds = list(range(30, 46))
+    faults: list[tuple[int | None, Any]] = []
+
+    class Hooks(rlmesh.RunHooks):  # type: ignore[misc]
+        def on_step(self, event: Any) -> None:
+            if "rlmesh_trio.lane_fault" in event.info:
+                faults.append((event.seed, event.info["rlmesh_trio.lane_fault"]))
+
+    def policy(observation: Any) -> int:
+        t, s = int(observation[0]), int(observation[1])
+        return RAISE if s % 3 == 0 and t == 2 else 0
+
+    def run(address: str) -> Any:
+        return rlmesh.run(Model(policy), address, seeds=seeds, hooks=Hooks())
+
+    async with served(ctl, num_envs=4, on_lane_fault="truncate") as address:
+        result = await trio.to_thread.run_sync(run, address)
+    episodes = sorted(result.episodes, key=lambda e: e.seed)
+    assert [e.seed for e in episodes] == seeds
+    crashed = {e.seed for e in episodes if e.truncated}
+    assert crashed == {s for s in seeds if (s % 10) % 3 == 0}
+    for e in episodes:
+        if e.seed in crashed:
+            assert (e.steps, e.reward, e.terminated) == (3, 2.0, False)
+        else:
+            assert (e.steps, e.terminated) == (8, True)
+    assert sorted(seed for seed, _ in faults) == sorted(crashed)
+    assert all(f["error"] == "RuntimeError: boom on step 2" and f["rebuilt"] for _, f in faults)
+    assert len(ctl.built) == 4 + len(crashed)
+
+
+# ----------------------------------------------------------------------- stress
+
+
+@pytest.mark.parametrize("mode", SUPERVISED)
+async def test_stress_random_faults_and_hangs_on_eight_lanes(mode: str) -> None:
+    """8 lanes driven concurrently with lane-scoped requests; random steps raise or hang
+    (the watchdog abandons those). Every reply answers its own request, every episode is
+    reported exactly once with the steps the client saw, and once the hung calls are
+    released no thread is left."""
+    import random
+
+    ctl = Controller(episode_steps=6)
+    lanes, per_lane = 8, 160
+
+    async def client(address: str) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        futures: dict[str, asyncio.Future[env_v1.JoinResponse]] = {}
+        records: list[Any] = []
+        episodes: dict[int, dict[str, Any]] = {}  # seed -> what the client saw
+        mismatched: list[str] = []
+
+        async with wire.WireClient(address) as c, c.join() as j:
+
+            async def receive() -> None:
+                while True:
+                    reply = await j.recv(timeout=BOUND)
+                    if reply is None:
+                        return
+                    future = futures.pop(reply.request_id, None)
+                    if future is None:
+                        mismatched.append(reply.request_id)
+                    else:
+                        future.set_result(reply)
+
+            async def call(request: env_v1.JoinRequest) -> env_v1.JoinResponse:
+                future: asyncio.Future[env_v1.JoinResponse] = loop.create_future()
+                futures[request.request_id] = future
+                await j.send(request)
+                reply = await asyncio.wait_for(future, BOUND)
+                if reply.step is not None:
+                    records.extend(reply.step.completed_episodes)
+                return reply
+
+            async def drive(lane: int) -> None:
+                rng = random.Random(lane)
+                seed: int | None = None
+                for k in range(per_lane):
+                    rid = f"{lane}-{k}"
+                    if seed is None:
+                        seed = lane * 10_000 + k
+                        reply = await call(
+                            wire.reset(seeds=[seed], env_indices=[lane], request_id=rid)
+                        )
+                        assert reply.reset is not None, reply
+                        episodes[seed] = {"steps": 0, "end": None}
+                        continue
+                    roll = rng.random()
+                    action = RAISE if roll < 0.04 else HANG if roll < 0.05 else 0
+                    reply = await call(wire.step(acts(action), env_indices=[lane], request_id=rid))
+                    seen = episodes[seed]
+                    if reply.error is not None:
+                        assert mode == "rebuild" and action != 0, reply
+                        seen["end"] = "interrupted"
+                        seed = None
+                        continue
+                    step = reply.step
+                    assert step is not None and list(step.env_indices) == [lane], reply
+                    seen["steps"] += 1
+                    if step.truncated_mask == b"\x01":
+                        assert mode == "truncate" and action != 0, reply
+                        seen["end"] = "truncated"
+                        seed = None
+                    elif step.terminated_mask == b"\x01":
+                        seen["end"] = "terminated"
+                        seed = None
+
+            receiver = asyncio.create_task(receive())
+            await asyncio.gather(*(drive(lane) for lane in range(lanes)))
+            futures["close"] = loop.create_future()
+            await j.send(wire.close(request_id="close"))
+            close = await asyncio.wait_for(futures["close"], BOUND)
+            await asyncio.wait_for(receiver, BOUND)
+        assert close.close is not None
+        records.extend(close.close.final_episodes)
+        return {"records": records, "episodes": episodes, "mismatched": mismatched}
+
+    async with served(
+        ctl,
+        num_envs=lanes,
+        on_lane_fault=mode,
+        lane_timeout_seconds=0.2,
+        max_abandoned_lanes=1000,
+    ) as address:
+        out = await on_wire(client(address))
+        ctl.release.set()
+        await wait_for(lambda: not threads_named("-abandoned"))
+    assert out["mismatched"] == []
+    by_seed: dict[int, list[Any]] = {}
+    for record in out["records"]:
+        by_seed.setdefault(record.seed, []).append(record)
+    episodes = out["episodes"]
+    assert sorted(by_seed) == sorted(episodes)  # every episode reported...
+    for seed, seen in episodes.items():
+        (record,) = by_seed[seed]  # ...exactly once
+        assert record.env_index == seed // 10_000
+        assert record.step_count == seen["steps"], (seed, seen, record)
+        if seen["end"] == "terminated":
+            assert record.terminated and not record.truncated
+        elif seen["end"] is not None:
+            assert record.truncated and not record.terminated
+        else:  # still running at Close
+            assert record.truncated
+    faults = sum(1 for seen in episodes.values() if seen["end"] in ("interrupted", "truncated"))
+    assert faults > 0
+    assert len(ctl.built) == lanes + faults
