@@ -14,6 +14,7 @@ from rlmesh_trio._codec import Candidate, SpaceCodec, from_meta_map, to_meta_map
 from rlmesh_trio._errors import ActionError, InvalidRequestError, LaneError, PolicyViolation
 from rlmesh_trio._jobs import (
     EnvContract,
+    LaneFault,
     LaneReply,
     Phases,
     RenderJob,
@@ -35,6 +36,7 @@ from rlmesh_trio._session import (
     Send,
     Session,
     StartTimer,
+    Wedged,
 )
 
 Code = env_v1.EnvErrorCode
@@ -816,3 +818,123 @@ def test_waiting_request_answered_at_once_cancels_its_timer() -> None:
     actions = h.answer(0, lane_job, step_result())
     assert [r.request_id for r in sends(actions)] == ["r", "bad"]
     assert CancelTimer(timer.token) in actions
+
+
+# ----------------------------------------------------------------- supervision
+
+
+def faulted(
+    h: Harness, lane: int, job: Any, exc: BaseException, *, rebuilt: bool = True
+) -> list[Any]:
+    fault = LaneFault(lane=lane, error=f"{type(exc).__name__}: {exc}", rebuilt=rebuilt)
+    return h.session.on_lane_reply(LaneReply(job.id, lane, outcome.Error(exc), Phases(), fault))
+
+
+def test_an_expired_deadline_tells_the_lanes_which_jobs_overran() -> None:
+    h = Harness(2)
+    h.request(reset=env_v1.ResetRequest())
+    for lane, job in h.take():
+        h.answer(lane, job, reset_result())
+    actions = h.request(step=env_v1.StepRequest(action=action(0, 1), timeout_ms=250))
+    (timer,) = [a for a in actions if isinstance(a, StartTimer)]
+    (lane0, job0), (lane1, job1) = h.take()
+    h.answer(lane0, job0, step_result())
+    actions = h.session.on_timer(timer.token)
+    assert [a for a in actions if isinstance(a, Wedged)] == [Wedged(lane1, job1, 0.25)]
+    assert error_of(actions) == (Code.TIMEOUT, "env.step timed out after 250ms", True)
+
+
+def test_truncate_answers_a_faulted_step_as_a_truncation_with_its_last_observation() -> None:
+    h = Harness(2, on_lane_fault="truncate")
+    h.request(reset=env_v1.ResetRequest(seeds=[7, 8]))
+    (l0, r0), (l1, r1) = h.take()
+    h.answer(l0, r0, reset_result(1.0))
+    h.answer(l1, r1, reset_result(2.0))
+    h.request(step=env_v1.StepRequest(action=action(0, 1)))
+    (l0, s0), (l1, s1) = h.take()
+    h.answer(l0, s0, step_result(3.0))
+    actions = faulted(h, l1, s1, RuntimeError("boom"))
+    step = only(actions).step
+    assert step is not None
+    assert list(step.rewards) == [1.0, 0.0] and step.truncated_mask == b"\x00\x01"
+    assert np.frombuffer(step.observation.leaves[0], np.float32).tolist() == [3, 3, 2, 2]
+    (episode,) = step.completed_episodes
+    assert episode.env_index == 1 and episode.seed == 8 and episode.truncated
+    assert from_meta_map(episode.final_info) == {
+        "rlmesh_trio.lane_fault": {"error": "RuntimeError: boom", "lane": 1, "rebuilt": True}
+    }
+    (report,) = [r for r in h.reports if r.kind == "truncated"]
+    assert report.lanes == (1,) and isinstance(report.error, RuntimeError)
+
+
+def test_truncate_answers_a_wedged_step_at_its_deadline() -> None:
+    h = Harness(1, on_lane_fault="truncate")
+    h.request(reset=env_v1.ResetRequest(seeds=[7]))
+    ((lane, job),) = h.take()
+    h.answer(lane, job, reset_result(1.0))
+    actions = h.request(step=env_v1.StepRequest(action=action(0), timeout_ms=100))
+    (timer,) = [a for a in actions if isinstance(a, StartTimer)]
+    ((lane, job),) = h.take()
+    actions = h.session.on_timer(timer.token)
+    assert Wedged(0, job, 0.1) in actions
+    step = only(actions).step
+    assert step is not None and step.truncated_mask == b"\x01"
+    (episode,) = step.completed_episodes
+    fault = from_meta_map(episode.final_info)["rlmesh_trio.lane_fault"]
+    assert fault["error"] == "TimeoutError: env.step timed out after 100ms"
+    # The abandoned call's own answer comes later and changes nothing.
+    assert faulted(h, lane, job, RuntimeError("late")) == []
+
+
+def test_truncate_without_a_last_observation_answers_the_error() -> None:
+    h = Harness(1, on_lane_fault="truncate")
+    h.request(step=env_v1.StepRequest(action=action(0)))  # no reset in this session
+    ((lane, job),) = h.take()
+    assert error_of(faulted(h, lane, job, RuntimeError("boom"))) == (
+        Code.INTERNAL,
+        "step failed: RuntimeError: boom",
+        False,
+    )
+
+
+def test_rebuild_reports_the_faulted_lanes_episode_as_interrupted() -> None:
+    h = Harness(2, on_lane_fault="rebuild")
+    h.request(reset=env_v1.ResetRequest(seeds=[7, 8]))
+    for lane, job in h.take():
+        h.answer(lane, job, reset_result())
+    h.request(step=env_v1.StepRequest(action=action(0), env_indices=[1]))
+    ((lane, job),) = h.take()
+    assert error_of(faulted(h, lane, job, RuntimeError("boom")))[0] == Code.INTERNAL
+    h.request(step=env_v1.StepRequest(action=action(0), env_indices=[0]))
+    ((lane, job),) = h.take()
+    step = only(h.answer(lane, job, step_result())).step
+    assert step is not None
+    (episode,) = step.completed_episodes
+    assert (episode.env_index, episode.seed, episode.truncated, episode.step_count) == (
+        1,
+        8,
+        True,
+        0,
+    )
+
+
+def test_a_close_waits_for_lane_jobs_at_most_close_timeout() -> None:
+    h = Harness(1, close_timeout=0.5)
+    h.request(reset=env_v1.ResetRequest(seeds=[1]))
+    ((lane, job),) = h.take()
+    h.answer(lane, job, reset_result())
+    h.request(step=env_v1.StepRequest(action=action(0), env_indices=[0]))
+    h.take()  # never answered: the env call hangs
+    (bound,) = h.request(request_id="bye", close=env_v1.CloseEnvsRequest())
+    assert bound == StartTimer(bound.token, 0.5)
+    actions = h.session.on_timer(bound.token)
+    reply = only(actions)
+    assert reply.request_id == "bye" and reply.close is not None
+    (episode,) = reply.close.final_episodes
+    assert episode.truncated
+    assert any(isinstance(a, EndStream) for a in actions)
+    (report,) = [r for r in h.reports if r.verb == "close"]
+    assert report.kind == "timeout" and report.lanes == (0,)
+    assert report.message == (
+        "close waited 0.5 s for env calls still running on lanes 0; answering it without them"
+    )
