@@ -43,6 +43,9 @@ def test_parser_defaults_and_flags() -> None:
     assert not args.allow_remote_shutdown
     assert args.idle_timeout_seconds is None
     assert args.log_level == "warning"
+    assert args.on_lane_fault == "error"
+    assert args.lane_timeout_seconds is None
+    assert args.max_abandoned_lanes == 8
     args = build_parser().parse_args(
         [
             "serve",
@@ -69,6 +72,12 @@ def test_parser_defaults_and_flags() -> None:
             "strict",
             "--ready-fd",
             "7",
+            "--on-lane-fault",
+            "truncate",
+            "--lane-timeout-seconds",
+            "30",
+            "--max-abandoned-lanes",
+            "2",
         ]
     )
     assert args.entrypoint == "support.envs:make_slow"
@@ -82,6 +91,9 @@ def test_parser_defaults_and_flags() -> None:
     assert args.workflow_edition == "2026.06"
     assert args.validation_policy == "strict"
     assert args.ready_fd == 7
+    assert args.on_lane_fault == "truncate"
+    assert args.lane_timeout_seconds == 30.0
+    assert args.max_abandoned_lanes == 2
 
 
 @pytest.mark.parametrize(
@@ -101,6 +113,9 @@ def test_parser_defaults_and_flags() -> None:
         (["serve", "--env", "A", "--transport", "unix", "--address", "tcp://x:1"], "socket path"),
         (["serve", "--env", "A", "--ready-fd", "987654"], "--ready-fd 987654"),
         (["serve", "--env", "A", "--vectorization-mode", "sync"], "unrecognized arguments"),
+        (["serve", "--env", "A", "--on-lane-fault", "retry"], "invalid choice"),
+        (["serve", "--env", "A", "--lane-timeout-seconds", "0"], "> 0"),
+        (["serve", "--env", "A", "--max-abandoned-lanes", "-1"], "must be >= 0"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(

@@ -104,6 +104,42 @@ async def test_an_env_failure_is_a_fault_of_its_lane() -> None:
     assert after['rlmesh_trio_lane_errors_total{code="INTERNAL",lane="1"}'] == 1
 
 
+async def test_the_lanes_supervision_counters_and_states() -> None:
+    from support.faulty import HANG, RAISE, Controller, Factory
+
+    ctl = Controller()
+    options = ServeOptions(
+        metrics_address="tcp://127.0.0.1:0",
+        on_lane_fault="rebuild",
+        lane_timeout_seconds=0.2,
+    )
+
+    async def faults(address: str) -> None:
+        async with wire.WireClient(address) as client, client.join() as join:
+            await join.call(wire.reset(seeds=[1, 2]))
+            await join.call(wire.step([wire.i64([RAISE])], env_indices=[1]))
+            await join.call(wire.reset(seeds=[3], env_indices=[1]))
+            await join.call(wire.step([wire.i64([HANG])], env_indices=[0]))  # watchdog
+
+    try:
+        async with trio.open_nursery() as nursery:
+            info = await nursery.start(
+                functools.partial(serve_env, Factory(ctl), num_envs=2, options=options)
+            )
+            await trio.to_thread.run_sync(asyncio.run, faults(info.address))
+            after = await trio.to_thread.run_sync(scrape, info.metrics_address)
+            nursery.cancel_scope.cancel()
+    finally:
+        ctl.release.set()
+    assert after['rlmesh_trio_lane_faults_total{lane="1"}'] == 1
+    assert after['rlmesh_trio_lane_rebuilds_total{lane="1"}'] == 1
+    assert after['rlmesh_trio_lane_wedges_total{lane="0"}'] == 1
+    assert after['rlmesh_trio_lane_wedges_total{lane="1"}'] == 0
+    assert after['rlmesh_trio_lane_abandoned_threads{lane="0"}'] == 1
+    assert after['rlmesh_trio_lane_state{lane="1",state="serving"}'] == 1
+    assert after['rlmesh_trio_lane_state{lane="1",state="dead"}'] == 0
+
+
 def test_the_metrics_address_must_be_tcp() -> None:
     from rlmesh_trio._options import resolve
 

@@ -149,6 +149,10 @@ async def test_address_in_use_raises_before_any_env_is_built() -> None:
         ({"options": ServeOptions(idle_timeout_seconds=0)}, "idle_timeout_seconds"),
         ({"options": ServeOptions(max_message_bytes=0)}, "max_message_bytes"),
         ({"options": ServeOptions(workflow_edition="1999.01")}, "not implemented"),
+        ({"options": ServeOptions(on_lane_fault="retry")}, "on_lane_fault"),  # type: ignore[arg-type]
+        ({"options": ServeOptions(lane_timeout_seconds=0)}, "lane_timeout_seconds"),
+        ({"options": ServeOptions(lane_timeout_seconds=float("inf"))}, "lane_timeout_seconds"),
+        ({"options": ServeOptions(max_abandoned_lanes=-1)}, "max_abandoned_lanes"),
         ({"address": "http://x:1"}, "unsupported address scheme"),
         ({"num_envs": 0}, "num_envs"),
     ],
