@@ -480,6 +480,7 @@ def test_probe_a_live_server(procs: list[subprocess.Popen[bytes]]) -> None:
     assert code == 0, (out, err)
     assert "health:" in out and "SERVING" in out
     assert "env_id:" in out and "CartPole-v1" in out
+    assert "lanes:" in out and "0=serving, 1=serving" in out
     code, out, _ = run_probe(address, "--json")
     assert code == 0
     report = json.loads(out)
@@ -489,6 +490,7 @@ def test_probe_a_live_server(procs: list[subprocess.Popen[bytes]]) -> None:
     assert report["observation_space"].startswith("Box(")
     assert report["capabilities"] == {"subset_step": "true"}
     assert report["server"].startswith("rlmesh-trio ")
+    assert report["lanes"] == {"0": "serving", "1": "serving"}
 
 
 def test_probe_fails_without_a_server_or_the_token(procs: list[subprocess.Popen[bytes]]) -> None:

@@ -388,6 +388,9 @@ def _probe_command(args: argparse.Namespace) -> int:
                 f"{peer.component} {peer.package_version}"
             )
             report["platform"] = f"{peer.language} {peer.language_version}, {peer.os} {peer.arch}"
+            states = peer.extra.get("rlmesh_trio.lane_states")
+            if states:
+                report["lanes"] = {str(i): state for i, state in enumerate(states.split(","))}
     contract = None if response is None else response.env_contract
     if contract is not None and contract.spec is not None:
         spec = contract.spec

@@ -167,6 +167,7 @@ async def _serve(
                 allow_remote_shutdown=options.allow_remote_shutdown,
                 on_lane_fault=options.on_lane_fault,
                 close_timeout=options.close_timeout,
+                lane_states=lambda: [lane.state for lane in engine.status()],
             )
             service = TransportService(
                 endpoint,

@@ -6,9 +6,10 @@ answers Handshake (SPEC §6) and Shutdown (SPEC §10.1-10.2). Sans-IO, like the 
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .._codec import Candidate
 from .._errors import InvalidRequestError
@@ -19,6 +20,10 @@ from .._proto.rlmesh.env import v1 as env_v1
 from .._version import __version__
 
 PROTOCOL_GENERATION = "rlmesh-wire-v1"
+
+LANE_STATES_KEY = "rlmesh_trio.lane_states"
+"""Handshake ``peer_info.extra`` key: every lane's supervision state, comma-separated in
+lane order (``serving,rebuilding,serving``), as ``rlmesh-trio probe`` shows them."""
 
 
 class ConformanceLedger:
@@ -101,6 +106,7 @@ class Endpoint:
         allow_remote_shutdown: bool = False,
         on_lane_fault: FaultPolicy = "error",
         close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
+        lane_states: Callable[[], Sequence[str]] | None = None,
     ) -> None:
         # Validated once, by _options.resolve(); None means the only edition there is.
         edition = workflow_edition or WORKFLOW_EDITION
@@ -112,6 +118,7 @@ class Endpoint:
         self.on_lane_fault: FaultPolicy = on_lane_fault
         """How the sessions answer a faulted lane (``truncate``: as a truncation)."""
         self.close_timeout = close_timeout
+        self.lane_states = lane_states
         """How long a Close waits for lane jobs still running before it is answered."""
         self.ledger = ConformanceLedger(num_envs)
         self.peer_info = _peer_info()
@@ -135,8 +142,12 @@ class Endpoint:
         base = request.base
         if base is None:
             raise InvalidRequestError("handshake request missing base")
+        peer_info = self.peer_info
+        if self.lane_states is not None:
+            extra = {**peer_info.extra, LANE_STATES_KEY: ",".join(self.lane_states())}
+            peer_info = dataclasses.replace(peer_info, extra=extra)
         reply = core_v1.HandshakeResponse(
-            peer_info=self.peer_info,
+            peer_info=peer_info,
             capabilities={"subset_step": "true"},
             supported_workflow_editions=[self.edition],
             preferred_workflow_edition=self.edition,
