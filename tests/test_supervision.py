@@ -766,3 +766,52 @@ async def test_stress_random_faults_and_hangs_on_eight_lanes(mode: str) -> None:
     faults = sum(1 for seen in episodes.values() if seen["end"] in ("interrupted", "truncated"))
     assert faults > 0
     assert len(ctl.built) == lanes + faults
+
+
+# ---------------------------------------------------------------------- shutdown
+
+
+async def test_the_stop_bound_holds_with_abandoned_and_retired_threads() -> None:
+    """rebuild mode: one lane's thread abandoned in a hung step, another's retired thread
+    hung in the faulted env's close(); cancelling the server still returns within
+    drain + close + 1 s, and both threads exit once released."""
+    ctl = Controller()
+    drain, close = 0.2, 0.4
+
+    async def client(address: str) -> None:
+        async with wire.WireClient(address) as c, c.join() as j:
+            await j.call(wire.reset(seeds=[1, 2]))
+            await j.call(wire.step(acts(HANG), env_indices=[0], timeout_ms=100))
+            ctl.close_hangs = True
+            await j.call(wire.step(acts(RAISE), env_indices=[1]))
+            await asyncio.to_thread(ctl.wait_hanging)  # lane 0's step
+            await asyncio.to_thread(ctl.wait_hanging)  # lane 1's faulted env's close()
+
+    async with trio.open_nursery() as nursery:
+        info = await nursery.start(
+            functools.partial(
+                serve_env,
+                Factory(ctl),
+                num_envs=2,
+                options=ServeOptions(
+                    on_lane_fault="rebuild",
+                    drain_timeout_seconds=drain,
+                    close_timeout_seconds=close,
+                ),
+            )
+        )
+        await on_wire(client(info.address))
+        ctl.close_hangs = False  # the fresh envs close normally
+        start = trio.current_time()
+        nursery.cancel_scope.cancel()
+    elapsed = trio.current_time() - start
+    try:
+        assert elapsed < drain + close + 1.0 + 2.0  # the bound, plus scheduling slack
+        assert {t.name for t in threads_named("-abandoned")} <= {
+            f"{LANE_THREAD_PREFIX}0-abandoned",
+            f"{LANE_THREAD_PREFIX}1-abandoned",
+        }
+    finally:
+        ctl.release.set()
+    await wait_for(lambda: not threads_named("-abandoned") and not threads_named("-retired"))
+    assert ctl.violations == []

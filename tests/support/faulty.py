@@ -11,7 +11,9 @@ client -- ours, rlmesh's ``RemoteVectorEnv`` or ``rlmesh.run`` -- can trigger a 
 
 Reset options: ``{"raise": 1}`` raises ``ValueError``; ``{"raise_once": 1}`` raises only
 the first time the controller sees it (a retried reset then succeeds);
-``{"hang": 1}`` blocks like a hanging step. ``render()`` raises while the controller's
+``{"hang": 1}`` blocks like a hanging step. ``make`` is the no-argument entrypoint for
+server subprocesses (``support.faulty:make``; ``RLMESH_FAULTY_HANG_SECONDS`` bounds a hang
+there, default 20 s). ``render()`` raises while the controller's
 ``render_raises`` is set; ``close()`` blocks while ``close_hangs`` is set.
 
 Every env records the thread that built it and checks every later call against it
@@ -20,6 +22,7 @@ Every env records the thread that built it and checks every later call against i
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -29,7 +32,7 @@ from gymnasium import spaces
 
 RAISE = 2
 HANG = 3
-HANG_SAFETY_SECONDS = 20.0
+HANG_SAFETY_SECONDS = float(os.environ.get("RLMESH_FAULTY_HANG_SECONDS", "20"))
 EPISODE_STEPS = 8
 
 
@@ -160,3 +163,11 @@ class FaultyEnv(gym.Env[np.ndarray, int]):
         obs = np.full(self.observation_space.shape, float(self.s), np.float32)
         obs[0] = self.t
         return obs
+
+
+_PROCESS = Controller()
+
+
+def make() -> FaultyEnv:
+    """Entrypoint for a server subprocess: one controller per process."""
+    return Factory(_PROCESS)()

@@ -77,6 +77,8 @@ class ServerConfig:
     close_timeout_seconds: float | None = None
     env: tuple[tuple[str, str], ...] = ()
     """Extra environment variables of the server process."""
+    ours_args: tuple[str, ...] = ()
+    """Extra ``rlmesh-trio serve`` options (ignored for the reference server)."""
 
     def args(self, address: str, ready_fd: int) -> list[str]:
         """The ``serve`` options, spelled as ``rlmesh-trio serve`` takes them."""
@@ -255,7 +257,11 @@ def start_server(
     try:
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
-                [*server_command(kind), *config.args(address, write_fd)],
+                [
+                    *server_command(kind),
+                    *config.args(address, write_fd),
+                    *(config.ours_args if kind == "ours" else ()),
+                ],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
