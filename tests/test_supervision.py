@@ -578,9 +578,9 @@ async def test_rebuilt_lanes_use_their_env_only_on_the_thread_that_built_it() ->
             threads.append((await replies.get(f"who{round_}")).outcome.unwrap())
             engine.post(0, step_job(RAISE), replies.to(f"fault{round_}"))
             await replies.get(f"fault{round_}")
+        await wait_for(lambda: engine.status()[0].rebuilds == 5)
         assert len(set(threads)) == 5  # a fresh OS thread for every incarnation
         assert [env.thread_object for env in ctl.built] == [*threads, ctl.built[-1].thread_object]
-        assert engine.status()[0].rebuilds == 5
     assert len(ctl.closed) == 6  # every env closed, each on its own thread (no violation)
 
 

@@ -18,6 +18,9 @@ FaultPolicy = Literal["error", "rebuild", "truncate"]
 
 FAULT_POLICIES: tuple[FaultPolicy, ...] = ("error", "rebuild", "truncate")
 
+LaneIsolation = Literal["thread", "process"]
+"""Where a lane's env lives: a thread of the server, or a child process of its own."""
+
 DEFAULT_MAX_ABANDONED_LANES = 8
 """Wedged lane threads the process tolerates before health reports NOT_SERVING."""
 """The transport thread's event loop: uvloop when installed (``auto``), or one of them."""
@@ -73,6 +76,9 @@ class ServeOptions:
     requests' own ``timeout_ms`` bound a job.
     ``max_abandoned_lanes``: how many abandoned (wedged, still running) lane threads the
     process tolerates before grpc.health.v1 reports NOT_SERVING.
+    ``lane_isolation``: ``thread`` (each env on a thread of the server) or ``process``
+    (each env in a child process of its own: a segfault or a GIL-holding env costs the
+    other lanes nothing, and pure-Python envs use every core; the factory must pickle).
     """
 
     allow_remote_shutdown: bool = False
@@ -88,6 +94,7 @@ class ServeOptions:
     on_lane_fault: FaultPolicy = "error"
     lane_timeout_seconds: float | None = None
     max_abandoned_lanes: int = DEFAULT_MAX_ABANDONED_LANES
+    lane_isolation: LaneIsolation = "thread"
 
     def remote_shutdown_allowed(self, environ: Mapping[str, str] = os.environ) -> bool:
         """The option, or the environment variable (which can only enable it)."""
@@ -134,6 +141,7 @@ class Resolved:
     on_lane_fault: FaultPolicy = "error"
     lane_timeout: float | None = None
     max_abandoned_lanes: int = DEFAULT_MAX_ABANDONED_LANES
+    lane_isolation: LaneIsolation = "thread"
 
     @property
     def stop_bound(self) -> float:
@@ -212,6 +220,10 @@ def resolve(options: ServeOptions, environ: Mapping[str, str] = os.environ) -> R
         )
     if options.lane_timeout_seconds is not None:
         _seconds("lane_timeout_seconds", options.lane_timeout_seconds, zero_ok=False)
+    if options.lane_isolation not in ("thread", "process"):
+        raise ValueError(
+            f"lane_isolation must be 'thread' or 'process', got {options.lane_isolation!r}"
+        )
     cap = options.max_abandoned_lanes
     if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
         raise ValueError(f"max_abandoned_lanes must be an int >= 0, got {cap!r}")
@@ -236,4 +248,5 @@ def resolve(options: ServeOptions, environ: Mapping[str, str] = os.environ) -> R
         if options.lane_timeout_seconds is None
         else float(options.lane_timeout_seconds),
         max_abandoned_lanes=cap,
+        lane_isolation=options.lane_isolation,
     )

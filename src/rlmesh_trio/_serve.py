@@ -97,6 +97,7 @@ async def serve_env(
         on_fault=resolved.on_lane_fault,
         lane_timeout=resolved.lane_timeout,
         max_abandoned=resolved.max_abandoned_lanes,
+        isolation=resolved.lane_isolation,
     )
     listener = bind(parsed)
     try:

@@ -50,11 +50,18 @@ from .._errors import (
     LaneWedgedError,
 )
 from .._jobs import EnvContract, Job, LaneFault, LaneReply, Phases, ReplyFn, ResetJob, StepJob
-from .._options import DEFAULT_CLOSE_TIMEOUT, DEFAULT_MAX_ABANDONED_LANES, FaultPolicy, Policy
+from .._options import (
+    DEFAULT_CLOSE_TIMEOUT,
+    DEFAULT_MAX_ABANDONED_LANES,
+    FaultPolicy,
+    LaneIsolation,
+    Policy,
+)
 from ._contract import EnvFacts as _LaneFacts
 from ._contract import contract_differences as _contract_differences
 from ._contract import lane_facts as _lane_facts
 from ._lane import _STOP, LaneState, _Incarnation, _Item, _Lane, _Stop, _stopped
+from ._process import CHILD_STOP_TIMEOUT, ChildLane, LaneProcessDiedError, check_picklable
 from ._work import LaneWork, verb_of
 
 __all__ = [
@@ -129,6 +136,7 @@ class LaneEngine:
         lane_timeout: float | None = None,
         max_abandoned: int = DEFAULT_MAX_ABANDONED_LANES,
         rebuild_backoff: tuple[float, float] = REBUILD_BACKOFF,
+        isolation: LaneIsolation = "thread",
     ) -> None:
         if not callable(make_env):
             raise TypeError(f"make_env must be callable, got {type(make_env).__name__}")
@@ -138,6 +146,10 @@ class LaneEngine:
             raise ValueError(f"policy must be one of {_POLICIES}, got {policy!r}")
         if on_fault not in _FAULT_POLICIES:
             raise ValueError(f"on_fault must be one of {_FAULT_POLICIES}, got {on_fault!r}")
+        if isolation not in ("thread", "process"):
+            raise ValueError(f"isolation must be 'thread' or 'process', got {isolation!r}")
+        if isolation == "process":
+            check_picklable(make_env)
         if not teardown_timeout >= 0:
             raise ValueError(f"teardown_timeout must be >= 0, got {teardown_timeout!r}")
         if lane_timeout is not None and not 0 < lane_timeout < math.inf:
@@ -151,6 +163,7 @@ class LaneEngine:
         self._lane_timeout = lane_timeout
         self._max_abandoned = max_abandoned
         self._backoff = rebuild_backoff
+        self._isolation: LaneIsolation = isolation
         self._teardown_timeout = float(teardown_timeout)
         self._lanes = [_Lane(i) for i in range(num_envs)]
         self._contract: EnvContract | None = None
@@ -399,6 +412,8 @@ class LaneEngine:
                 if lane.stopping:
                     if current.thread is None or current.exited.is_set():
                         break
+                elif lane.state is LaneState.DEAD and not self._supervised:
+                    pass  # a lost process lane (policy error): refuses until the stop
                 elif lane.state is LaneState.DEAD:
                     if retry_at == math.inf:
                         retry_at = now + self._rebuild_delay(lane.attempt)
@@ -418,6 +433,9 @@ class LaneEngine:
             for inc in threads:
                 if not inc.abandoned:
                     await inc.exited.wait()
+        for inc in threads:  # no child outlives the teardown
+            if inc.child is not None and not inc.exited.is_set():
+                inc.child.kill()
         if lane.scope.cancelled_caught:
             current = lane.incarnation
             if current.thread is not None and not current.exited.is_set():
@@ -556,14 +574,25 @@ class LaneEngine:
     # ---- the thread side --------------------------------------------------------------
 
     def _lane_main(self, lane: _Lane, inc: _Incarnation) -> None:
-        """One incarnation's whole life: build the env, serve the mailbox, close the env."""
+        """One incarnation's whole life: build the env, serve the mailbox, close the env.
+
+        With process isolation this thread is the env's proxy: the env lives in a child
+        process (:class:`~rlmesh_trio._lanes._process.ChildLane`) and this thread only
+        routes the jobs' bytes to it.
+        """
         env: gym.Env[Any, Any] | None = None
+        child: ChildLane | None = None
         try:
             if lane.stopping:  # closed (or startup failed elsewhere) before we built
                 return
             try:
-                env = self._make_env()
-                facts = _lane_facts(env)
+                if self._isolation == "process":
+                    child = ChildLane(self._make_env, self._policy, lane.index, inc.number)
+                    inc.child = child
+                    facts = child.build()
+                else:
+                    env = self._make_env()
+                    facts = _lane_facts(env)
             except Exception as exc:
                 if inc.number == 0:
                     self._to_trio(self._lane_reported, lane.index, outcome.Error(exc))
@@ -589,7 +618,11 @@ class LaneEngine:
                     return
                 if not self._rebuilt(lane, inc):
                     return
-            self._serve(lane, inc, env)
+            if child is not None:
+                self._serve(lane, inc, child.execute)
+            else:
+                assert env is not None and self._work is not None
+                self._serve(lane, inc, functools.partial(self._work.execute, env))
         except Exception:
             # Only an engine bug gets here (job and callback errors are caught per job):
             # the lane stops (its jobs are answered below); the other lanes go on.
@@ -608,6 +641,8 @@ class LaneEngine:
                 except Exception:
                     logger.exception("lane %d: env.close() raised", lane.index)
                 env = None
+            if child is not None:
+                child.close(min(CHILD_STOP_TIMEOUT, self._teardown_timeout))
             self._to_trio(self._exited, lane, inc)
 
     def _rebuilt(self, lane: _Lane, inc: _Incarnation) -> bool:
@@ -658,9 +693,12 @@ class LaneEngine:
             if inc.thread is None or lane.stopping:
                 return
             inc.detached = True
-            inc.abandoned = True
+            inc.abandoned = inc.child is None
             lane.incarnation = _Incarnation(inc.number + 1)
-        self._count_abandoned(lane, inc, "-abandoned")
+        if inc.child is not None:
+            inc.child.kill()
+        else:
+            self._count_abandoned(lane, inc, "-abandoned")
         exc = TimeoutError(f"the env factory did not return within {seconds:.3g} s")
         # The new (never started) incarnation records the failure, as its own would.
         self._rebuild_failed(lane, lane.incarnation, exc)
@@ -686,12 +724,15 @@ class LaneEngine:
             lane.mailbox.put(_STOP)
         return items
 
-    def _serve(self, lane: _Lane, inc: _Incarnation, env: gym.Env[Any, Any]) -> None:
+    def _serve(
+        self,
+        lane: _Lane,
+        inc: _Incarnation,
+        execute: Callable[[Job, int], tuple[outcome.Outcome[Any], Phases, bool]],
+    ) -> None:
         get = lane.mailbox.get
         lock = lane.lock
         index = lane.index
-        work = self._work
-        assert work is not None
         supervised = self._supervised
         fresh = inc.number > 0  # a rebuilt env: the client has not reset it yet
         while True:
@@ -721,7 +762,7 @@ class LaneEngine:
             if fresh and isinstance(job, StepJob):
                 self._refuse_unreset(lane, item)
                 continue
-            result, phases, faulted = work.execute(env, job, picked - posted)
+            result, phases, faulted = execute(job, picked - posted)
             detach = False
             with lock:
                 taken = lane.current is not item
@@ -748,10 +789,30 @@ class LaneEngine:
                 assert isinstance(result, outcome.Error)
                 self._faulted(lane, item, result, phases, retry=lane.retry is not None)
                 return  # the ``finally`` of _lane_main closes the faulted env, here
+            if isinstance(result, outcome.Error) and isinstance(result.error, LaneProcessDiedError):
+                # Policy ``error``: nothing rebuilds the lane; it refuses from now on.
+                _answer(index, item, result, phases)
+                self._lane_lost(lane, str(result.error))
+                return
             if fresh and isinstance(job, ResetJob) and isinstance(result, outcome.Value):
                 fresh = False
             _answer(index, item, result, phases)
             del job, result, item, _reply
+
+    def _lane_lost(self, lane: _Lane, cause: str) -> None:
+        """Lane thread, policy ``error``: the lane's child process died; refuse its jobs."""
+        reason = cause.split(": ", 1)[-1]
+        with lane.lock:
+            lane.state = LaneState.DEAD
+            lane.last_cause = reason
+            refusal = LaneDeadError(
+                f"lane {lane.index} is gone: {reason} (--on-lane-fault rebuild would rebuild it)"
+            )
+            lane.refusal = refusal
+            waiting = self._take_queued(lane)
+        logger.error("lane %d: %s; the lane is lost (policy error)", lane.index, reason)
+        for item in waiting:
+            _answer(lane.index, item, outcome.Error(refusal), Phases())
 
     def _detach(self, lane: _Lane, inc: _Incarnation) -> None:
         """Under the lane lock: the lane moves on from ``inc`` to a fresh incarnation."""
@@ -895,7 +956,7 @@ class LaneEngine:
             if self._supervised:
                 lane.current = None
                 self._detach(lane, inc)
-                inc.abandoned = True
+                inc.abandoned = inc.child is None
             else:
                 lane.state = LaneState.WEDGED
                 refusal = LaneWedgedError(
@@ -907,6 +968,21 @@ class LaneEngine:
                     lane.current = None
                     queued = self._take_queued(lane)
         name = inc.thread.name if inc.thread is not None else "?"
+        if self._supervised and inc.child is not None:
+            inc.child.kill()  # a process can be killed: nothing is abandoned
+            logger.warning(
+                "lane %d: env.%s has run for %.3g s (%s); killed its process %s and "
+                "rebuilding the lane in a fresh one",
+                lane.index,
+                verb,
+                age / 1e9,
+                error,
+                inc.child.pid,
+            )
+            fault = LaneFault(lane=lane.index, error=f"TimeoutError: {error}")
+            _answer(lane.index, item, outcome.Error(error), Phases(), fault)
+            self._to_trio(self._wake_lane, lane.index)
+            return
         if self._supervised:
             self._count_abandoned(lane, inc, "-abandoned")
             logger.warning(
@@ -960,8 +1036,10 @@ class LaneEngine:
                 # thread died or was abandoned) are kept apart, as Trio does.
                 cls = LaneClosedError if self._close_requested else LaneBrokenError
                 raise cls(f"lane {lane} is no longer running")
-            if record.refusal is not None:
-                raise record.refusal
+            refusal = record.refusal
+            if refusal is not None:
+                # A fresh instance each time: re-raising one object would grow its traceback.
+                raise type(refusal)(str(refusal))
             record.mailbox.put(item)
 
     def close(self) -> None:

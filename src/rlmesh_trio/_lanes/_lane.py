@@ -6,7 +6,7 @@ import enum
 import queue
 import threading
 from time import perf_counter_ns
-from typing import Final
+from typing import Any, Final
 
 import trio
 
@@ -49,7 +49,7 @@ class LaneState(enum.Enum):
 class _Incarnation:
     """One OS thread of a lane and the env it built (which only it ever touches)."""
 
-    __slots__ = ("abandoned", "detached", "exited", "number", "thread")
+    __slots__ = ("abandoned", "child", "detached", "exited", "number", "thread")
 
     def __init__(self, number: int) -> None:
         self.number = number
@@ -61,6 +61,9 @@ class _Incarnation:
         """Detached while still inside an env call (wedged)."""
         self.exited = trio.Event()
         """Set on the Trio thread once the thread's last act ran."""
+        self.child: Any = None
+        """Process isolation: the :class:`~rlmesh_trio._lanes._process.ChildLane` whose env
+        this (proxy) thread drives."""
 
 
 class _Lane:

@@ -1,0 +1,305 @@
+"""Process lanes (``lane_isolation="process"``): a lane's env in a child process of its own.
+
+The lane's thread in the server becomes a *proxy*: it routes each job's wire data (action
+leaves in, observation leaves and an info map out) over a pipe to the child, which builds
+the env, decodes the action, calls the env and encodes the result exactly as a thread
+lane does (:class:`~rlmesh_trio._lanes._work.LaneWork`), on its main thread, for the env's
+whole life. A child that segfaults, is killed, or calls ``os._exit`` is seen as a closed
+pipe: the job in flight is answered as a fault naming the lane and the signal. A child
+that hangs, even holding its own GIL, costs the server nothing: the server's transport
+and the other lanes run in another process, and the watchdog kills the child.
+
+Why a plain child (``python -m rlmesh_trio._lanechild``, a socketpair carrying
+``multiprocessing.connection`` messages) and not trio-parallel or ``multiprocessing``'s
+``Process``: a lane needs ONE dedicated process for the env's whole life (GL contexts,
+simulators with state) that its supervisor can kill on its own, which trio-parallel's
+pool of interchangeable workers does not give; ``fork`` is out (the server has threads,
+and a fork copies their locks in whatever state they are in), and ``spawn`` re-runs the
+caller's ``__main__`` in every child, which breaks any program that embeds ``serve_env``
+without a ``__main__`` guard. The child gets the parent's ``sys.path`` and the pickled
+factory, so ``--app-dir`` modules, ``module:callable`` entrypoints and gymnasium ids work
+as they do in the server.
+
+Children never outlive the server: they are stopped (then killed) at teardown within its
+bound; on Linux each asks the kernel for SIGKILL when its parent dies
+(``PR_SET_PDEATHSIG``), and everywhere a child exits when the pipe to its parent closes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import gymnasium as gym
+import outcome
+
+from .._errors import LaneError
+from .._jobs import Job, Phases, StepJob
+from .._options import Policy
+from ._contract import EnvFacts, lane_facts
+from ._work import LaneWork, verb_of
+
+logger = logging.getLogger("rlmesh_trio.lanes")
+
+CHILD_STOP_TIMEOUT = 2.0
+"""Seconds a child gets to close its env and exit after being asked, before SIGKILL."""
+
+
+class LaneProcessDiedError(LaneError):
+    """A process lane's child died (a signal, ``os._exit``, the OOM killer). Fatal."""
+
+
+class RemoteEnvError(Exception):
+    """An exception raised in a child that could not be sent as itself (not picklable);
+    :func:`remote_error` gives it the original's type name, so the wire text is the same."""
+
+
+def remote_error(type_name: str, message: str) -> BaseException:
+    cls: type[RemoteEnvError] = type(
+        type_name, (RemoteEnvError,), {"__module__": "rlmesh_trio.child"}
+    )
+    return cls(message)
+
+
+def check_picklable(factory: Callable[[], gym.Env[Any, Any]]) -> None:
+    """Raise ``TypeError`` naming the factory when it cannot be sent to a child process."""
+    try:
+        pickle.dumps(factory)
+    except Exception as exc:
+        raise TypeError(
+            "lane_isolation='process' needs an env factory that can be pickled (a "
+            "gymnasium id, a module:callable entrypoint, or a module-level callable), "
+            f"got {factory!r}: {type(exc).__name__}: {exc}"
+        ) from None
+
+
+def signal_name(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            return signal.Signals(-exitcode).name
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+# ------------------------------------------------------------------------ parent side
+
+
+class ChildLane:
+    """The proxy's handle on one child: start it, run jobs, stop or kill it.
+
+    Used by one lane thread (the proxy); :meth:`kill` may be called from any thread.
+    """
+
+    def __init__(
+        self, factory: Callable[[], gym.Env[Any, Any]], policy: Policy, index: int, number: int
+    ) -> None:
+        self.index = index
+        self._closed = False
+        self._lock = threading.Lock()
+        ours, theirs = socket.socketpair()
+        try:
+            self._process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "rlmesh_trio._lanechild",
+                    str(theirs.fileno()),
+                    str(os.getpid()),
+                    f"lane {index}.{number}",
+                ],
+                stdin=subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(),),
+            )
+        finally:
+            theirs.close()
+        self._conn = multiprocessing.connection.Connection(ours.detach())
+        self._conn.send((list(sys.path), pickle.dumps(factory), policy))
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    def build(self) -> EnvFacts:
+        """Wait for the child to build its env; its facts, or the factory's exception."""
+        message = self._recv()
+        if message is None:
+            raise self.died("make_env")
+        kind, payload = message
+        if kind == "error":
+            raise _rebuild(payload)
+        facts: EnvFacts = payload
+        return facts
+
+    def execute(self, job: Job, queue_ns: int) -> tuple[outcome.Outcome[Any], Phases, bool]:
+        """Run one job in the child (same contract as :meth:`LaneWork.execute`)."""
+        if isinstance(job, StepJob) and any(isinstance(leaf, memoryview) for leaf in job.leaves):
+            job = StepJob(
+                leaves=[bytes(leaf) for leaf in job.leaves],
+                n=job.n,
+                row=job.row,
+                validated=job.validated,
+                id=job.id,
+            )
+        try:
+            self._conn.send((job, queue_ns))
+        except (OSError, EOFError):
+            return outcome.Error(self.died(verb_of(job))), Phases(), True
+        except Exception as exc:  # the job itself cannot be pickled (a CallJob's lambda)
+            return outcome.Error(exc), Phases(), False
+        message = self._recv()
+        if message is None:
+            return outcome.Error(self.died(verb_of(job))), Phases(), True
+        kind, payload = message
+        if kind == "error":  # the child could not run the job at all
+            return outcome.Error(_rebuild(payload)), Phases(), False
+        result, phases, faulted = payload
+        if isinstance(result, tuple):  # an exception, sent apart from its traceback
+            result = outcome.Error(_rebuild(result))
+        return result, phases, faulted
+
+    def died(self, verb: str) -> LaneProcessDiedError:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._process.wait(CHILD_STOP_TIMEOUT)
+        how = signal_name(self._process.returncode)
+        return LaneProcessDiedError(f"{verb} failed: lane {self.index} process died ({how})")
+
+    def kill(self) -> None:
+        """Any thread: SIGKILL the child (the proxy then sees its pipe close)."""
+        with contextlib.suppress(Exception):
+            self._process.kill()
+
+    def close(self, timeout: float = CHILD_STOP_TIMEOUT) -> None:
+        """Ask the child to close its env and exit; kill it if it does not in time."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        with contextlib.suppress(OSError, EOFError, ValueError):
+            self._conn.send(None)
+        try:
+            self._process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            logger.warning(
+                "lane %d: its process %s did not exit within %.3g s; killing it",
+                self.index,
+                self._process.pid,
+                timeout,
+            )
+            self._process.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._process.wait(CHILD_STOP_TIMEOUT)
+        with contextlib.suppress(Exception):
+            self._conn.close()
+
+    def _recv(self) -> Any:
+        try:
+            return self._conn.recv()
+        except (OSError, EOFError):
+            return None
+
+
+def _rebuild(payload: tuple[Any, str, str, str]) -> BaseException:
+    """An exception from the child: itself when it unpickled, else a stand-in by name."""
+    exc, type_name, message, trace = payload
+    error: BaseException = (
+        exc if isinstance(exc, BaseException) else remote_error(type_name, message)
+    )
+    add_note = getattr(error, "add_note", None)  # Python >= 3.11
+    if add_note is not None:
+        add_note(f"in the lane's child process:\n{trace}")
+    return error
+
+
+# ------------------------------------------------------------------------- child side
+
+
+def _pack_error(exc: BaseException) -> tuple[Any, str, str, str]:
+    trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        pickled: Any = pickle.loads(pickle.dumps(exc))
+    except Exception:
+        pickled = None
+    return pickled, type(exc).__name__, str(exc), trace
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: the kernel SIGKILLs us when the thread that forked us exits; elsewhere (and
+    as a backstop) the pipe's EOF ends the main loop."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            pr_set_pdeathsig = 1
+            libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+        except Exception:
+            pass
+    if os.getppid() != parent_pid:  # the parent died before the prctl
+        os._exit(1)
+
+
+def child_main(conn: multiprocessing.connection.Connection, parent_pid: int) -> None:
+    """A lane's child process: build the env, serve jobs from the pipe, close the env."""
+    _die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when we stop
+    env: gym.Env[Any, Any] | None = None
+    try:
+        try:
+            message = conn.recv()
+        except (OSError, EOFError):
+            return
+        path, pickled, policy = message
+        sys.path[:] = path
+        try:
+            factory = pickle.loads(pickled)
+            env = factory()
+            facts = lane_facts(env)
+            from .._codec import SpaceCodec
+
+            work = LaneWork(SpaceCodec(env.action_space), SpaceCodec(env.observation_space), policy)
+        except Exception as exc:
+            conn.send(("error", _pack_error(exc)))
+            return
+        conn.send(("built", facts))
+        del facts
+        while True:
+            try:
+                message = conn.recv()
+            except (OSError, EOFError):
+                return  # the server is gone
+            if message is None:
+                return
+            job, queue_ns = message
+            result, phases, faulted = work.execute(env, job, queue_ns)
+            payload: Any = result
+            if isinstance(result, outcome.Error):
+                payload = _pack_error(result.error)
+            try:
+                conn.send(("done", (payload, phases, faulted)))
+            except (OSError, EOFError):
+                return
+            except Exception as exc:  # the result cannot be pickled
+                conn.send(("error", _pack_error(exc)))
+            del job, result, payload
+    finally:
+        if env is not None:
+            try:
+                env.close()
+            except Exception:
+                traceback.print_exc()
+        with contextlib.suppress(Exception):
+            conn.close()
