@@ -46,6 +46,7 @@ def test_parser_defaults_and_flags() -> None:
     assert args.on_lane_fault == "error"
     assert args.lane_timeout_seconds is None
     assert args.max_abandoned_lanes == 8
+    assert args.lane_isolation == "thread"
     args = build_parser().parse_args(
         [
             "serve",
@@ -78,6 +79,8 @@ def test_parser_defaults_and_flags() -> None:
             "30",
             "--max-abandoned-lanes",
             "2",
+            "--lane-isolation",
+            "process",
         ]
     )
     assert args.entrypoint == "support.envs:make_slow"
@@ -94,6 +97,7 @@ def test_parser_defaults_and_flags() -> None:
     assert args.on_lane_fault == "truncate"
     assert args.lane_timeout_seconds == 30.0
     assert args.max_abandoned_lanes == 2
+    assert args.lane_isolation == "process"
 
 
 @pytest.mark.parametrize(
@@ -116,6 +120,7 @@ def test_parser_defaults_and_flags() -> None:
         (["serve", "--env", "A", "--on-lane-fault", "retry"], "invalid choice"),
         (["serve", "--env", "A", "--lane-timeout-seconds", "0"], "> 0"),
         (["serve", "--env", "A", "--max-abandoned-lanes", "-1"], "must be >= 0"),
+        (["serve", "--env", "A", "--lane-isolation", "vm"], "invalid choice"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(

@@ -6,14 +6,29 @@ and the startup errors of :func:`serve_env` (an env whose spaces cannot be serve
 that disagree on the env contract).
 """
 
+from typing import TYPE_CHECKING, Any
+
 from ._errors import CodecError as CodecError
 from ._errors import ContractMismatchError as ContractMismatchError
 from ._errors import RlmeshTrioError as RlmeshTrioError
 from ._errors import UnsupportedSpaceError as UnsupportedSpaceError
 from ._options import ServeOptions as ServeOptions
-from ._serve import ServerInfo as ServerInfo
-from ._serve import serve_env as serve_env
 from ._version import __version__ as __version__
+
+if TYPE_CHECKING:
+    from ._serve import ServerInfo as ServerInfo
+    from ._serve import serve_env as serve_env
+
+
+def __getattr__(name: str) -> Any:
+    # The server (trio, grpclib, h2, ...) is imported on first use, so that a process
+    # lane's child, which only needs the codec, starts fast.
+    if name in ("serve_env", "ServerInfo"):
+        from . import _serve
+
+        return getattr(_serve, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "CodecError",

@@ -218,6 +218,14 @@ def build_parser() -> argparse.ArgumentParser:
         "truncate (rebuild, and a failed step answers as a truncation); default error",
     )
     serve.add_argument(
+        "--lane-isolation",
+        choices=("thread", "process"),
+        default="thread",
+        help="where each lane's env lives: a thread of the server (default), or a child "
+        "process of its own (a segfault or a GIL-holding env costs the other lanes "
+        "nothing; pure-Python envs use every core)",
+    )
+    serve.add_argument(
         "--lane-timeout-seconds",
         type=_seconds(minimum_exclusive=True),
         metavar="S",
@@ -525,6 +533,10 @@ def _configure(args: argparse.Namespace, address: str) -> _Config:
     else:
         make_env = _load_entrypoint(args.entrypoint)
         label = args.entrypoint
+    if args.lane_isolation == "process" and args.package:
+        from ._lanes._process import ImportFirst
+
+        make_env = ImportFirst(tuple(args.package), make_env)  # each lane's process too
     edition = args.workflow_edition or os.environ.get("RLMESH_WORKFLOW_EDITION") or None
     options = ServeOptions(
         allow_remote_shutdown=args.allow_remote_shutdown,
@@ -539,6 +551,7 @@ def _configure(args: argparse.Namespace, address: str) -> _Config:
         on_lane_fault=args.on_lane_fault,
         lane_timeout_seconds=args.lane_timeout_seconds,
         max_abandoned_lanes=args.max_abandoned_lanes,
+        lane_isolation=args.lane_isolation,
     )
     return _Config(
         make_env=make_env,

@@ -9,9 +9,25 @@
   lane 0.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from ._contract import UNKNOWN_ENV_ID as UNKNOWN_ENV_ID
-from ._engine import LANE_TEARDOWN_TIMEOUT as LANE_TEARDOWN_TIMEOUT
-from ._engine import LANE_THREAD_PREFIX as LANE_THREAD_PREFIX
-from ._engine import LaneEngine as LaneEngine
-from ._engine import LaneStatus as LaneStatus
-from ._lane import LaneState as LaneState
+
+if TYPE_CHECKING:
+    from ._engine import LANE_TEARDOWN_TIMEOUT as LANE_TEARDOWN_TIMEOUT
+    from ._engine import LANE_THREAD_PREFIX as LANE_THREAD_PREFIX
+    from ._engine import LaneEngine as LaneEngine
+    from ._engine import LaneStatus as LaneStatus
+    from ._lane import LaneState as LaneState
+
+_ENGINE = ("LANE_TEARDOWN_TIMEOUT", "LANE_THREAD_PREFIX", "LaneEngine", "LaneStatus", "LaneState")
+
+
+def __getattr__(name: str) -> Any:
+    # The engine (trio, the bridge) is imported on first use: a process lane's child
+    # imports only the wire work of a job.
+    if name in _ENGINE:
+        from . import _engine
+
+        return getattr(_engine, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -80,6 +80,9 @@ LANE_THREAD_PREFIX: Final = "rlmesh-trio-lane-"
 left behind is renamed ``...-<i>-retired`` (closing a faulted env) or ``...-<i>-abandoned``
 (stuck in a wedged env call)."""
 
+BUILD_TIMEOUT_FLOOR: Final = 30.0
+"""Seconds a rebuild's factory call may take, at least, before the watchdog gives up on it."""
+
 REBUILD_BACKOFF: Final = (0.5, 30.0)
 """First delay and cap, in seconds, between failed rebuild attempts (doubling)."""
 
@@ -546,12 +549,17 @@ class LaneEngine:
             bridge(fn, *args)
 
     async def _watchdog(self, seconds: float) -> None:
-        """Declare wedged every lane job (and rebuild) running longer than ``seconds``.
+        """Declare wedged every lane job running longer than ``seconds``, and give up on a
+        rebuild whose factory runs longer than ``max(seconds, BUILD_TIMEOUT_FLOOR)``
+        (building an env -- or starting a lane's process -- may rightly take longer than
+        any step).
 
         Sleeps until the earliest moment a running job could overrun, so it costs nothing
         per job and at most one wakeup per ``seconds`` while the lanes are idle.
         """
         limit_ns = int(seconds * 1e9)
+        build_seconds = max(seconds, BUILD_TIMEOUT_FLOOR)
+        build_ns = int(build_seconds * 1e9)
         millis = round(seconds * 1000)
         while True:
             now = perf_counter_ns()
@@ -560,7 +568,7 @@ class LaneEngine:
                 item, since, state = lane.current, lane.since, lane.state
                 if item is None and state is not LaneState.REBUILDING:
                     continue
-                due = since + limit_ns
+                due = since + (limit_ns if item is not None else build_ns)
                 if due > now:
                     next_ns = min(next_ns, due)
                 elif item is not None:
@@ -568,7 +576,7 @@ class LaneEngine:
                     error = LaneTimeoutError(f"env.{verb} timed out after {millis}ms")
                     self._wedge(lane, item, error, min_age_ns=limit_ns, answer=True)
                 else:
-                    self._build_overran(lane, seconds)
+                    self._build_overran(lane, build_seconds)
             await trio.sleep(max(next_ns - now, 1_000_000) / 1e9)
 
     # ---- the thread side --------------------------------------------------------------

@@ -1,17 +1,16 @@
-"""One lane's mailbox and state, its thread incarnations, and the timing split of a job."""
+"""One lane's mailbox and state, and its thread incarnations."""
 
 from __future__ import annotations
 
 import enum
 import queue
 import threading
-from time import perf_counter_ns
 from typing import Any, Final
 
 import trio
 
 from .._errors import LaneBrokenError, LaneError
-from .._jobs import Job, Phases, ReplyFn
+from .._jobs import Job, ReplyFn
 
 
 class _Stop:
@@ -126,31 +125,6 @@ class _Lane:
         self.rebuilds = 0
         self.abandoned = 0
         """Abandoned threads of this lane still running (wedged env calls)."""
-
-
-class _Split:
-    """Splits one job's time into decode / user / encode (indices 0, 1, 2)."""
-
-    __slots__ = ("mark", "ns", "phase")
-
-    def __init__(self, phase: int) -> None:
-        self.ns = [0, 0, 0]
-        self.phase = phase
-        self.mark = perf_counter_ns()
-
-    def enter(self, phase: int) -> None:
-        now = perf_counter_ns()
-        self.ns[self.phase] += now - self.mark
-        self.phase = phase
-        self.mark = now
-
-    def phases(self, queue_ns: int) -> Phases:
-        self.enter(self.phase)
-        decode_ns, user_ns, encode_ns = self.ns
-        return Phases(queue_ns=queue_ns, decode_ns=decode_ns, user_ns=user_ns, encode_ns=encode_ns)
-
-
-_DECODE, _USER, _ENCODE = 0, 1, 2
 
 
 def _stopped(index: int) -> LaneBrokenError:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from time import perf_counter_ns
 from typing import Any
 
 import gymnasium as gym
@@ -22,7 +23,31 @@ from .._jobs import (
 )
 from .._options import Policy
 from .._png import encode_png
-from ._lane import _DECODE, _ENCODE, _USER, _Split
+
+
+class _Split:
+    """Splits one job's time into decode / user / encode (indices 0, 1, 2)."""
+
+    __slots__ = ("mark", "ns", "phase")
+
+    def __init__(self, phase: int) -> None:
+        self.ns = [0, 0, 0]
+        self.phase = phase
+        self.mark = perf_counter_ns()
+
+    def enter(self, phase: int) -> None:
+        now = perf_counter_ns()
+        self.ns[self.phase] += now - self.mark
+        self.phase = phase
+        self.mark = now
+
+    def phases(self, queue_ns: int) -> Phases:
+        self.enter(self.phase)
+        decode_ns, user_ns, encode_ns = self.ns
+        return Phases(queue_ns=queue_ns, decode_ns=decode_ns, user_ns=user_ns, encode_ns=encode_ns)
+
+
+_DECODE, _USER, _ENCODE = 0, 1, 2
 
 
 def verb_of(job: Job) -> str:

@@ -1,0 +1,59 @@
+"""Envs that do what thread lanes cannot survive, for the process-lane tests.
+
+``CrashyEnv``'s action picks the step's behaviour: :data:`OK` a normal step,
+:data:`SEGFAULT` reads address 0 (the process dies with SIGSEGV), :data:`EXIT` calls
+``os._exit(3)``, :data:`HOG` runs a regex with catastrophic backtracking (native code that
+holds the GIL for a long time), :data:`RAISE` raises. Observation: ``[t, pid]`` (the
+process the env lives in). Module-level factories, so they pickle into a lane's process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+OK, SEGFAULT, EXIT, HOG, RAISE = 0, 1, 2, 3, 4
+HOG_LENGTH = 34
+"""``(a+)+$`` against ``"a" * HOG_LENGTH + "b"`` backtracks ~2**HOG_LENGTH times: minutes."""
+
+
+class CrashyEnv(gym.Env[np.ndarray, int]):
+    metadata: dict[str, Any] = {"render_modes": []}
+
+    def __init__(self) -> None:
+        self.observation_space = spaces.Box(0.0, 2.0**24, (2,), np.float32)
+        self.action_space = spaces.Discrete(5)
+        self.t = 0
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[np.ndarray, dict[str, Any]]:
+        super().reset(seed=seed)
+        self.t = 0
+        return self._obs(), {}
+
+    def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        action = int(action)
+        if action == SEGFAULT:
+            ctypes.string_at(0)
+        elif action == EXIT:
+            os._exit(3)
+        elif action == HOG:
+            re.match(r"(a+)+$", "a" * HOG_LENGTH + "b")
+        elif action == RAISE:
+            raise RuntimeError("crashy raised")
+        self.t += 1
+        return self._obs(), 1.0, self.t >= 50, False, {}
+
+    def _obs(self) -> np.ndarray:
+        return np.array([self.t, os.getpid()], np.float32)
+
+
+def make_crashy() -> CrashyEnv:
+    return CrashyEnv()
