@@ -57,3 +57,37 @@ class CrashyEnv(gym.Env[np.ndarray, int]):
 
 def make_crashy() -> CrashyEnv:
     return CrashyEnv()
+
+
+BUSY_LOOPS = 20_000
+"""``BusyEnv.step`` runs this many iterations of a Python loop (about 1 ms): pure-Python
+work that holds the GIL, as most gymnasium envs do."""
+
+
+class BusyEnv(gym.Env[np.ndarray, int]):
+    """An episodic env whose step is pure-Python CPU work (for the process-lane bench)."""
+
+    metadata: dict[str, Any] = {"render_modes": []}
+
+    def __init__(self) -> None:
+        self.observation_space = spaces.Box(0.0, 1e9, (1,), np.float32)
+        self.action_space = spaces.Discrete(2)
+        self.t = 0
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[np.ndarray, dict[str, Any]]:
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        total = 0
+        for i in range(BUSY_LOOPS):
+            total += i ^ int(action)
+        self.t += 1
+        return np.array([total % 1000], np.float32), 1.0, self.t >= 100, False, {}
+
+
+def make_busy() -> BusyEnv:
+    return BusyEnv()
