@@ -27,6 +27,7 @@ import functools
 import logging
 import math
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -152,6 +153,8 @@ class LaneEngine:
         if isolation not in ("thread", "process"):
             raise ValueError(f"isolation must be 'thread' or 'process', got {isolation!r}")
         if isolation == "process":
+            if sys.platform == "win32":
+                raise ValueError("lane_isolation='process' needs a POSIX system")
             check_picklable(make_env)
         if not teardown_timeout >= 0:
             raise ValueError(f"teardown_timeout must be >= 0, got {teardown_timeout!r}")
