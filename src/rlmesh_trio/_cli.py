@@ -65,24 +65,20 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _num_envs(value: str) -> int:
-    try:
-        parsed = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {value!r}") from None
-    if parsed < 1:
-        raise argparse.ArgumentTypeError(f"--num-envs must be >= 1, got {parsed}")
-    return parsed
+def _int_at_least(minimum: int, flag: str = "") -> Callable[[str], int]:
+    """An argparse type: an int >= ``minimum`` (the message names ``flag`` when given)."""
 
+    def parse(value: str) -> int:
+        try:
+            parsed = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {value!r}") from None
+        if parsed < minimum:
+            name = f"{flag} " if flag else ""
+            raise argparse.ArgumentTypeError(f"{name}must be >= {minimum}, got {parsed}")
+        return parsed
 
-def _count(value: str) -> int:
-    try:
-        parsed = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {value!r}") from None
-    if parsed < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {parsed}")
-    return parsed
+    return parse
 
 
 def _json_object(value: str) -> dict[str, Any]:
@@ -142,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--num-envs",
-        type=_num_envs,
+        type=_int_at_least(1, "--num-envs"),
         default=1,
         metavar="N",
         help="how many envs (lanes) to serve (default: 1)",
@@ -234,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-abandoned-lanes",
-        type=_count,
+        type=_int_at_least(0),
         metavar="N",
         default=DEFAULT_MAX_ABANDONED_LANES,
         help="abandoned (wedged) lane threads tolerated before health reports NOT_SERVING "
