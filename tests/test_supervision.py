@@ -314,7 +314,13 @@ async def test_a_step_that_hangs_past_its_deadline(mode: str) -> None:
                 out["busy"] = await j.call(wire.reset(seeds=[3, 4], timeout_ms=5000))
                 out["busy_s"] = time.monotonic() - t0
                 ctl.release.set()
-                out["next"] = await j.call(wire.reset(seeds=[3, 4], timeout_ms=5000))
+                # The lane serves again once the released call has returned.
+                deadline = time.monotonic() + BOUND
+                while True:
+                    out["next"] = await j.call(wire.reset(seeds=[3, 4], timeout_ms=5000))
+                    if out["next"].reset is not None or time.monotonic() > deadline:
+                        break
+                    await asyncio.sleep(0.02)
         return out
 
     async with served(ctl, on_lane_fault=mode) as address:
@@ -408,7 +414,8 @@ async def test_a_close_waits_for_a_hanging_lane_at_most_close_timeout(
 # --------------------------------------------------------------- close and factory
 
 
-async def test_a_faulted_env_whose_close_hangs_does_not_hold_the_rebuild() -> None:
+@pytest.mark.parametrize("mode", SUPERVISED)
+async def test_a_faulted_env_whose_close_hangs_does_not_hold_the_rebuild(mode: str) -> None:
     ctl = Controller()
     ctl.close_hangs = True
 
@@ -432,16 +439,19 @@ async def test_a_faulted_env_whose_close_hangs_does_not_hold_the_rebuild() -> No
         return out
 
     async with served(
-        ctl, on_lane_fault="rebuild", close_timeout_seconds=0.3, max_abandoned_lanes=0
+        ctl, on_lane_fault=mode, close_timeout_seconds=0.3, max_abandoned_lanes=0
     ) as address:
         out = await on_wire(client(address))
         ctl.release.set()
+    if mode == "truncate":
+        assert out["fault"].step is not None and out["fault"].step.truncated_mask == b"\x01"
     assert obs(out["step"]).tolist() == [1.0, 3.0]
     assert out["health"] == SERVING
     assert out["health_later"] == NOT_SERVING
 
 
-async def test_a_rebuild_whose_factory_fails_answers_a_clear_fatal_error() -> None:
+@pytest.mark.parametrize("mode", SUPERVISED)
+async def test_a_rebuild_whose_factory_fails_answers_a_clear_fatal_error(mode: str) -> None:
     ctl = Controller()
 
     async def client(address: str) -> dict[str, Any]:
@@ -454,7 +464,7 @@ async def test_a_rebuild_whose_factory_fails_answers_a_clear_fatal_error() -> No
             out["other"] = await j.call(wire.step(acts(0), env_indices=[0]))
         return out
 
-    async with served(ctl, on_lane_fault="rebuild") as address:
+    async with served(ctl, on_lane_fault=mode) as address:
         out = await on_wire(client(address))
     assert error(out["dead"]) == (
         Code.INTERNAL,
@@ -814,4 +824,42 @@ async def test_the_stop_bound_holds_with_abandoned_and_retired_threads() -> None
     finally:
         ctl.release.set()
     await wait_for(lambda: not threads_named("-abandoned") and not threads_named("-retired"))
+    assert ctl.violations == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_an_env_close_that_hangs_at_stop_is_abandoned_within_the_bound(mode: str) -> None:
+    ctl = Controller()
+
+    async def client(address: str) -> None:
+        async with wire.WireClient(address) as c, c.join() as j:
+            await j.call(wire.reset(seeds=[1, 2]))
+            await j.call(wire.step(acts(0, 0)))
+
+    close = 0.3
+    async with trio.open_nursery() as nursery:
+        info = await nursery.start(
+            functools.partial(
+                serve_env,
+                Factory(ctl),
+                num_envs=2,
+                options=ServeOptions(
+                    on_lane_fault=mode, drain_timeout_seconds=0.1, close_timeout_seconds=close
+                ),
+            )
+        )
+        await on_wire(client(info.address))
+        ctl.close_hangs = True
+        start = trio.current_time()
+        nursery.cancel_scope.cancel()
+    elapsed = trio.current_time() - start
+    try:
+        assert elapsed < 0.1 + close + 1.0 + 2.0
+        assert ctl.closed == []  # both closes hang, on their own lane threads
+    finally:
+        ctl.release.set()
+    await wait_for(lambda: len(ctl.closed) == 2)
+    await wait_for(
+        lambda: not [t for t in threading.enumerate() if t.name.startswith(LANE_THREAD_PREFIX)]
+    )
     assert ctl.violations == []
