@@ -1,4 +1,4 @@
-"""Development sessions: ``nox -s tests | fuzz | lint | typecheck | codegen | bench``.
+"""Development sessions: ``nox -s tests | tests-process | fuzz | envs | lint | typecheck | codegen | bench``.
 
 Every session builds its own virtualenv (``venv`` backend) with the interpreter that
 runs nox, and installs exactly the pins of ``pyproject.toml``: the ``test`` extra for
@@ -47,6 +47,21 @@ def fuzz(session: nox.Session) -> None:
         "tests/test_fuzz_differential.py",
         *session.posargs,
         env={"RLMESH_FUZZ_COUNT": count},
+    )
+
+
+@nox.session(name="tests-process")
+def tests_process(session: nox.Session) -> None:
+    """The interop and differential suites again, every rlmesh-trio server with process
+    lanes (``--lane-isolation process``): the same answers as the reference."""
+    session.install(".[test]")
+    session.run(
+        "pytest",
+        "tests/test_interop.py",
+        "tests/test_differential.py",
+        "tests/test_errors_wire.py",
+        *session.posargs,
+        env={"RLMESH_TEST_LANE_ISOLATION": "process"},
     )
 
 

@@ -5,9 +5,12 @@ thread lanes, ours with process lanes; one raw wire client keeps one lane-scoped
 flight per lane (``rlmesh.run``'s pattern without its per-step policy) for a fixed
 window, alternating the servers' order from round to round; medians.
 
-Rows: CartPole-v1 at N = 4 (what the pipe and pickling cost per step), and ``BusyEnv``
+Rows: CartPole-v1 at N = 4 (what the pipe and pickling cost per step); ``BusyEnv``
 (``tests/support/crashy.py``: a step of ~1 ms of pure-Python work) at N = 2 and 4 (what
-escaping the server's GIL buys on this machine's cores).
+escaping the server's GIL buys on this machine's cores); ``FramesEnv`` (210x160x3 uint8
+frames) at N = 4 (big observations through the pipe); and, ours only, the time from a
+segfault in ``env.step`` to the lane's next reply (``--on-lane-fault rebuild``: a fresh
+process is started and builds the env).
 
 Run: ``python bench/bench_process.py [--rounds R] [--quick]``. Noisy on a shared 2-core
 VM: compare ratios within one run.
@@ -72,6 +75,7 @@ def bench(rounds: int, seconds: float) -> list[tuple[str, dict[str, float]]]:
         ("CartPole-v1, N=4", "support.envs:make_cartpole", 4),
         ("BusyEnv (1 ms pure Python), N=2", "support.crashy:make_busy", 2),
         ("BusyEnv (1 ms pure Python), N=4", "support.crashy:make_busy", 4),
+        ("FramesEnv (210x160x3 uint8), N=4", "support.crashy:make_frames", 4),
     ):
         servers = {}
         try:
@@ -92,6 +96,33 @@ def bench(rounds: int, seconds: float) -> list[tuple[str, dict[str, float]]]:
     return rows
 
 
+async def segfault_recoveries(address: str, count: int) -> list[float]:
+    out = []
+    async with wire.WireClient(address) as client, client.join() as join:
+        for k in range(count):
+            await join.call(wire.reset(seeds=[k], env_indices=[0]))
+            reply = await join.call(wire.step([wire.i64([1])], env_indices=[0]))  # SEGFAULT
+            assert reply.error is not None, reply
+            t0 = time.perf_counter()
+            reply = await join.call(wire.reset(seeds=[k], env_indices=[0]))
+            out.append(time.perf_counter() - t0)
+            assert reply.reset is not None, reply
+    return out
+
+
+def segfault_row(count: int) -> list[float]:
+    config = ServerConfig(
+        entrypoint="support.crashy:make_frames",
+        num_envs=2,
+        ours_args=("--lane-isolation", "process", "--on-lane-fault", "rebuild"),
+    )
+    server = start_server("ours", config)
+    try:
+        return sorted(asyncio.run(segfault_recoveries(server.address, count)))
+    finally:
+        server.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -108,6 +139,12 @@ def main(argv: list[str] | None = None) -> int:
             f"| {label} | {ref:.0f} | {thread:.0f} | {process:.0f} | "
             f"{process / thread:.2f} | {process / ref:.2f} |"
         )
+    times = segfault_row(3 * rounds)
+    p50, p90 = times[len(times) // 2], times[min(len(times) - 1, int(0.9 * len(times)))]
+    print(
+        f"\nsegfault in env.step → lane serving again (process lanes, rebuild): "
+        f"p50 {1000 * p50:.0f} ms, p90 {1000 * p90:.0f} ms over {len(times)} segfaults"
+    )
     return 0
 
 

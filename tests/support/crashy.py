@@ -91,3 +91,32 @@ class BusyEnv(gym.Env[np.ndarray, int]):
 
 def make_busy() -> BusyEnv:
     return BusyEnv()
+
+
+class FramesEnv(gym.Env[np.ndarray, int]):
+    """Atari-sized frames (210x160x3 uint8), a fresh one each step (for the benches)."""
+
+    metadata: dict[str, Any] = {"render_modes": []}
+
+    def __init__(self) -> None:
+        self.observation_space = spaces.Box(0, 255, (210, 160, 3), np.uint8)
+        self.action_space = spaces.Discrete(5)
+        self.t = 0
+        self._frames = [np.full((210, 160, 3), i, np.uint8) for i in range(4)]
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[np.ndarray, dict[str, Any]]:
+        super().reset(seed=seed)
+        self.t = 0
+        return self._frames[0], {}
+
+    def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        if int(action) == SEGFAULT:
+            ctypes.string_at(0)
+        self.t += 1
+        return self._frames[self.t % 4], 0.0, self.t >= 200, False, {}
+
+
+def make_frames() -> FramesEnv:
+    return FramesEnv()

@@ -227,6 +227,16 @@ class ServerPool:
             server.stop()
 
 
+LANE_ISOLATION_ENV = "RLMESH_TEST_LANE_ISOLATION"
+"""Set to ``process`` to run every rlmesh-trio server subprocess with process lanes (the
+``tests-process`` nox session: the interop and differential suites in process mode)."""
+
+
+def _isolation_args() -> tuple[str, ...]:
+    isolation = os.environ.get(LANE_ISOLATION_ENV)
+    return ("--lane-isolation", isolation) if isolation else ()
+
+
 def server_command(kind: Kind) -> list[str]:
     if kind == "ref":
         return [sys.executable, "-m", "support.refserver"]
@@ -261,6 +271,7 @@ def start_server(
                     *server_command(kind),
                     *config.args(address, write_fd),
                     *(config.ours_args if kind == "ours" else ()),
+                    *(_isolation_args() if kind == "ours" else ()),
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
