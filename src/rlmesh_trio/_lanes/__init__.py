@@ -3,6 +3,7 @@
 * :mod:`._engine` -- :class:`LaneEngine`: the lane supervisors and threads, startup,
   fault handling (rebuild, watchdog, abandon) and bounded teardown;
 * :mod:`._work` -- what a lane thread does with one job (decode, env call, encode);
+* :mod:`._process` -- process lanes: the env in a child process, the lane thread its proxy;
 * :mod:`._lane` -- one lane's mailbox, state and thread incarnations, the timing split
   of a job;
 * :mod:`._contract` -- what a lane's env serves, and the agreement of every lane with

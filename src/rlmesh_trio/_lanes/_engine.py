@@ -452,7 +452,9 @@ class LaneEngine:
                     self._teardown_timeout,
                     current.thread.name,
                 )
-            self._fail_pending(lane)
+        # Jobs still queued (e.g. posted while a rebuild was pending when the stop came,
+        # so no thread took them) are answered as stopped; idempotent otherwise.
+        self._fail_pending(lane)
         with lane.lock:
             lane.state = LaneState.STOPPED
 
