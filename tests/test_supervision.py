@@ -26,7 +26,7 @@ from support import wire
 from support.faulty import HANG, RAISE, Controller, Factory
 
 from rlmesh_trio import ServeOptions, serve_env
-from rlmesh_trio._errors import LaneDeadError, LaneTimeoutError
+from rlmesh_trio._errors import LaneBrokenError, LaneDeadError, LaneTimeoutError
 from rlmesh_trio._jobs import CallJob, LaneReply, ResetJob, StepJob
 from rlmesh_trio._lanes import LANE_THREAD_PREFIX, LaneEngine
 from rlmesh_trio._proto.rlmesh.env import v1 as env_v1
@@ -863,3 +863,19 @@ async def test_an_env_close_that_hangs_at_stop_is_abandoned_within_the_bound(mod
         lambda: not [t for t in threading.enumerate() if t.name.startswith(LANE_THREAD_PREFIX)]
     )
     assert ctl.violations == []
+
+
+async def test_jobs_queued_behind_a_pending_rebuild_are_answered_at_stop() -> None:
+    ctl = Controller()
+    replies = Replies()
+    async with engine_for(ctl, num_envs=1, on_fault="rebuild", teardown_timeout=0.3) as engine:
+        ctl.block_builds = 1
+        engine.post(0, step_job(RAISE), replies.to("fault"))
+        await replies.get("fault")
+        await trio.to_thread.run_sync(ctl.wait_hanging)  # the rebuild's factory call hangs
+        engine.post(0, ResetJob(seed=1, options=None), replies.to("queued"))
+        assert engine.status()[0].state == "rebuilding"
+        engine.close()
+        queued = await replies.get("queued")
+        with pytest.raises(LaneBrokenError, match=r"^lane 0 stopped before answering$"):
+            queued.outcome.unwrap()

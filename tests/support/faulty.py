@@ -52,6 +52,8 @@ class Controller:
         """The next ``fail_builds`` factory calls raise."""
         self.mismatch_builds = 0
         """The next ``mismatch_builds`` factory calls build an env with other spaces."""
+        self.block_builds = 0
+        """The next ``block_builds`` factory calls hang (until ``release``)."""
         self.raised_once: set[str] = set()
         self.hanging = threading.Semaphore(0)
         """Released once each time an env call starts to hang."""
@@ -78,6 +80,12 @@ class Factory:
             mismatch = not fail and c.mismatch_builds > 0
             if mismatch:
                 c.mismatch_builds -= 1
+            block = c.block_builds > 0
+            if block:
+                c.block_builds -= 1
+        if block:
+            c.hanging.release()
+            c.release.wait(HANG_SAFETY_SECONDS)
         if fail:
             raise RuntimeError("factory down")
         env = FaultyEnv(c, wide=mismatch)
