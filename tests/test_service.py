@@ -458,6 +458,11 @@ class FakeSession:
         if rid == "end":
             self._finished = True
             return [self._reply("bye"), EndStream(), self._reply("never")]
+        if rid == "burst":
+            # Over the client's 64 KiB window, then small ones that must not overtake it.
+            return [self._reply("B" * (200 << 10)), self._reply("a"), self._reply("b")]
+        if rid == "many":
+            return [self._reply(f"m{i:02d}" + "." * (30 << 10)) for i in range(12)]
         return [self._reply(rid)]
 
     def on_lane_reply(self, reply: LaneReply) -> list[Action]:
@@ -902,3 +907,119 @@ def test_auth_token_from_the_environment() -> None:
     assert resolve(ServeOptions(auth_token="a"), {"RLMESH_TRIO_AUTH_TOKEN": "x"}).auth_token == "a"
     with pytest.raises(ValueError, match="auth_token"):
         resolve(ServeOptions(auth_token=" "))
+
+
+# --------------------------------------------------------------------------- fast path
+
+
+async def ordered_bursts(address: str) -> list[str]:
+    out: list[str] = []
+    async with wire.WireClient(address) as client, client.join() as join:
+        for rid in ("first", "burst", "many", "last"):
+            await join.send(wire.configure(request_id=rid))
+        # A request over OFF_LOOP_DECODE_BYTES is decoded on the worker thread while
+        # the requests behind it wait in the reader: the replies keep the order.
+        await join.send(wire.configure(request_id="L" * (1536 << 10)))
+        await join.send(wire.configure(request_id="after-big"))
+        while len(out) < 1 + 3 + 12 + 1 + 2:
+            reply = await join.recv()
+            assert reply is not None, join.end
+            out.append(reply.request_id[:3])
+    return out
+
+
+async def test_replies_keep_their_order_across_the_direct_and_queued_paths(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from rlmesh_trio._transport import _shim
+
+    paths: list[bool] = []
+    try_send = _shim.StreamSender.try_send
+
+    def counted(self: _shim.StreamSender, message: bytes) -> bool:
+        sent = try_send(self, message)
+        paths.append(sent)
+        return sent
+
+    monkeypatch.setattr(_shim.StreamSender, "try_send", counted)
+    FakeSession.instances = []
+    async with running(session_factory=FakeSession) as server:
+        out = await in_thread(ordered_bursts(server.address))
+    many = [f"m{i:02d}"[:3] for i in range(12)]
+    assert out == ["fir", "BBB", "a", "b", *many, "las", "LLL", "aft"]
+    assert True in paths and False in paths  # both paths were taken
+
+
+async def saturate(
+    address: str, total: int, probe: Callable[[], dict[str, Any]], release: threading.Event
+) -> dict[str, Any]:
+    """Pipeline ``total`` 100 KiB lane steps at a wedged lane until the server stops
+    taking them; ``probe()`` the server then; release the lane; collect every reply."""
+    pad = "x" * (100 << 10)
+    async with wire.WireClient(address, timeout=30) as client, client.join() as join:
+        await join.call(wire.reset(seeds=[0]))
+        sent = 0
+
+        async def sender() -> None:
+            nonlocal sent
+            for i in range(total):
+                request = wire.step([CARTPOLE_ZERO], env_indices=[0], request_id=f"{i:03d}{pad}")
+                await join.send(request)
+                sent += 1
+
+        task = asyncio.get_running_loop().create_task(sender())
+        stream_id = join.stream.id
+        deadline = time.monotonic() + BOUND
+        # Blocked: the server's window for the stream has no room for one more request
+        # (the client's h2 state, updated by every WINDOW_UPDATE the server sends).
+        while not task.done() and client._conn.local_flow_control_window(stream_id) >= len(pad):
+            assert time.monotonic() < deadline, "the client never ran out of window"
+            await asyncio.sleep(0.01)
+        out: dict[str, Any] = {"blocked": not task.done(), "sent_when_blocked": sent}
+        out["server"] = probe()
+        release.set()
+        ids = []
+        while len(ids) < total:
+            reply = await join.recv(timeout=BOUND)
+            assert reply is not None and reply.error is None, (reply, join.end)
+            ids.append(int(reply.request_id[:3]))
+        await task
+        out["ids"] = ids
+    return out
+
+
+async def test_a_saturated_session_stops_acknowledging_requests(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """REQUEST_BACKLOG: past it the reader consumes nothing and sends no WINDOW_UPDATE,
+    so the client can send one flow-control window more and then waits; nothing is
+    lost, and reading resumes as the lane catches up."""
+    from rlmesh_trio._transport import _join
+
+    monkeypatch.setattr(_join, "REQUEST_BACKLOG", 4)
+    release = threading.Event()
+    total = 80  # 8 MB of requests: twice grpclib's 4 MiB stream window
+
+    async with running(lambda: envs.HangEnv(release), num_envs=1) as server:
+        loop_server = server.service._loop_server
+        assert loop_server is not None
+
+        def probe() -> dict[str, Any]:
+            join = loop_server.join
+            assert join is not None and join.reader is not None
+            return {
+                "paused": join.reader.paused,
+                "backlog": join.session.backlog,
+                "buffered": join.reader.buffered,
+            }
+
+        try:
+            out = await in_thread(saturate(server.address, total, probe, release))
+        finally:
+            release.set()
+    assert out["blocked"], out
+    assert out["server"]["paused"] and out["server"]["backlog"] == 4, out["server"]
+    # What the client could send beyond the 4 read: at most the stream's 4 MiB window.
+    assert out["server"]["buffered"] <= 4 << 20, out["server"]
+    assert 4 < out["sent_when_blocked"] < total, out
+    assert out["ids"] == list(range(total))  # every request answered, in order
