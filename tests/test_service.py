@@ -1023,3 +1023,50 @@ async def test_a_saturated_session_stops_acknowledging_requests(
     assert out["server"]["buffered"] <= 4 << 20, out["server"]
     assert 4 < out["sent_when_blocked"] < total, out
     assert out["ids"] == list(range(total))  # every request answered, in order
+
+
+async def reset_while_saturated(address: str, release: threading.Event) -> dict[str, Any]:
+    """Fill the server's windows with requests it does not read, reset the stream, then
+    use the same connection again: the reset stream's window must come back."""
+    pad = "x" * (100 << 10)
+    out: dict[str, Any] = {}
+    async with wire.WireClient(address, timeout=BOUND) as client:
+        async with client.join() as join:
+            await join.call(wire.reset(seeds=[0]))
+
+            async def sender() -> None:
+                for i in range(80):
+                    step = wire.step([CARTPOLE_ZERO], env_indices=[0], request_id=f"{i}{pad}")
+                    await join.send(step)
+
+            task = asyncio.get_running_loop().create_task(sender())
+            deadline = time.monotonic() + BOUND
+            while client._conn.outbound_flow_control_window >= len(pad):
+                assert not task.done() and time.monotonic() < deadline, "never blocked"
+                await asyncio.sleep(0.01)
+            out["connection_window_blocked"] = client._conn.outbound_flow_control_window
+            task.cancel()
+        # The Join was reset (RST_STREAM CANCEL); the connection is still open.
+        out["handshake"] = await client.handshake()
+        release.set()
+        async with client.join() as again:
+            # More than the connection window had left: sendable only once it came back.
+            out["second_join"] = await again.call(wire.reset(seeds=[1], request_id=pad))
+    return out
+
+
+async def test_a_reset_stream_gives_the_connection_its_window_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from rlmesh_trio._transport import _join
+
+    monkeypatch.setattr(_join, "REQUEST_BACKLOG", 4)
+    release = threading.Event()
+    async with running(lambda: envs.HangEnv(release), num_envs=1) as server:
+        try:
+            out = await in_thread(reset_while_saturated(server.address, release))
+        finally:
+            release.set()
+    assert out["connection_window_blocked"] < 100 << 10
+    assert out["handshake"].base.compatible
+    assert out["second_join"].reset is not None, out["second_join"]

@@ -145,8 +145,10 @@ def test_stop_keeps_data_unacknowledged_and_reports_no_end() -> None:
     h.reader.feed(frame(b"b"), 6)
     h.reader.end()
     assert h.messages == [b"a"] and h.h2.acked == 6 and h.ends == []
+    flushes = h.flushes
     h.reader.detach()  # the call is over: what was kept is given back to the window
     assert h.h2.acked == 12
+    assert h.flushes > flushes  # at once, not with whatever the peer sends next
     assert h.connection.readers == {}
 
 

@@ -475,9 +475,14 @@ class RequestReader:
         self._flush()
 
     def close(self) -> None:
-        """Read no more, ever: what was kept and what still comes is acknowledged, dropped."""
+        """Read no more, ever: what was kept and what still comes is acknowledged, dropped.
+
+        The WINDOW_UPDATE goes out at once: the connection's window is shared, and a peer
+        waiting for it to send on another stream may send nothing else meanwhile.
+        """
         self._done = True
         self._drop_all()
+        self._flush()
 
     def detach(self) -> None:
         """:meth:`close`, and the stream's DATA goes back to grpclib (the call is over)."""
