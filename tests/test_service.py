@@ -971,12 +971,17 @@ async def saturate(
         stream_id = join.stream.id
         deadline = time.monotonic() + BOUND
         # Blocked: the server's window for the stream has no room for one more request
-        # (the client's h2 state, updated by every WINDOW_UPDATE the server sends).
-        while not task.done() and client._conn.local_flow_control_window(stream_id) >= len(pad):
-            assert time.monotonic() < deadline, "the client never ran out of window"
+        # (the client's h2 state, updated by every WINDOW_UPDATE the server sends), and
+        # the server has read what reached it (its reader paused: it will grant no more).
+        while True:
+            blocked = client._conn.local_flow_control_window(stream_id) < len(pad)
+            server = probe()
+            if task.done() or (blocked and server["paused"]):
+                break
+            assert time.monotonic() < deadline, ("never blocked", server)
             await asyncio.sleep(0.01)
         out: dict[str, Any] = {"blocked": not task.done(), "sent_when_blocked": sent}
-        out["server"] = probe()
+        out["server"] = server
         release.set()
         ids = []
         while len(ids) < total:

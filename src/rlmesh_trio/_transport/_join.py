@@ -51,8 +51,8 @@ from .._jobs import LaneReply, Phases
 from .._logging import report
 from .._proto.rlmesh.env import v1 as env_v1
 from .._session import Action, CancelTimer, Done, EndStream, Post, Report, Send, StartTimer
-from .._wire import PREFIX_SIZE, check_outgoing, decode_join_request, encode_join_response
-from ._shim import RequestReader, StreamSender, find_connection, reset_if_open
+from .._wire import PREFIX_SIZE, decode_join_request, encode_join_response_framed
+from ._shim import RequestReader, StreamSender, find_connection, reset_if_open, send_framed
 
 if TYPE_CHECKING:
     from ._server import LoopServer
@@ -181,9 +181,8 @@ class JoinCall:
             self._drive(self.session.on_lane_reply, refusal, flush=False)
 
     def _queue(self, response: env_v1.JoinResponse) -> None:
-        data = encode_join_response(response)
         try:
-            check_outgoing(data, self.server.max_message_bytes)
+            data = encode_join_response_framed(response, self.server.max_message_bytes)
         except RlmeshTrioError as exc:
             log.error("a JoinResponse was refused (%s); ending the stream", exc)
             code, message = grpc_status(exc)
@@ -202,7 +201,7 @@ class JoinCall:
                 return
             if sent:
                 if self.metrics is not None:
-                    self.metrics.sent(len(data) + PREFIX_SIZE)
+                    self.metrics.sent(len(data))
                 return
         self.outbox.append(data)
         self.outbox_bytes += len(data)
@@ -385,12 +384,12 @@ class JoinCall:
                     data = self.outbox.popleft()
                     self.sending = True
                     try:
-                        await self.stream.send_message(data)
+                        await send_framed(self.stream, data)
                     finally:
                         self.sending = False
                         self.outbox_bytes -= len(data)
                     if self.metrics is not None:
-                        self.metrics.sent(len(data) + PREFIX_SIZE)
+                        self.metrics.sent(len(data))
                     del data
                     if not self.outbox:
                         self._update_room()

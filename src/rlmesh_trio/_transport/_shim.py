@@ -337,6 +337,13 @@ async def read_message(stream: Stream[Any, Any], limit: int) -> bytes | bytearra
         raise FrameError("truncated message") from exc
 
 
+async def send_framed(stream: Stream[Any, Any], payload: bytes) -> None:
+    """Send a framed gRPC message (prefix included) as grpclib's ``send_message`` would,
+    flow control and all, without grpclib framing it again (one copy less of a big
+    reply). The stream's initial metadata must have been sent."""
+    await h2_stream(stream).send_data(payload)
+
+
 def reset_if_open(stream: Stream[Any, Any]) -> None:
     """After our trailers: whatever the client still sends on this stream is not read."""
     raw = h2_stream(stream)
@@ -354,7 +361,7 @@ def find_connection(stream: Stream[Any, Any], connections: set[Connection]) -> C
 
 
 class StreamSender:
-    """Writes one stream's gRPC messages synchronously when nothing holds them back.
+    """Writes one stream's framed gRPC messages synchronously when nothing holds them back.
 
     :meth:`try_send` hands a message's DATA frames to h2 at once when the socket is
     writable (grpclib's ``write_ready``: the transport is under its high-water mark) and
@@ -362,8 +369,9 @@ class StreamSender:
     connection's) takes the whole message; otherwise it returns False and the caller
     queues the message for grpclib's awaiting ``send_message``. The frames reach the
     socket on :meth:`flush`, so that the replies of several lanes handled in one loop
-    callback go out in one write. Bytes on the wire are exactly grpclib's: an
-    uncompressed length prefix, then the message, split at the peer's max frame size.
+    callback go out in one write. Bytes on the wire are exactly grpclib's: the message
+    as framed by :func:`~rlmesh_trio._wire.encode_join_response_framed`, split at the
+    peer's max frame size.
     """
 
     __slots__ = ("_connection", "_h2", "_id", "_transport")
@@ -376,18 +384,17 @@ class StreamSender:
         self._h2 = raw._h2_connection
         self._transport = raw._transport
 
-    def try_send(self, message: bytes) -> bool:
-        """Queue ``message`` on the h2 connection now, or False (nothing was sent).
+    def try_send(self, payload: bytes) -> bool:
+        """Queue a framed gRPC message (prefix included) on the h2 connection now, or
+        return False (nothing was sent).
 
         Raises h2's errors when the stream is gone (reset, connection closed).
         """
         if not self._connection.write_ready.is_set() or self._transport.is_closing():
             return False
-        length = len(message)
         h2c = self._h2
-        if h2c.local_flow_control_window(self._id) < PREFIX_SIZE + length:
+        if h2c.local_flow_control_window(self._id) < len(payload):
             return False
-        payload = b"\x00" + length.to_bytes(4, "big") + message
         size = h2c.max_outbound_frame_size
         if len(payload) <= size:
             h2c.send_data(self._id, payload)
