@@ -28,6 +28,13 @@ pytestmark = pytest.mark.timeout(60)
 LIMIT = 4 << 20
 
 
+@pytest.fixture(autouse=True)
+def ack_every_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Acknowledge each consumed chunk at once, so the tests can count exactly; the
+    batching itself is tested on its own below."""
+    monkeypatch.setattr(_shim, "ACK_BATCH", 0)
+
+
 class FakeH2:
     def __init__(self) -> None:
         self.acked = 0
@@ -254,3 +261,26 @@ def test_any_chunking_and_pausing_delivers_everything_once(
         assert h.reader.buffered == 0
     finally:
         _shim.SMALL_MESSAGE = old
+
+
+def test_acknowledgements_are_batched_and_none_is_forgotten(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_shim, "ACK_BATCH", 100)
+    h = Harness()
+    h.reader.attach()
+    one = frame(b"x" * 25)  # 30 bytes
+    h.reader.feed(one, 30)
+    h.reader.feed(one, 30)
+    h.reader.feed(one, 30)
+    assert h.h2.acked == 0  # 90 consumed: under the batch
+    h.reader.feed(one, 30)
+    assert h.h2.acked == 120  # the batch went out whole
+    h.pause_after = {4}
+    h.reader.feed(one, 30)
+    assert h.reader.paused and h.h2.acked == 150  # pausing holds nothing consumed back
+    h.reader.paused = False
+    h.reader.feed(one, 30)
+    h.reader.end()
+    assert h.h2.acked == 180 and h.ends == [None]
+    assert len(h.messages) == 6

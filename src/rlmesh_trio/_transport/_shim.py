@@ -64,6 +64,11 @@ log = logging.getLogger("rlmesh_trio.transport")
 CHUNK = 1 << 20
 """Bytes read from grpclib's stream buffer at a time for a big message."""
 
+ACK_BATCH = 256 << 10
+"""Consumed request bytes are acknowledged to h2 in batches of this size (h2 sends a
+WINDOW_UPDATE only once half the 4 MiB window is consumed anyway); a stream's end, a
+pause and a detach acknowledge what is left."""
+
 SMALL_MESSAGE = 1 << 20
 """Messages up to this size are read in one piece; bigger ones into one preallocated
 buffer, chunk by chunk (no list of chunks and no join: peak memory is one copy)."""
@@ -448,6 +453,7 @@ class RequestReader:
         self._on_end = on_end
         self._chunks: deque[tuple[bytes | memoryview, int]] = deque()  # data, to ack
         self.buffered = 0  # bytes received and not yet consumed
+        self._consumed = 0  # flow-controlled bytes consumed, not yet acknowledged
         self._eof = False
         self._done = False  # the end was reported, or the reader detached: discard
         self._stopped = False
@@ -540,7 +546,7 @@ class RequestReader:
             self._connection.connection.flush()
 
     def _drop_all(self) -> None:
-        ack = 0
+        ack, self._consumed = self._consumed, 0
         while self._chunks:
             ack += self._chunks.popleft()[1]
         self.buffered = 0
@@ -564,6 +570,10 @@ class RequestReader:
             self._consume()
         finally:
             self._pumping = False
+        if self._consumed and (self._paused or self._stopped):
+            # Held back: what was consumed must not wait for a batch that may never come.
+            self._ack(self._consumed)
+            self._consumed = 0
 
     def _consume(self) -> None:
         chunks = self._chunks
@@ -582,7 +592,10 @@ class RequestReader:
             if rest is None:  # the chunk is consumed
                 chunks.popleft()
                 self.buffered -= len(data)
-                self._ack(ack)
+                self._consumed += ack
+                if self._consumed >= ACK_BATCH:
+                    self._ack(self._consumed)
+                    self._consumed = 0
             else:
                 chunks[0] = (rest, ack)  # acknowledged once the rest is consumed too
                 self.buffered -= len(data) - len(rest)
