@@ -1075,3 +1075,37 @@ async def test_a_reset_stream_gives_the_connection_its_window_back(
     assert out["connection_window_blocked"] < 100 << 10
     assert out["handshake"].base.compatible
     assert out["second_join"].reset is not None, out["second_join"]
+
+
+async def test_replies_of_one_callback_leave_in_one_data_frame(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Coalescing: the three replies one request produces are handed to h2 as one
+    payload (one DATA frame, one socket write), the messages intact and in order."""
+    from rlmesh_trio._transport import _shim
+
+    payloads: list[bytes] = []
+    try_send = _shim.StreamSender.try_send
+
+    def recorded(self: _shim.StreamSender, payload: bytes) -> bool:
+        payloads.append(bytes(payload))
+        return try_send(self, payload)
+
+    monkeypatch.setattr(_shim.StreamSender, "try_send", recorded)
+    FakeSession.instances = []
+
+    async def three(address: str) -> list[str | None]:
+        async with wire.WireClient(address) as client, client.join() as join:
+            await join.send(wire.configure(request_id="three"))
+            return [rid(await join.recv()) for _ in range(3)]
+
+    async with running(session_factory=FakeSession) as server:
+        got = await in_thread(three(server.address))
+    assert got == ["3a", "3b", "3c"]
+    assert len(payloads) == 1
+    messages, data = [], payloads[0]
+    while data:
+        length = int.from_bytes(data[1:5], "big")
+        messages.append(env_v1.JoinResponse.parse(data[5 : 5 + length]).request_id)
+        data = data[5 + length :]
+    assert messages == ["3a", "3b", "3c"]

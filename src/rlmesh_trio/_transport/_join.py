@@ -95,6 +95,7 @@ class JoinCall:
         self.timers: dict[int, asyncio.TimerHandle] = {}
         self.outbox: deque[bytes] = deque()
         self.outbox_bytes = 0
+        self.direct: list[bytes] = []  # replies of this loop callback, for one DATA frame
         self.sending = False  # the writer is inside a send
         self.wake_writer = asyncio.Event()
         self.saturated = False  # back-pressure: the reader is paused
@@ -130,9 +131,31 @@ class JoinCall:
             self._flush()
 
     def _flush(self) -> None:
-        """Replies written synchronously since the last flush go to the socket now."""
-        if self.sender is not None:
-            self.sender.flush()
+        """The replies of this loop callback go out now: in one DATA frame when the
+        window and the socket take them (several lanes' replies, one h2 send and one
+        socket write), else queued, in order, for the writer."""
+        sender = self.sender
+        if sender is None:
+            return
+        direct = self.direct
+        if direct:
+            payload = direct[0] if len(direct) == 1 else b"".join(direct)
+            direct.clear()
+            try:
+                sent = sender.try_send(payload)
+            except _BROKEN as exc:
+                log.debug("Join send failed (%r); ending the stream", exc)
+                self._break()
+                return
+            if sent:
+                if self.metrics is not None:
+                    self.metrics.sent(len(payload))
+            else:
+                self.outbox.append(payload)
+                self.outbox_bytes += len(payload)
+                self.wake_writer.set()
+                self._update_room()
+        sender.flush()
 
     @property
     def attached(self) -> bool:
@@ -190,19 +213,11 @@ class JoinCall:
             return
         if len(data) >= BIG_MESSAGE_BYTES:
             self.server.big_message_done()
-        sender = self.sender
-        if sender is not None and not self.outbox and not self.sending:
-            # The fast path: nothing queued before it, so it may overtake nothing.
-            try:
-                sent = sender.try_send(data)
-            except _BROKEN as exc:
-                log.debug("Join send failed (%r); ending the stream", exc)
-                self._break()
-                return
-            if sent:
-                if self.metrics is not None:
-                    self.metrics.sent(len(data))
-                return
+        if self.sender is not None and not self.outbox and not self.sending:
+            # The fast path: nothing queued before it, so it may overtake nothing; it is
+            # written by the _flush() that ends this loop callback.
+            self.direct.append(data)
+            return
         self.outbox.append(data)
         self.outbox_bytes += len(data)
         self.wake_writer.set()
@@ -234,6 +249,7 @@ class JoinCall:
             self.state = JoinState.BROKEN
         if self.reader is not None:
             self.reader.stop()
+        self.direct.clear()
         self.outbox.clear()
         self.outbox_bytes = 0
         self.ended.set()
@@ -312,7 +328,7 @@ class JoinCall:
     @property
     def idle(self) -> bool:
         """Nothing in flight: no request queued or running, nothing left to send."""
-        return not (self.session.busy or self.outbox or self.sending)
+        return not (self.session.busy or self.outbox or self.sending or self.direct)
 
     def stop_reading(self) -> None:
         """Read no more requests (server stopping); the stream stays open for replies."""
@@ -353,6 +369,7 @@ class JoinCall:
             self._tell_session()
             if self.state is not JoinState.BROKEN:
                 self.state = JoinState.FLUSHING
+            self._flush()  # (every event already ended with one: a safeguard)
             self.wake_writer.set()
             await writer
             if self.state is JoinState.FLUSHING:
