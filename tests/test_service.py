@@ -1109,3 +1109,101 @@ async def test_replies_of_one_callback_leave_in_one_data_frame(
         messages.append(env_v1.JoinResponse.parse(data[5 : 5 + length]).request_id)
         data = data[5 + length :]
     assert messages == ["3a", "3b", "3c"]
+
+
+class BlindClient:
+    """An h2 client that learns the server's windows, then never reads the socket again
+    and sends requests on a Join within them."""
+
+    def __init__(self, port: int) -> None:
+        import h2.config
+        import h2.connection
+        import h2.events
+        from h2.settings import SettingCodes
+
+        self.sock = sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.settimeout(BOUND)
+        sock.connect(("127.0.0.1", port))
+        self.conn = conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        conn.initiate_connection()
+        # Grant the server all the window it could want: only the socket holds it back.
+        conn.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: 2**31 - 1})
+        conn.increment_flow_control_window(2**31 - 1 - 65535)
+        conn.send_headers(
+            1,
+            [
+                (":method", "POST"),
+                (":scheme", "http"),
+                (":path", wire.JOIN),
+                (":authority", "localhost"),
+                ("content-type", "application/grpc"),
+                ("te", "trailers"),
+            ],
+        )
+        sock.sendall(conn.data_to_send())
+        seen: set[type] = set()
+        wanted = {h2.events.ResponseReceived, h2.events.SettingsAcknowledged}
+        while not wanted <= seen:
+            for event in conn.receive_data(sock.recv(65536)):
+                seen.add(type(event))
+            sock.sendall(conn.data_to_send())
+
+    def send(self, requests: list[bytes]) -> None:
+        conn = self.conn
+        for message in requests:
+            payload = struct.pack(">?I", False, len(message)) + message
+            assert conn.local_flow_control_window(1) >= len(payload)
+            size = conn.max_outbound_frame_size
+            for pos in range(0, len(payload), size):
+                conn.send_data(1, payload[pos : pos + size])
+            self.sock.sendall(conn.data_to_send())
+
+
+async def test_direct_writes_stop_when_the_socket_is_full() -> None:
+    """A client that grants a huge window and then never reads the socket: the replies
+    written at once stop at the transport's high-water mark and the rest wait in the
+    Join's outbox, which REPLY_BACKLOG_BYTES bounds (test_hostile.py holds that bound)."""
+    FakeSession.instances = []
+    pad = "y" * (100 << 10)
+    count = 30  # 3 MB of replies, far more than the shrunk socket buffers hold
+    requests = [bytes(wire.configure(request_id=f"{i:02d}{pad}")) for i in range(count)]
+    async with running(session_factory=FakeSession) as server:
+        loop_server = server.service._loop_server
+        assert loop_server is not None
+        port = int(server.address.rsplit(":", 1)[1])
+
+        async def snapshot(shrink: bool) -> dict[str, Any]:
+            join = loop_server.join
+            assert join is not None and join.sender is not None
+            transport = join.sender._transport
+            if shrink:
+                sock = transport.get_extra_info("socket")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            return {
+                "answered": len(FakeSession.instances[0].events),
+                "write_buffer": transport.get_write_buffer_size(),
+                "outbox": join.outbox_bytes,
+                "write_ready": join.sender._connection.write_ready.is_set(),
+            }
+
+        def on_loop(shrink: bool) -> dict[str, Any]:
+            future = asyncio.run_coroutine_threadsafe(snapshot(shrink), loop_server.loop)
+            return future.result(BOUND)
+
+        client = await call_sync(BlindClient, port)
+        try:
+            await call_sync(on_loop, True)  # before any reply: a small socket buffer
+            await call_sync(client.send, requests)
+            deadline = time.monotonic() + BOUND
+            snap = await call_sync(on_loop, False)
+            while snap["answered"] < count:
+                assert time.monotonic() < deadline, snap
+                await trio.sleep(0.01)
+                snap = await call_sync(on_loop, False)
+        finally:
+            client.sock.close()
+    assert not snap["write_ready"], snap  # the transport asked us to stop writing
+    assert snap["outbox"] > 0, snap  # ... and the replies after that waited
+    # Written at once: at most the high-water mark plus one loop callback's replies.
+    assert snap["write_buffer"] <= 64 * 1024 + 2 * (101 << 10), snap
