@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -261,32 +262,37 @@ class JoinCall:
             return
         if self.metrics is not None:
             self.metrics.received(len(data) + PREFIX_SIZE)
+        big = len(data) >= BIG_MESSAGE_BYTES
+        if len(data) > OFF_LOOP_DECODE_BYTES:
+            self._decode_off_loop(data, big)
+            return
         try:
-            if len(data) > OFF_LOOP_DECODE_BYTES:
-                self._decode_off_loop(data)
-                return
             request = decode_join_request(data, max_lanes=self.max_lanes)
         except WireError as exc:
             self._unreadable(exc)
             return
         finally:
-            if len(data) >= BIG_MESSAGE_BYTES:
+            if big:
                 self.server.big_message_done()
             del data  # the request's buffer goes now, not with the next one
         self._drive(self.session.on_request, request)
         del request  # a big request's leaves must not wait here for the next one
 
-    def _decode_off_loop(self, data: bytes | bytearray) -> None:
+    def _decode_off_loop(self, data: bytes | bytearray, big: bool) -> None:
         """Decode on the worker; the reader stays paused (requests stay in order)."""
         self.decoding = True
         self._update_room()
         lanes = self.max_lanes
         self.server.worker.submit(
-            lambda: decode_join_request(data, max_lanes=lanes), self.server.to_loop, self._decoded
+            lambda: decode_join_request(data, max_lanes=lanes),
+            self.server.to_loop,
+            functools.partial(self._decoded, big),
         )
 
-    def _decoded(self, result: outcome.Outcome[env_v1.JoinRequest]) -> None:
+    def _decoded(self, big: bool, result: outcome.Outcome[env_v1.JoinRequest]) -> None:
         self.decoding = False
+        if big:  # decoded: soon, the allocator may give the buffer's pages back
+            self.server.big_message_done()
         if self.state is not JoinState.OPEN:
             return  # stopped reading (or ended) meanwhile: the request is not read
         if isinstance(result, outcome.Error):
