@@ -21,7 +21,9 @@ grpclib is pinned (0.4.9); each use below is covered by the transport tests:
   them, and :class:`RequestReader` takes a stream's DATA out of :class:`Connection`'s
   ``data_received`` (the events never reach grpclib's per-stream ``Buffer``; what
   arrived before it attached is taken from ``Buffer._unacked``) and acknowledges it to
-  h2 (``acknowledge_received_data``) only as it is consumed.
+  h2 (``acknowledge_received_data``) only as it is consumed; :func:`send_framed` sends
+  an already framed message with grpclib's h2-level ``Stream.send_data`` (its flow
+  control and write-ready waits), so a big reply is not framed, and copied, again.
 
 h2 cannot send a GOAWAY and keep serving the open streams (its state machine closes the
 connection), so the GOAWAY frames of a graceful stop are written next to it with
@@ -372,7 +374,7 @@ class StreamSender:
     writable (grpclib's ``write_ready``: the transport is under its high-water mark) and
     the stream's flow-control window (h2's, the minimum of the stream's and the
     connection's) takes the whole message; otherwise it returns False and the caller
-    queues the message for grpclib's awaiting ``send_message``. The frames reach the
+    queues the message for the awaiting :func:`send_framed`. The frames reach the
     socket on :meth:`flush`, so that the replies of several lanes handled in one loop
     callback go out in one write. Bytes on the wire are exactly grpclib's: the message
     as framed by :func:`~rlmesh_trio._wire.encode_join_response_framed`, split at the
