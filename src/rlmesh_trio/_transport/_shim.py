@@ -245,7 +245,7 @@ class Connection(H2Protocol):
         try:
             events = self.connection.feed(data)
         except h2.exceptions.ProtocolError as exc:
-            self._protocol_error(exc)
+            self._protocol_error(exc, frame_size=self._header_announces_too_much(exc))
             return
         self.connection.flush()
         readers = self.readers
@@ -266,11 +266,37 @@ class Connection(H2Protocol):
         self.connection.flush()
         self._check_partial_frame()
 
-    def _protocol_error(self, exc: Exception) -> None:
+    def _header_announces_too_much(self, exc: Exception) -> bool:
+        """h2 refused a frame header it could not parse (say, a SETTINGS type on a
+        stream), and that header also announces more than our MAX_FRAME_SIZE.
+
+        The reference checks the length first and answers FRAME_SIZE_ERROR; h2 checks
+        the type first. h2 leaves such a header at the front of its frame buffer
+        (``incoming_buffer._data``).
+        """
+        if not str(exc).startswith("Received frame with invalid header"):
+            return False
+        buffer = self.connection._connection.incoming_buffer
+        pending = buffer._data
+        return len(pending) >= 9 and int.from_bytes(pending[:3], "big") > buffer.max_frame_size
+
+    def _protocol_error(self, exc: Exception, *, frame_size: bool = False) -> None:
+        """Write what h2 queued (its GOAWAY last), then close. With ``frame_size``, h2's
+        GOAWAY (PROTOCOL_ERROR) is replaced by one with FRAME_SIZE_ERROR."""
         log.debug("HTTP/2 protocol error (%r); GOAWAY and close", exc)
         transport = self._transport
         with contextlib.suppress(Exception):
-            pending = self.connection._connection.data_to_send()
+            h2_connection = self.connection._connection
+            pending = h2_connection.data_to_send()
+            if frame_size:
+                goaway = GoAwayFrame(
+                    0,
+                    last_stream_id=h2_connection.highest_inbound_stream_id,
+                    error_code=ErrorCodes.FRAME_SIZE_ERROR,
+                ).serialize()
+                if len(pending) >= len(goaway) and pending[-len(goaway) + 3] == GoAwayFrame.type:
+                    pending = pending[: -len(goaway)]  # h2's own, with PROTOCOL_ERROR
+                pending += goaway
             if pending and transport is not None and not transport.is_closing():
                 transport.write(pending)
         self.processor.close("Protocol error")
