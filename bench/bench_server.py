@@ -9,14 +9,25 @@ Workloads:
 * ``rlmesh.run`` with CartPole-v1 at N = 1, 3 and 8 lanes: env steps/s and episodes/s
   (N = 1 is serial request/reply; N > 1 keeps one lane-scoped request per lane in
   flight, as the 0.1.0 runtime does);
+* ``rlmesh.run`` on 4 lanes of an env with Atari-sized frames (210 x 160 x 3 uint8,
+  ``support.envs.ImageEnv``): what the value path costs on big observations;
 * a raw wire client (``tests/support/wire.py``) stepping CartPole at N = 1, one request
   at a time: round-trip latency of a step, p50 and p99;
 * ``rlmesh.run`` on 8 lanes of an env whose step sleeps 2 ms (GIL released): steps/s
-  against the ideal N / 2 ms = 4000 steps/s, i.e. how well the lanes overlap.
+  against the ideal N / 2 ms = 4000 steps/s, i.e. how well the lanes overlap;
+* the same 8 sleepy lanes under a lean pipelined raw client (server capacity).
 
-Run: ``python bench/bench_server.py [--rounds R] [--quick] [--json PATH]``. Numbers on
-a shared 2-core VM are noisy: compare the ours/reference ratios of one run, not
-absolute numbers across runs.
+Every workload also reports the **server's CPU per env step** (user + system time of the
+server process, from ``/proc/<pid>/stat``, over the round): on a shared machine it moves
+much less than throughput, which depends on what else runs.
+
+``--profile`` prints the phases of one CartPole step instead (raw client, N = 1): the
+round trip, the server's own timing fields (SPEC §8: endpoint total, action decode, env
+call, encode, lane queue), what is left for transport and client, and the server CPU.
+
+Run: ``python bench/bench_server.py [--rounds R] [--quick] [--only W,...] [--profile]
+[--json PATH]``. Numbers on a shared 2-core VM are noisy: compare the ours/reference
+ratios of one run, not absolute numbers across runs.
 """
 
 from __future__ import annotations
@@ -28,8 +39,10 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -59,6 +72,31 @@ class Row:
         return self.median("ours") / ref if ref else float("nan")
 
 
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def server_cpu(pid: int) -> float:
+    """CPU seconds (user + system) the process ``pid`` used so far (Linux ``/proc``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+class CpuMeter:
+    """Server CPU over a block: ``with CpuMeter(pid) as m: ...; m.seconds``."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.seconds = 0.0
+
+    def __enter__(self) -> CpuMeter:
+        self._start = server_cpu(self.pid)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = server_cpu(self.pid) - self._start
+
+
 def run_episodes(address: str, kind: scripts.EnvKind, seeds: list[int]) -> tuple[float, int]:
     """Wall time and env steps of ``rlmesh.run`` over ``seeds``."""
     started = time.perf_counter()
@@ -66,7 +104,8 @@ def run_episodes(address: str, kind: scripts.EnvKind, seeds: list[int]) -> tuple
     return time.perf_counter() - started, sum(e["steps"] for e in episodes)
 
 
-def run_sleepy(address: str, seeds: list[int]) -> tuple[float, int]:
+def run_constant(address: str, seeds: list[int]) -> tuple[float, int]:
+    """``rlmesh.run`` with a policy that always plays action 1: wall time, env steps."""
     import rlmesh
     from rlmesh.numpy import Model
 
@@ -76,8 +115,14 @@ def run_sleepy(address: str, seeds: list[int]) -> tuple[float, int]:
     return time.perf_counter() - started, result.total_steps
 
 
-async def step_latencies(address: str, steps: int) -> list[float]:
-    """Seconds per step round trip, one CartPole step in flight at a time."""
+PHASES = ("endpoint_total_ns", "decode_ns", "user_ns", "encode_ns", "queue_ns")
+
+
+async def step_latencies(
+    address: str, steps: int, phases: dict[str, list[float]] | None = None
+) -> list[float]:
+    """Seconds per step round trip, one CartPole step in flight at a time; the replies'
+    timing fields (seconds) are appended to ``phases`` when given."""
     out: list[float] = []
     async with wire.WireClient(address) as client, client.join() as join:
         await join.call(wire.configure())
@@ -90,6 +135,11 @@ async def step_latencies(address: str, steps: int) -> list[float]:
             reply = await join.call(request)
             out.append(time.perf_counter() - started)
             assert reply.step is not None, reply
+            if phases is not None:
+                for name in PHASES:
+                    value = getattr(reply, name)
+                    phases.setdefault(name, []).append((value or 0) / 1e9)
+                phases.setdefault("round trip", []).append(out[-1])
             if reply.step.terminated_mask != b"\x00" or reply.step.truncated_mask != b"\x00":
                 seed += 1
                 await join.call(wire.reset(seeds=[seed]))
@@ -154,88 +204,210 @@ def alternate(round_index: int) -> tuple[str, ...]:
     return KINDS if round_index % 2 == 0 else KINDS[::-1]
 
 
-def bench(rounds: int, quick: bool) -> list[Row]:
+def measure(
+    config: ServerConfig,
+    rounds: int,
+    workload: Callable[[str], tuple[float, int]],
+    record: Callable[[str, float, int, float], None],
+    warm_up: Callable[[str], object],
+) -> None:
+    """Start both servers; warm each up; then ``rounds`` alternating rounds of
+    ``workload(address) -> (seconds, steps)``, each passed to ``record(kind, seconds,
+    steps, server CPU seconds)``."""
+    servers = start_pair(config)
+    try:
+        for kind in KINDS:  # warm-up: connections, imports, first-episode costs
+            warm_up(servers[kind].address)
+        for r in range(rounds):
+            for kind in alternate(r):
+                server = servers[kind]
+                with CpuMeter(server.pid) as meter:
+                    seconds, steps = workload(server.address)
+                record(kind, seconds, steps, meter.seconds)
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+def cpu_row(workload: str) -> Row:
+    return Row(workload, "server CPU/step", "µs", False)
+
+
+WORKLOADS = ("cartpole", "image", "raw", "sleepy", "raw-sleepy")
+
+
+def bench(rounds: int, quick: bool, only: set[str] | None = None) -> list[Row]:
     rows: list[Row] = []
     scale = 1 if quick else 2
 
-    # 1. rlmesh.run on CartPole, N = 1, 3, 8.
-    for n in (1, 3, 8):
-        seeds = list(range(100, 100 + max(6, 3 * n) * scale))
-        steps_row = Row(f"run CartPole N={n}", "steps/s", "1/s", True)
-        episodes_row = Row(f"run CartPole N={n}", "episodes/s", "1/s", True)
-        servers = start_pair(ServerConfig(entrypoint=scripts.ENTRYPOINTS["cartpole"], num_envs=n))
-        try:
-            for kind in KINDS:  # warm-up: connections, imports, first-episode costs
-                run_episodes(servers[kind].address, "cartpole", seeds[:n])
-            for r in range(rounds):
-                for kind in alternate(r):
-                    seconds, steps = run_episodes(servers[kind].address, "cartpole", seeds)
-                    steps_row.values[kind].append(steps / seconds)
-                    episodes_row.values[kind].append(len(seeds) / seconds)
-        finally:
-            for server in servers.values():
-                server.stop()
-        rows += [steps_row, episodes_row]
-        _progress(rows[-2:])
+    def wanted(name: str) -> bool:
+        return only is None or name in only
 
-    # 2. Raw wire client, N = 1: step round trip.
-    steps = 500 * scale
-    p50 = Row("raw step N=1", "round trip p50", "ms", False)
-    p99 = Row("raw step N=1", "round trip p99", "ms", False)
-    servers = start_pair(ServerConfig(entrypoint=scripts.ENTRYPOINTS["cartpole"], num_envs=1))
+    def throughput_rows(name: str, extra: Row | None = None, ideal: float = 0.0) -> Any:
+        steps_row = Row(name, "steps/s", "1/s", True)
+        cpu = cpu_row(name)
+        new = [steps_row, cpu] + ([extra] if extra is not None else [])
+
+        def record(kind: str, seconds: float, steps: int, cpu_seconds: float) -> None:
+            steps_row.values[kind].append(steps / seconds)
+            cpu.values[kind].append(cpu_seconds / steps * 1e6)
+            if extra is not None:
+                extra.values[kind].append(100 * steps / seconds / ideal)
+
+        return new, record
+
+    # 1. rlmesh.run on CartPole, N = 1, 3, 8.
+    if wanted("cartpole"):
+        for n in (1, 3, 8):
+            seeds = list(range(100, 100 + max(6, 3 * n) * scale))
+            new, record = throughput_rows(f"run CartPole N={n}")
+            measure(
+                ServerConfig(entrypoint=scripts.ENTRYPOINTS["cartpole"], num_envs=n),
+                rounds,
+                lambda address, seeds=seeds: run_episodes(address, "cartpole", seeds),
+                record,
+                lambda address, n=n, seeds=seeds: run_episodes(address, "cartpole", seeds[:n]),
+            )
+            rows += new
+            _progress(new)
+
+    # 2. rlmesh.run on 4 lanes of Atari-sized frames.
+    if wanted("image"):
+        n = 4
+        seeds = list(range(2 * n * scale))
+        h, w, c = envs.IMAGE_SHAPE
+        new, record = throughput_rows(f"run ImageEnv {h}x{w}x{c} u8 N={n}")
+        measure(
+            ServerConfig(entrypoint=scripts.ENTRYPOINTS["image"], num_envs=n),
+            rounds,
+            lambda address: run_constant(address, seeds),
+            record,
+            lambda address: run_constant(address, seeds[:n]),
+        )
+        rows += new
+        _progress(new)
+
+    # 3. Raw wire client, N = 1: step round trip.
+    if wanted("raw"):
+        steps = 500 * scale
+        p50 = Row("raw step N=1", "round trip p50", "ms", False)
+        p99 = Row("raw step N=1", "round trip p99", "ms", False)
+        cpu = cpu_row("raw step N=1")
+
+        last: list[float] = []
+
+        def raw_round(address: str) -> tuple[float, int]:
+            last[:] = asyncio.run(step_latencies(address, steps))
+            return sum(last), len(last)
+
+        def raw_record(kind: str, seconds: float, count: int, cpu_seconds: float) -> None:
+            p50.values[kind].append(percentile(last, 50) * 1e3)
+            p99.values[kind].append(percentile(last, 99) * 1e3)
+            cpu.values[kind].append(cpu_seconds / count * 1e6)
+
+        measure(
+            ServerConfig(entrypoint=scripts.ENTRYPOINTS["cartpole"], num_envs=1),
+            rounds,
+            raw_round,
+            raw_record,
+            lambda address: asyncio.run(step_latencies(address, 50)),
+        )
+        rows += [p50, p99, cpu]
+        _progress([p50, p99, cpu])
+
+    # 4. 8 lanes whose step sleeps 2 ms, driven by rlmesh.run.
+    n = 8
+    ideal = n / envs.SLEEP_STEP_SECONDS
+    sleep_config = ServerConfig(entrypoint=scripts.ENTRYPOINTS["sleep"], num_envs=n)
+    if wanted("sleepy"):
+        seeds = list(range(2 * n * scale))
+        name = f"run SleepEnv(2 ms) N={n}"
+        new, record = throughput_rows(name, Row(name, f"of ideal {ideal:.0f}/s", "%", True), ideal)
+        measure(
+            sleep_config,
+            rounds,
+            lambda address: run_constant(address, seeds),
+            record,
+            lambda address: run_constant(address, seeds[:n]),
+        )
+        rows += new
+        _progress(new)
+
+    # 5. The same 8 sleepy lanes under a lean pipelined raw client (server capacity).
+    if wanted("raw-sleepy"):
+        name = f"raw SleepEnv(2 ms) N={n}"
+        new, record = throughput_rows(name, Row(name, f"of ideal {ideal:.0f}/s", "%", True), ideal)
+        measure(
+            sleep_config,
+            rounds,
+            lambda address: asyncio.run(pipelined_lanes(address, n, 1.0 * scale)),
+            record,
+            lambda address: asyncio.run(pipelined_lanes(address, n, 0.3)),
+        )
+        rows += new
+        _progress(new)
+    return rows
+
+
+def profile(rounds: int, steps: int) -> str:
+    """The phases of one CartPole step (raw client, N = 1), µs, medians over all steps."""
+    phases: dict[str, dict[str, list[float]]] = {kind: {} for kind in KINDS}
+    cpu: dict[str, list[float]] = {kind: [] for kind in KINDS}
+
+    def record(kind: str, seconds: float, count: int, cpu_seconds: float) -> None:
+        cpu[kind].append(cpu_seconds / count * 1e6)
+
+    current: list[str] = []
+
+    def workload(address: str) -> tuple[float, int]:
+        kind = current.pop(0)
+        latencies = asyncio.run(step_latencies(address, steps, phases[kind]))
+        return sum(latencies), len(latencies)
+
+    config = ServerConfig(entrypoint=scripts.ENTRYPOINTS["cartpole"], num_envs=1)
+    servers = start_pair(config)
     try:
         for kind in KINDS:
             asyncio.run(step_latencies(servers[kind].address, 50))
         for r in range(rounds):
             for kind in alternate(r):
-                latencies = asyncio.run(step_latencies(servers[kind].address, steps))
-                p50.values[kind].append(percentile(latencies, 50) * 1e3)
-                p99.values[kind].append(percentile(latencies, 99) * 1e3)
+                current.append(kind)
+                with CpuMeter(servers[kind].pid) as meter:
+                    seconds, count = workload(servers[kind].address)
+                record(kind, seconds, count, meter.seconds)
     finally:
         for server in servers.values():
             server.stop()
-    rows += [p50, p99]
-    _progress(rows[-2:])
 
-    # 3. 8 lanes whose step sleeps 2 ms, driven by rlmesh.run.
-    n = 8
-    ideal = n / envs.SLEEP_STEP_SECONDS
-    seeds = list(range(2 * n * scale))
-    sleepy = Row(f"run SleepEnv(2 ms) N={n}", "steps/s", "1/s", True)
-    efficiency = Row(f"run SleepEnv(2 ms) N={n}", f"of ideal {ideal:.0f}/s", "%", True)
-    servers = start_pair(ServerConfig(entrypoint=scripts.ENTRYPOINTS["sleep"], num_envs=n))
-    try:
-        for kind in KINDS:
-            run_sleepy(servers[kind].address, seeds[:n])
-        for r in range(rounds):
-            for kind in alternate(r):
-                seconds, total = run_sleepy(servers[kind].address, seeds)
-                sleepy.values[kind].append(total / seconds)
-                efficiency.values[kind].append(100 * total / seconds / ideal)
-    finally:
-        for server in servers.values():
-            server.stop()
-    rows += [sleepy, efficiency]
-    _progress(rows[-2:])
+    def med(kind: str, name: str) -> float:
+        return statistics.median(phases[kind][name]) * 1e6
 
-    # 4. The same 8 sleepy lanes under a lean pipelined raw client (server capacity).
-    raw_sleepy = Row(f"raw SleepEnv(2 ms) N={n}", "steps/s", "1/s", True)
-    raw_efficiency = Row(f"raw SleepEnv(2 ms) N={n}", f"of ideal {ideal:.0f}/s", "%", True)
-    servers = start_pair(ServerConfig(entrypoint=scripts.ENTRYPOINTS["sleep"], num_envs=n))
-    try:
-        for kind in KINDS:
-            asyncio.run(pipelined_lanes(servers[kind].address, n, 0.3))
-        for r in range(rounds):
-            for kind in alternate(r):
-                seconds, total = asyncio.run(pipelined_lanes(servers[kind].address, n, 1.0 * scale))
-                raw_sleepy.values[kind].append(total / seconds)
-                raw_efficiency.values[kind].append(100 * total / seconds / ideal)
-    finally:
-        for server in servers.values():
-            server.stop()
-    rows += [raw_sleepy, raw_efficiency]
-    _progress(rows[-2:])
-    return rows
+    labels = [
+        ("round trip (client)", lambda k: med(k, "round trip")),
+        ("  server: endpoint total", lambda k: med(k, "endpoint_total_ns")),
+        ("    action decode", lambda k: med(k, "decode_ns")),
+        ("    env call (user)", lambda k: med(k, "user_ns")),
+        ("    encode", lambda k: med(k, "encode_ns")),
+        ("    lane queue", lambda k: med(k, "queue_ns")),
+        (
+            "  transport + client (round trip - endpoint total)",
+            lambda k: (
+                statistics.median(
+                    rt - total
+                    for rt, total in zip(
+                        phases[k]["round trip"], phases[k]["endpoint_total_ns"], strict=True
+                    )
+                )
+                * 1e6
+            ),
+        ),
+        ("server CPU/step", lambda k: statistics.median(cpu[k])),
+    ]
+    width = max(len(label) for label, _ in labels)
+    lines = [f"{'phase (µs, median)':{width}}  {'reference':>9}  {'ours':>9}"]
+    for label, value in labels:
+        lines.append(f"{label:{width}}  {value('ref'):9.1f}  {value('ours'):9.1f}")
+    return "\n".join(lines)
 
 
 def _progress(rows: list[Row]) -> None:
@@ -278,10 +450,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="rounds per workload (median)")
     parser.add_argument("--quick", action="store_true", help="smaller workloads, 3 rounds")
     parser.add_argument("--json", type=Path, default=None, help="also write the raw numbers here")
+    parser.add_argument(
+        "--only", default=None, help=f"comma-separated workloads of {','.join(WORKLOADS)}"
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="print the per-phase µs of a CartPole step"
+    )
     args = parser.parse_args(argv)
     rounds = 3 if args.quick and args.rounds == 5 else args.rounds
     started = time.monotonic()
-    rows = bench(rounds, args.quick)
+    if args.profile:
+        print(f"\nOne CartPole step, raw client, N = 1; {rounds} alternating rounds\n")
+        print(profile(rounds, 300 if args.quick else 1000))
+        print(f"\ntotal {time.monotonic() - started:.0f} s")
+        return 0
+    only = None if args.only is None else set(args.only.split(","))
+    if only is not None and not only <= set(WORKLOADS):
+        parser.error(f"unknown workload(s): {', '.join(sorted(only - set(WORKLOADS)))}")
+    rows = bench(rounds, args.quick, only)
     print(f"\nrlmesh-trio vs rlmesh 0.1.0, median of {rounds} rounds (alternating order)\n")
     print(table(rows))
     print(f"\ntotal {time.monotonic() - started:.0f} s")

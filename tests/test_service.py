@@ -458,6 +458,11 @@ class FakeSession:
         if rid == "end":
             self._finished = True
             return [self._reply("bye"), EndStream(), self._reply("never")]
+        if rid == "burst":
+            # Over the client's 64 KiB window, then small ones that must not overtake it.
+            return [self._reply("B" * (200 << 10)), self._reply("a"), self._reply("b")]
+        if rid == "many":
+            return [self._reply(f"m{i:02d}" + "." * (30 << 10)) for i in range(12)]
         return [self._reply(rid)]
 
     def on_lane_reply(self, reply: LaneReply) -> list[Action]:
@@ -902,3 +907,303 @@ def test_auth_token_from_the_environment() -> None:
     assert resolve(ServeOptions(auth_token="a"), {"RLMESH_TRIO_AUTH_TOKEN": "x"}).auth_token == "a"
     with pytest.raises(ValueError, match="auth_token"):
         resolve(ServeOptions(auth_token=" "))
+
+
+# --------------------------------------------------------------------------- fast path
+
+
+async def ordered_bursts(address: str) -> list[str]:
+    out: list[str] = []
+    async with wire.WireClient(address) as client, client.join() as join:
+        for rid in ("first", "burst", "many", "last"):
+            await join.send(wire.configure(request_id=rid))
+        # A request over OFF_LOOP_DECODE_BYTES is decoded on the worker thread while
+        # the requests behind it wait in the reader: the replies keep the order.
+        await join.send(wire.configure(request_id="L" * (1536 << 10)))
+        await join.send(wire.configure(request_id="after-big"))
+        while len(out) < 1 + 3 + 12 + 1 + 2:
+            reply = await join.recv()
+            assert reply is not None, join.end
+            out.append(reply.request_id[:3])
+    return out
+
+
+async def test_replies_keep_their_order_across_the_direct_and_queued_paths(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from rlmesh_trio._transport import _shim
+
+    paths: list[bool] = []
+    try_send = _shim.StreamSender.try_send
+
+    def counted(self: _shim.StreamSender, message: bytes) -> bool:
+        sent = try_send(self, message)
+        paths.append(sent)
+        return sent
+
+    monkeypatch.setattr(_shim.StreamSender, "try_send", counted)
+    FakeSession.instances = []
+    async with running(session_factory=FakeSession) as server:
+        out = await in_thread(ordered_bursts(server.address))
+    many = [f"m{i:02d}"[:3] for i in range(12)]
+    assert out == ["fir", "BBB", "a", "b", *many, "las", "LLL", "aft"]
+    assert True in paths and False in paths  # both paths were taken
+
+
+async def saturate(
+    address: str, total: int, probe: Callable[[], dict[str, Any]], release: threading.Event
+) -> dict[str, Any]:
+    """Pipeline ``total`` 100 KiB lane steps at a wedged lane until the server stops
+    taking them; ``probe()`` the server then; release the lane; collect every reply."""
+    pad = "x" * (100 << 10)
+    async with wire.WireClient(address, timeout=30) as client, client.join() as join:
+        await join.call(wire.reset(seeds=[0]))
+        sent = 0
+
+        async def sender() -> None:
+            nonlocal sent
+            for i in range(total):
+                request = wire.step([CARTPOLE_ZERO], env_indices=[0], request_id=f"{i:03d}{pad}")
+                await join.send(request)
+                sent += 1
+
+        task = asyncio.get_running_loop().create_task(sender())
+        stream_id = join.stream.id
+        deadline = time.monotonic() + BOUND
+        # Blocked: the server's window for the stream has no room for one more request
+        # (the client's h2 state, updated by every WINDOW_UPDATE the server sends), and
+        # the server has read what reached it (its reader paused: it will grant no more).
+        while True:
+            blocked = client._conn.local_flow_control_window(stream_id) < len(pad)
+            server = probe()
+            if task.done() or (blocked and server["paused"]):
+                break
+            assert time.monotonic() < deadline, ("never blocked", server)
+            await asyncio.sleep(0.01)
+        out: dict[str, Any] = {"blocked": not task.done(), "sent_when_blocked": sent}
+        out["server"] = server
+        release.set()
+        ids = []
+        while len(ids) < total:
+            reply = await join.recv(timeout=BOUND)
+            assert reply is not None and reply.error is None, (reply, join.end)
+            ids.append(int(reply.request_id[:3]))
+        await task
+        out["ids"] = ids
+    return out
+
+
+async def test_a_saturated_session_stops_acknowledging_requests(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """REQUEST_BACKLOG: past it the reader consumes nothing and sends no WINDOW_UPDATE,
+    so the client can send one flow-control window more and then waits; nothing is
+    lost, and reading resumes as the lane catches up."""
+    from rlmesh_trio._transport import _join
+
+    monkeypatch.setattr(_join, "REQUEST_BACKLOG", 4)
+    release = threading.Event()
+    total = 80  # 8 MB of requests: twice grpclib's 4 MiB stream window
+
+    async with running(lambda: envs.HangEnv(release), num_envs=1) as server:
+        loop_server = server.service._loop_server
+        assert loop_server is not None
+
+        def probe() -> dict[str, Any]:
+            join = loop_server.join
+            assert join is not None and join.reader is not None
+            return {
+                "paused": join.reader.paused,
+                "backlog": join.session.backlog,
+                "buffered": join.reader.buffered,
+            }
+
+        try:
+            out = await in_thread(saturate(server.address, total, probe, release))
+        finally:
+            release.set()
+    assert out["blocked"], out
+    assert out["server"]["paused"] and out["server"]["backlog"] == 4, out["server"]
+    # What the client could send beyond the 4 read: at most the stream's 4 MiB window.
+    assert out["server"]["buffered"] <= 4 << 20, out["server"]
+    assert 4 < out["sent_when_blocked"] < total, out
+    assert out["ids"] == list(range(total))  # every request answered, in order
+
+
+async def reset_while_saturated(address: str, release: threading.Event) -> dict[str, Any]:
+    """Fill the server's windows with requests it does not read, reset the stream, then
+    use the same connection again: the reset stream's window must come back."""
+    pad = "x" * (100 << 10)
+    out: dict[str, Any] = {}
+    async with wire.WireClient(address, timeout=BOUND) as client:
+        async with client.join() as join:
+            await join.call(wire.reset(seeds=[0]))
+
+            async def sender() -> None:
+                for i in range(80):
+                    step = wire.step([CARTPOLE_ZERO], env_indices=[0], request_id=f"{i}{pad}")
+                    await join.send(step)
+
+            task = asyncio.get_running_loop().create_task(sender())
+            deadline = time.monotonic() + BOUND
+            while client._conn.outbound_flow_control_window >= len(pad):
+                assert not task.done() and time.monotonic() < deadline, "never blocked"
+                await asyncio.sleep(0.01)
+            out["connection_window_blocked"] = client._conn.outbound_flow_control_window
+            task.cancel()
+        # The Join was reset (RST_STREAM CANCEL); the connection is still open.
+        out["handshake"] = await client.handshake()
+        release.set()
+        async with client.join() as again:
+            # More than the connection window had left: sendable only once it came back.
+            out["second_join"] = await again.call(wire.reset(seeds=[1], request_id=pad))
+    return out
+
+
+async def test_a_reset_stream_gives_the_connection_its_window_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from rlmesh_trio._transport import _join
+
+    monkeypatch.setattr(_join, "REQUEST_BACKLOG", 4)
+    release = threading.Event()
+    async with running(lambda: envs.HangEnv(release), num_envs=1) as server:
+        try:
+            out = await in_thread(reset_while_saturated(server.address, release))
+        finally:
+            release.set()
+    assert out["connection_window_blocked"] < 100 << 10
+    assert out["handshake"].base.compatible
+    assert out["second_join"].reset is not None, out["second_join"]
+
+
+async def test_replies_of_one_callback_leave_in_one_data_frame(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Coalescing: the three replies one request produces are handed to h2 as one
+    payload (one DATA frame, one socket write), the messages intact and in order."""
+    from rlmesh_trio._transport import _shim
+
+    payloads: list[bytes] = []
+    try_send = _shim.StreamSender.try_send
+
+    def recorded(self: _shim.StreamSender, payload: bytes) -> bool:
+        payloads.append(bytes(payload))
+        return try_send(self, payload)
+
+    monkeypatch.setattr(_shim.StreamSender, "try_send", recorded)
+    FakeSession.instances = []
+
+    async def three(address: str) -> list[str | None]:
+        async with wire.WireClient(address) as client, client.join() as join:
+            await join.send(wire.configure(request_id="three"))
+            return [rid(await join.recv()) for _ in range(3)]
+
+    async with running(session_factory=FakeSession) as server:
+        got = await in_thread(three(server.address))
+    assert got == ["3a", "3b", "3c"]
+    assert len(payloads) == 1
+    messages, data = [], payloads[0]
+    while data:
+        length = int.from_bytes(data[1:5], "big")
+        messages.append(env_v1.JoinResponse.parse(data[5 : 5 + length]).request_id)
+        data = data[5 + length :]
+    assert messages == ["3a", "3b", "3c"]
+
+
+class BlindClient:
+    """An h2 client that learns the server's windows, then never reads the socket again
+    and sends requests on a Join within them."""
+
+    def __init__(self, port: int) -> None:
+        import h2.config
+        import h2.connection
+        import h2.events
+        from h2.settings import SettingCodes
+
+        self.sock = sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.settimeout(BOUND)
+        sock.connect(("127.0.0.1", port))
+        self.conn = conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        conn.initiate_connection()
+        # Grant the server all the window it could want: only the socket holds it back.
+        conn.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: 2**31 - 1})
+        conn.increment_flow_control_window(2**31 - 1 - 65535)
+        conn.send_headers(
+            1,
+            [
+                (":method", "POST"),
+                (":scheme", "http"),
+                (":path", wire.JOIN),
+                (":authority", "localhost"),
+                ("content-type", "application/grpc"),
+                ("te", "trailers"),
+            ],
+        )
+        sock.sendall(conn.data_to_send())
+        seen: set[type] = set()
+        wanted = {h2.events.ResponseReceived, h2.events.SettingsAcknowledged}
+        while not wanted <= seen:
+            for event in conn.receive_data(sock.recv(65536)):
+                seen.add(type(event))
+            sock.sendall(conn.data_to_send())
+
+    def send(self, requests: list[bytes]) -> None:
+        conn = self.conn
+        for message in requests:
+            payload = struct.pack(">?I", False, len(message)) + message
+            assert conn.local_flow_control_window(1) >= len(payload)
+            size = conn.max_outbound_frame_size
+            for pos in range(0, len(payload), size):
+                conn.send_data(1, payload[pos : pos + size])
+            self.sock.sendall(conn.data_to_send())
+
+
+async def test_direct_writes_stop_when_the_socket_is_full() -> None:
+    """A client that grants a huge window and then never reads the socket: the replies
+    written at once stop at the transport's high-water mark and the rest wait in the
+    Join's outbox, which REPLY_BACKLOG_BYTES bounds (test_hostile.py holds that bound)."""
+    FakeSession.instances = []
+    pad = "y" * (100 << 10)
+    count = 30  # 3 MB of replies, far more than the shrunk socket buffers hold
+    requests = [bytes(wire.configure(request_id=f"{i:02d}{pad}")) for i in range(count)]
+    async with running(session_factory=FakeSession) as server:
+        loop_server = server.service._loop_server
+        assert loop_server is not None
+        port = int(server.address.rsplit(":", 1)[1])
+
+        async def snapshot(shrink: bool) -> dict[str, Any]:
+            join = loop_server.join
+            assert join is not None and join.sender is not None
+            transport = join.sender._transport
+            if shrink:
+                sock = transport.get_extra_info("socket")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            return {
+                "answered": len(FakeSession.instances[0].events),
+                "write_buffer": transport.get_write_buffer_size(),
+                "outbox": join.outbox_bytes,
+                "write_ready": join.sender._connection.write_ready.is_set(),
+            }
+
+        def on_loop(shrink: bool) -> dict[str, Any]:
+            future = asyncio.run_coroutine_threadsafe(snapshot(shrink), loop_server.loop)
+            return future.result(BOUND)
+
+        client = await call_sync(BlindClient, port)
+        try:
+            await call_sync(on_loop, True)  # before any reply: a small socket buffer
+            await call_sync(client.send, requests)
+            deadline = time.monotonic() + BOUND
+            snap = await call_sync(on_loop, False)
+            while snap["answered"] < count:
+                assert time.monotonic() < deadline, snap
+                await trio.sleep(0.01)
+                snap = await call_sync(on_loop, False)
+        finally:
+            client.sock.close()
+    assert not snap["write_ready"], snap  # the transport asked us to stop writing
+    assert snap["outbox"] > 0, snap  # ... and the replies after that waited
+    # Written at once: at most the high-water mark plus one loop callback's replies.
+    assert snap["write_buffer"] <= 64 * 1024 + 2 * (101 << 10), snap

@@ -10,10 +10,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlmesh_trio._codec import from_meta_map
+from rlmesh_trio._errors import MessageTooLarge
 from rlmesh_trio._proto.rlmesh.env import v1 as env_v1
 from rlmesh_trio._proto.rlmesh.spaces import v1 as spaces_v1
 from rlmesh_trio._wire import DecodeError as WireDecodeError
-from rlmesh_trio._wire import decode_join_request, encode_join_response
+from rlmesh_trio._wire import (
+    decode_join_request,
+    encode_join_response,
+    encode_join_response_framed,
+)
 
 # Captures that are deliberately not a well-formed JoinRequest.
 MALFORMED = {"ffffff"}
@@ -28,11 +33,28 @@ def _golden(msg_type: str) -> list[Any]:
     return cases
 
 
+def grpc_framed(message: bytes) -> bytes:
+    """A gRPC message as grpclib frames it: uncompressed flag, big-endian length."""
+    return b"\x00" + len(message).to_bytes(4, "big") + message
+
+
+def test_framed_encoding_refuses_an_oversize_reply_before_joining() -> None:
+    leaf = bytes(1000)
+    message = env_v1.JoinResponse(
+        step=env_v1.StepResponse(observation=spaces_v1.SpaceValue(leaves=[leaf, leaf]))
+    )
+    size = len(bytes(message))
+    assert encode_join_response_framed(message, size) == grpc_framed(bytes(message))
+    with pytest.raises(MessageTooLarge, match=f"{size}"):
+        encode_join_response_framed(message, size - 1)
+
+
 @pytest.mark.parametrize("data", _golden("env.JoinResponse"))
 def test_golden_responses_encode_byte_identically(data: bytes) -> None:
     message = fill_missing_map_values(env_v1.JoinResponse.parse(data))
     assert isinstance(message, env_v1.JoinResponse)
     assert encode_join_response(message) == bytes(message)
+    assert encode_join_response_framed(message, 1 << 30) == grpc_framed(bytes(message))
 
 
 @pytest.mark.parametrize("data", _golden("env.JoinRequest"))
@@ -150,6 +172,7 @@ def test_generated_responses_encode_byte_identically(
         request_id=request_id, **dict(zip(names, timings, strict=True)), **kind
     )
     assert encode_join_response(message) == bytes(message)
+    assert encode_join_response_framed(message, 1 << 30) == grpc_framed(bytes(message))
 
 
 request_kinds = st.one_of(

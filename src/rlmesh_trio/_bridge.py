@@ -76,11 +76,18 @@ class ReplyInbox:
     called once per job, on the lane's thread (or any thread that answers for a lane).
     """
 
-    __slots__ = ("_deliver", "_pending", "_scheduled", "_to_loop")
+    __slots__ = ("_deliver", "_done", "_pending", "_scheduled", "_to_loop")
 
-    def __init__(self, to_loop: ToLoop, deliver: Callable[[LaneReply], None]) -> None:
+    def __init__(
+        self,
+        to_loop: ToLoop,
+        deliver: Callable[[LaneReply], None],
+        done: Callable[[], None] | None = None,
+    ) -> None:
+        """``done()`` runs on the loop after each batch of deliveries (one wake-up's)."""
         self._to_loop = to_loop
         self._deliver = deliver
+        self._done = done
         self._pending: deque[LaneReply] = deque()
         self._scheduled = False
 
@@ -97,8 +104,12 @@ class ReplyInbox:
         # loop below finished then sees it down and schedules a new drain.
         self._scheduled = False
         pending = self._pending
-        while pending:
-            self._deliver(pending.popleft())
+        try:
+            while pending:
+                self._deliver(pending.popleft())
+        finally:
+            if self._done is not None:
+                self._done()
 
 
 class Worker:

@@ -223,6 +223,45 @@ def make_sleep() -> SleepEnv:
     return SleepEnv()
 
 
+IMAGE_SHAPE = (210, 160, 3)
+"""``ImageEnv`` frames: an Atari screen (210 x 160 RGB, uint8)."""
+
+IMAGE_EPISODE_STEPS = 100
+"""``ImageEnv`` episodes end (terminated) after this many steps."""
+
+
+class ImageEnv(gym.Env[np.ndarray, Any]):
+    """Atari-sized uint8 frames at almost no env cost: what a server's value path costs.
+
+    The frames are precomputed (seeded noise); a step returns the next one.
+    """
+
+    metadata: dict[str, Any] = {"render_modes": []}
+
+    def __init__(self) -> None:
+        self.observation_space = spaces.Box(0, 255, IMAGE_SHAPE, np.uint8)
+        self.action_space = spaces.Discrete(4)
+        rng = np.random.default_rng(SELF_SEED)
+        self._frames = rng.integers(0, 256, (4, *IMAGE_SHAPE), dtype=np.uint8)
+        self._t = 0
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[np.ndarray, dict[str, Any]]:
+        super().reset(seed=seed)
+        self._t = 0
+        return self._frames[0], {}
+
+    def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        self._t += 1
+        frame = self._frames[(self._t + int(action)) % len(self._frames)]
+        return frame, 1.0, self._t >= IMAGE_EPISODE_STEPS, False, {}
+
+
+def make_image() -> ImageEnv:
+    return ImageEnv()
+
+
 class BoomEnv(gym.Env[np.ndarray, Any]):
     """An env that fails on demand, with an ``rgb_array`` render.
 

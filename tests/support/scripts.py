@@ -36,6 +36,7 @@ ENTRYPOINTS: dict[str, str] = {
     "boom": "support.envs:make_boom",
     "slow": "support.envs:make_slow",
     "sleep": "support.envs:make_sleep",
+    "image": "support.envs:make_image",
     "hang": "support.envs:make_hang",
 }
 

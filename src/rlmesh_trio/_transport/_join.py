@@ -1,9 +1,13 @@
 """The Join driver: one bidi stream around one sans-IO session, on the transport loop.
 
-A reader task decodes requests and feeds them to the session; the session's actions are
-performed here (post lane jobs, queue replies, timers, end); one writer task sends the
-queued replies in order, so a slow client never blocks the reader. Lane replies come
-back through a :class:`~rlmesh_trio._bridge.ReplyInbox`.
+Requests are cut from the stream's DATA inside the connection's data callback
+(:class:`~._shim.RequestReader`: no reader task, no queue), decoded and fed to the
+session; the session's actions are performed here (post lane jobs, send replies,
+timers, end). A reply is written at once (:class:`~._shim.StreamSender`) when nothing is
+queued before it and the flow-control window and the socket take it; otherwise it is
+queued for the one writer task, which sends in order, so a slow client never blocks the
+loop. Lane replies come back through a :class:`~rlmesh_trio._bridge.ReplyInbox`; the
+replies of every lane handled in one wake-up go to the socket in one write.
 
 States (:class:`JoinState`)::
 
@@ -12,17 +16,19 @@ States (:class:`JoinState`)::
       └──finish()────────────────┴──► FLUSHING ──► CLOSED   (queued replies, then trailers)
       any state ──send failed / cancelled──► BROKEN ──► CLOSED   (nothing more is sent)
 
-Back-pressure: the reader stops reading while more than :data:`REPLY_BACKLOG_BYTES` of
+Back-pressure: the reader is paused while more than :data:`REPLY_BACKLOG_BYTES` of
 replies wait to be sent (a client that never reads), or :data:`REQUEST_BACKLOG` requests
-are queued or in flight; h2 flow control then holds the client. A request bigger than
-:data:`OFF_LOOP_DECODE_BYTES` is decoded on the transport's worker thread so that it
-cannot stall the other connections.
+are queued or in flight, or a big request is being decoded; paused, it acknowledges
+nothing, so h2 sends no WINDOW_UPDATE and flow control holds the client. A request
+bigger than :data:`OFF_LOOP_DECODE_BYTES` is decoded on the transport's worker thread so
+that it cannot stall the other connections.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -56,8 +62,8 @@ from .._session import (
     StartTimer,
     Wedged,
 )
-from .._wire import PREFIX_SIZE, check_outgoing, decode_join_request, encode_join_response
-from ._shim import read_message, reset_if_open
+from .._wire import PREFIX_SIZE, decode_join_request, encode_join_response_framed
+from ._shim import RequestReader, StreamSender, find_connection, reset_if_open, send_framed
 
 if TYPE_CHECKING:
     from ._server import LoopServer
@@ -96,31 +102,35 @@ class JoinCall:
         self.loop = server.loop
         self.state = JoinState.OPEN
         self.session = server.session_factory(server.endpoint)
-        self.inbox = ReplyInbox(server.to_loop, self._on_lane_reply)
+        self.inbox = ReplyInbox(server.to_loop, self._on_lane_reply, self._flush)
         self.timers: dict[int, asyncio.TimerHandle] = {}
         self.outbox: deque[bytes] = deque()
         self.outbox_bytes = 0
+        self.direct: list[bytes] = []  # replies of this loop callback, for one DATA frame
         self.sending = False  # the writer is inside a send
         self.wake_writer = asyncio.Event()
-        self.room = asyncio.Event()  # the reader may read (back-pressure released)
-        self.room.set()
+        self.saturated = False  # back-pressure: the reader is paused
+        self.decoding = False  # a big request is being decoded off the loop
         self.ended = asyncio.Event()  # no more requests: finish the stream
         self.session_told = False  # EndStream performed or on_stream_end() called
-        self.reader: asyncio.Task[None] | None = None
+        self.reader: RequestReader | None = None
+        self.sender: StreamSender | None = None
         self.status = Status.OK
         self.status_message: str | None = None
         self.metrics = server.metrics
+        self.max_lanes = server.endpoint.num_envs
 
     # -- events into the session
 
     def _on_lane_reply(self, reply: LaneReply) -> None:
-        self._drive(self.session.on_lane_reply, reply)
+        # No flush per reply: the inbox calls _flush once after its batch.
+        self._drive(self.session.on_lane_reply, reply, flush=False)
 
     def _on_timer(self, token: int) -> None:
         self.timers.pop(token, None)
         self._drive(self.session.on_timer, token)
 
-    def _drive(self, event: Callable[..., list[Action]], *args: Any) -> None:
+    def _drive(self, event: Callable[..., list[Action]], *args: Any, flush: bool = True) -> None:
         try:
             actions = event(*args)
         except Exception:
@@ -128,6 +138,35 @@ class JoinCall:
             self.fail(Status.INTERNAL, INTERNAL_SERVER_ERROR)
             return
         self.perform(actions)
+        if flush:
+            self._flush()
+
+    def _flush(self) -> None:
+        """The replies of this loop callback go out now: in one DATA frame when the
+        window and the socket take them (several lanes' replies, one h2 send and one
+        socket write), else queued, in order, for the writer."""
+        sender = self.sender
+        if sender is None:
+            return
+        direct = self.direct
+        if direct:
+            payload = direct[0] if len(direct) == 1 else b"".join(direct)
+            direct.clear()
+            try:
+                sent = sender.try_send(payload)
+            except _BROKEN as exc:
+                log.debug("Join send failed (%r); ending the stream", exc)
+                self._break()
+                return
+            if sent:
+                if self.metrics is not None:
+                    self.metrics.sent(len(payload))
+            else:
+                self.outbox.append(payload)
+                self.outbox_bytes += len(payload)
+                self.wake_writer.set()
+                self._update_room()
+        sender.flush()
 
     @property
     def attached(self) -> bool:
@@ -177,36 +216,42 @@ class JoinCall:
             self.server.post(action.lane, action.job, self.inbox.put)
         except LaneError as exc:  # the lane refuses: that is the job's answer
             refusal = LaneReply(action.job.id, action.lane, outcome.Error(exc), Phases())
-            self._drive(self.session.on_lane_reply, refusal)
+            self._drive(self.session.on_lane_reply, refusal, flush=False)
 
     def _queue(self, response: env_v1.JoinResponse) -> None:
-        data = encode_join_response(response)
         try:
-            check_outgoing(data, self.server.max_message_bytes)
+            data = encode_join_response_framed(response, self.server.max_message_bytes)
         except RlmeshTrioError as exc:
             log.error("a JoinResponse was refused (%s); ending the stream", exc)
             code, message = grpc_status(exc)
             self.fail(Status(code), message)
             return
-        self.outbox.append(data)
-        self.outbox_bytes += len(data)
         if len(data) >= BIG_MESSAGE_BYTES:
             self.server.big_message_done()
+        if self.sender is not None and not self.outbox and not self.sending:
+            # The fast path: nothing queued before it, so it may overtake nothing; it is
+            # written by the _flush() that ends this loop callback.
+            self.direct.append(data)
+            return
+        self.outbox.append(data)
+        self.outbox_bytes += len(data)
         self.wake_writer.set()
 
     def _update_room(self) -> None:
-        if self.outbox_bytes > REPLY_BACKLOG_BYTES or self.session.backlog >= REQUEST_BACKLOG:
-            self.room.clear()
-        else:
-            self.room.set()
+        self.saturated = (
+            self.outbox_bytes > REPLY_BACKLOG_BYTES or self.session.backlog >= REQUEST_BACKLOG
+        )
+        if self.reader is not None:
+            self.reader.paused = self.saturated or self.decoding
 
     def finish(self) -> None:
         """Read no more; flush what is queued, then end the stream (status as set)."""
         if self.state in (JoinState.OPEN, JoinState.NOT_READING):
             self.state = JoinState.FLUSHING
+        if self.reader is not None:
+            self.reader.stop()
         self.wake_writer.set()
         self.ended.set()
-        self.room.set()
 
     def fail(self, status: Status, message: str) -> None:
         if self.status is Status.OK:
@@ -217,10 +262,81 @@ class JoinCall:
         """The stream is gone (send failed, cancelled): nothing more is sent."""
         if self.state is not JoinState.CLOSED:
             self.state = JoinState.BROKEN
+        if self.reader is not None:
+            self.reader.stop()
+        self.direct.clear()
         self.outbox.clear()
         self.outbox_bytes = 0
         self.ended.set()
-        self.room.set()
+
+    # -- requests (inside the connection's data callback, or when the reader resumes)
+
+    def _on_message(self, data: bytes | bytearray) -> None:
+        if self.state is not JoinState.OPEN:
+            return
+        if self.metrics is not None:
+            self.metrics.received(len(data) + PREFIX_SIZE)
+        big = len(data) >= BIG_MESSAGE_BYTES
+        if len(data) > OFF_LOOP_DECODE_BYTES:
+            self._decode_off_loop(data, big)
+            return
+        try:
+            request = decode_join_request(data, max_lanes=self.max_lanes)
+        except WireError as exc:
+            self._unreadable(exc)
+            return
+        finally:
+            if big:
+                self.server.big_message_done()
+            del data  # the request's buffer goes now, not with the next one
+        self._drive(self.session.on_request, request)
+        del request  # a big request's leaves must not wait here for the next one
+
+    def _decode_off_loop(self, data: bytes | bytearray, big: bool) -> None:
+        """Decode on the worker; the reader stays paused (requests stay in order)."""
+        self.decoding = True
+        self._update_room()
+        lanes = self.max_lanes
+        self.server.worker.submit(
+            lambda: decode_join_request(data, max_lanes=lanes),
+            self.server.to_loop,
+            functools.partial(self._decoded, big),
+        )
+
+    def _decoded(self, big: bool, result: outcome.Outcome[env_v1.JoinRequest]) -> None:
+        self.decoding = False
+        if big:  # decoded: soon, the allocator may give the buffer's pages back
+            self.server.big_message_done()
+        if self.state is not JoinState.OPEN:
+            return  # stopped reading (or ended) meanwhile: the request is not read
+        if isinstance(result, outcome.Error):
+            error = result.error
+            if isinstance(error, WireError):
+                self._unreadable(error)
+            else:
+                log.error("decoding a JoinRequest failed: %r", error)
+                self._end_reading()
+            return
+        request = result.unwrap()
+        del result
+        self._drive(self.session.on_request, request)  # resumes the reader
+        del request
+
+    def _unreadable(self, exc: WireError) -> None:
+        # Undecodable or over-size: the stream ends with status 0 (SPEC §1.10).
+        log.warning("unreadable JoinRequest (%s); ending the Join stream", exc)
+        self._end_reading()
+
+    def _end_reading(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+        self.ended.set()
+
+    def _on_reader_end(self, error: WireError | None) -> None:
+        """The client half-closed (None) or sent an unreadable message."""
+        if error is not None:
+            log.warning("unreadable JoinRequest (%s); ending the Join stream", error)
+        self.ended.set()
 
     # -- the stream
 
@@ -232,33 +348,40 @@ class JoinCall:
     @property
     def idle(self) -> bool:
         """Nothing in flight: no request queued or running, nothing left to send."""
-        return not (self.session.busy or self.outbox or self.sending)
+        return not (self.session.busy or self.outbox or self.sending or self.direct)
 
     def stop_reading(self) -> None:
         """Read no more requests (server stopping); the stream stays open for replies."""
         if self.state is JoinState.OPEN:
             self.state = JoinState.NOT_READING
         if self.reader is not None:
-            self.reader.cancel()
+            self.reader.stop()
 
-    def _reader_done(self, task: asyncio.Task[None]) -> None:
-        if task.cancelled():
-            return  # stop_reading() or the stream's end: not a reason to end it
-        if task.exception() is not None:
-            log.debug("Join reader failed: %r", task.exception())
-        self.ended.set()  # half-close, unreadable request, or a reader failure
+    def _start_reading(self) -> None:
+        connection = find_connection(self.stream, self.server.protocols)
+        if connection is None:  # the connection is already gone
+            self.ended.set()
+            return
+        self.reader = RequestReader(
+            connection,
+            self.stream,
+            self.server.max_message_bytes,
+            self._on_message,
+            self._on_reader_end,
+        )
+        self.reader.attach()
 
     async def run(self) -> None:
         writer: asyncio.Task[None] | None = None
         try:
             # SPEC §1.3: the 0.1.0 clients wait for the response headers before sending.
             await self.stream.send_initial_metadata()
+            self.sender = StreamSender(self.stream)
+            writer = self.loop.create_task(self._write_loop())
             if self.server.reading:
-                self.reader = self.loop.create_task(self._read_loop())
-                self.reader.add_done_callback(self._reader_done)
+                self._start_reading()
             else:
                 self.state = JoinState.NOT_READING
-            writer = self.loop.create_task(self._write_loop())
             await self.ended.wait()
             self.stop_reading()
             # Half-close, unreadable request or failed send: the session learns the stream
@@ -266,6 +389,7 @@ class JoinCall:
             self._tell_session()
             if self.state is not JoinState.BROKEN:
                 self.state = JoinState.FLUSHING
+            self._flush()  # (every event already ended with one: a safeguard)
             self.wake_writer.set()
             await writer
             if self.state is JoinState.FLUSHING:
@@ -276,9 +400,10 @@ class JoinCall:
         except _BROKEN as exc:
             log.debug("Join stream broke: %r", exc)
         finally:
-            for task in (self.reader, writer):
-                if task is not None:
-                    task.cancel()
+            if writer is not None:
+                writer.cancel()
+            if self.reader is not None:
+                self.reader.detach()
             self._break()
             self.state = JoinState.CLOSED
             for handle in self.timers.values():
@@ -288,50 +413,20 @@ class JoinCall:
             self._tell_session()
             self.server.join_activity(self)
 
-    async def _read_loop(self) -> None:
-        """Feed requests to the session; return when the stream must end."""
-        limit = self.server.max_message_bytes
-        lanes = self.server.endpoint.num_envs
-        while self.state is JoinState.OPEN:
-            if not self.room.is_set():
-                await self.room.wait()
-                continue
-            data: bytes | bytearray | None = None
-            try:
-                data = await read_message(self.stream, limit)
-                if data is None:
-                    return  # the client half-closed
-                if self.metrics is not None:
-                    self.metrics.received(len(data) + PREFIX_SIZE)
-                if len(data) > OFF_LOOP_DECODE_BYTES:
-                    request = await self.server.off_loop(decode_join_request, data, lanes)
-                else:
-                    request = decode_join_request(data, max_lanes=lanes)
-            except WireError as exc:
-                # Undecodable or over-size: the stream ends with status 0 (SPEC §1.10).
-                log.warning("unreadable JoinRequest (%s); ending the Join stream", exc)
-                return
-            finally:
-                if data is not None and len(data) >= BIG_MESSAGE_BYTES:
-                    self.server.big_message_done()
-                data = None  # the request's buffer goes now, not with the next one
-            self._drive(self.session.on_request, request)
-            del request  # a big request's leaves must not wait here for the next one
-
     async def _write_loop(self) -> None:
-        """The one writer: sends in order; a slow send never blocks the reader."""
+        """The one writer: sends in order what could not be written at once."""
         try:
             while True:
                 while self.outbox and self.attached:
                     data = self.outbox.popleft()
                     self.sending = True
                     try:
-                        await self.stream.send_message(data)
+                        await send_framed(self.stream, data)
                     finally:
                         self.sending = False
                         self.outbox_bytes -= len(data)
                     if self.metrics is not None:
-                        self.metrics.sent(len(data) + PREFIX_SIZE)
+                        self.metrics.sent(len(data))
                     del data
                     if not self.outbox:
                         self._update_room()

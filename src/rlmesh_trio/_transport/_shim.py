@@ -15,6 +15,15 @@ grpclib is pinned (0.4.9); each use below is covered by the transport tests:
   arrives instead of being joined from thousands of chunks at the end.
 * ``grpclib.events._DispatchServerEvents`` and ``Configuration.__for_server__`` build the
   handler as ``grpclib.server.Server`` does.
+* The Join's fast path (issue 9): :class:`StreamSender` writes a reply's DATA frames with
+  the h2 connection (``Stream._h2_connection``, ``_transport``, grpclib's
+  ``Connection.write_ready``) at once when the flow-control window and the socket take
+  them, and :class:`RequestReader` takes a stream's DATA out of :class:`Connection`'s
+  ``data_received`` (the events never reach grpclib's per-stream ``Buffer``; what
+  arrived before it attached is taken from ``Buffer._unacked``) and acknowledges it to
+  h2 (``acknowledge_received_data``) only as it is consumed; :func:`send_framed` sends
+  an already framed message with grpclib's h2-level ``Stream.send_data`` (its flow
+  control and write-ready waits), so a big reply is not framed, and copied, again.
 
 h2 cannot send a GOAWAY and keep serving the open streams (its state machine closes the
 connection), so the GOAWAY frames of a graceful stop are written next to it with
@@ -27,10 +36,12 @@ import asyncio
 import contextlib
 import logging
 import socket
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import h2.config
+import h2.events
 import h2.exceptions
 from grpclib.config import Configuration
 from grpclib.const import Handler as MethodHandler
@@ -44,7 +55,7 @@ from grpclib.server import Stream
 from h2.errors import ErrorCodes
 from hyperframe.frame import GoAwayFrame
 
-from .._errors import CompressedRequestError, FrameError, UnauthenticatedError
+from .._errors import CompressedRequestError, FrameError, UnauthenticatedError, WireError
 from .._wire import PREFIX_SIZE, parse_prefix
 
 if TYPE_CHECKING:
@@ -54,6 +65,11 @@ log = logging.getLogger("rlmesh_trio.transport")
 
 CHUNK = 1 << 20
 """Bytes read from grpclib's stream buffer at a time for a big message."""
+
+ACK_BATCH = 256 << 10
+"""Consumed request bytes are acknowledged to h2 in batches of this size (h2 sends a
+WINDOW_UPDATE only once half the 4 MiB window is consumed anyway); a stream's end, a
+pause and a detach acknowledge what is left."""
 
 SMALL_MESSAGE = 1 << 20
 """Messages up to this size are read in one piece; bigger ones into one preallocated
@@ -206,6 +222,7 @@ class Connection(H2Protocol):
         self.dispatcher = dispatcher
         self._registry = registry
         self._transport: asyncio.Transport | None = None
+        self.readers: dict[int, RequestReader] = {}  # stream id -> its direct reader
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -228,19 +245,58 @@ class Connection(H2Protocol):
         try:
             events = self.connection.feed(data)
         except h2.exceptions.ProtocolError as exc:
-            self._protocol_error(exc)
+            self._protocol_error(exc, frame_size=self._header_announces_too_much(exc))
             return
         self.connection.flush()
+        readers = self.readers
         for event in events:
+            if readers:
+                # A stream with a direct reader: its DATA goes to the reader, not to
+                # grpclib's per-stream Buffer (and its reader task).
+                if isinstance(event, h2.events.DataReceived):
+                    reader = readers.get(event.stream_id)
+                    if reader is not None:
+                        reader.feed(event.data, event.flow_controlled_length)
+                        continue
+                elif isinstance(event, h2.events.StreamEnded):
+                    reader = readers.get(event.stream_id)
+                    if reader is not None:
+                        reader.end()
             self.processor.process(event)
         self.connection.flush()
         self._check_partial_frame()
 
-    def _protocol_error(self, exc: Exception) -> None:
+    def _header_announces_too_much(self, exc: Exception) -> bool:
+        """h2 refused a frame header it could not parse (say, a SETTINGS type on a
+        stream), and that header also announces more than our MAX_FRAME_SIZE.
+
+        The reference checks the length first and answers FRAME_SIZE_ERROR; h2 checks
+        the type first. h2 leaves such a header at the front of its frame buffer
+        (``incoming_buffer._data``).
+        """
+        if not str(exc).startswith("Received frame with invalid header"):
+            return False
+        buffer = self.connection._connection.incoming_buffer
+        pending = buffer._data
+        return len(pending) >= 9 and int.from_bytes(pending[:3], "big") > buffer.max_frame_size
+
+    def _protocol_error(self, exc: Exception, *, frame_size: bool = False) -> None:
+        """Write what h2 queued (its GOAWAY last), then close. With ``frame_size``, h2's
+        GOAWAY (PROTOCOL_ERROR) is replaced by one with FRAME_SIZE_ERROR."""
         log.debug("HTTP/2 protocol error (%r); GOAWAY and close", exc)
         transport = self._transport
         with contextlib.suppress(Exception):
-            pending = self.connection._connection.data_to_send()
+            h2_connection = self.connection._connection
+            pending = h2_connection.data_to_send()
+            if frame_size:
+                goaway = GoAwayFrame(
+                    0,
+                    last_stream_id=h2_connection.highest_inbound_stream_id,
+                    error_code=ErrorCodes.FRAME_SIZE_ERROR,
+                ).serialize()
+                if len(pending) >= len(goaway) and pending[-len(goaway) + 3] == GoAwayFrame.type:
+                    pending = pending[: -len(goaway)]  # h2's own, with PROTOCOL_ERROR
+                pending += goaway
             if pending and transport is not None and not transport.is_closing():
                 transport.write(pending)
         self.processor.close("Protocol error")
@@ -314,8 +370,330 @@ async def read_message(stream: Stream[Any, Any], limit: int) -> bytes | bytearra
         raise FrameError("truncated message") from exc
 
 
+async def send_framed(stream: Stream[Any, Any], payload: bytes) -> None:
+    """Send a framed gRPC message (prefix included) as grpclib's ``send_message`` would,
+    flow control and all, without grpclib framing it again (one copy less of a big
+    reply). The stream's initial metadata must have been sent."""
+    await h2_stream(stream).send_data(payload)
+
+
 def reset_if_open(stream: Stream[Any, Any]) -> None:
     """After our trailers: whatever the client still sends on this stream is not read."""
     raw = h2_stream(stream)
     if raw.closable:
         raw.reset_nowait()
+
+
+def find_connection(stream: Stream[Any, Any], connections: set[Connection]) -> Connection | None:
+    """The :class:`Connection` a grpclib stream belongs to (None once it is gone)."""
+    owner = h2_stream(stream).connection
+    for connection in connections:
+        if getattr(connection, "connection", None) is owner:
+            return connection
+    return None
+
+
+class StreamSender:
+    """Writes one stream's framed gRPC messages synchronously when nothing holds them back.
+
+    :meth:`try_send` hands a message's DATA frames to h2 at once when the socket is
+    writable (grpclib's ``write_ready``: the transport is under its high-water mark) and
+    the stream's flow-control window (h2's, the minimum of the stream's and the
+    connection's) takes the whole message; otherwise it returns False and the caller
+    queues the message for the awaiting :func:`send_framed`. The frames reach the
+    socket on :meth:`flush`, so that the replies of several lanes handled in one loop
+    callback go out in one write. Bytes on the wire are exactly grpclib's: the message
+    as framed by :func:`~rlmesh_trio._wire.encode_join_response_framed`, split at the
+    peer's max frame size.
+    """
+
+    __slots__ = ("_connection", "_h2", "_id", "_transport")
+
+    def __init__(self, stream: Stream[Any, Any]) -> None:
+        raw = h2_stream(stream)
+        assert raw.id is not None
+        self._id: int = raw.id
+        self._connection = raw.connection
+        self._h2 = raw._h2_connection
+        self._transport = raw._transport
+
+    def try_send(self, payload: bytes) -> bool:
+        """Queue a framed gRPC message (prefix included) on the h2 connection now, or
+        return False (nothing was sent).
+
+        Raises h2's errors when the stream is gone (reset, connection closed).
+        """
+        if not self._connection.write_ready.is_set() or self._transport.is_closing():
+            return False
+        h2c = self._h2
+        if h2c.local_flow_control_window(self._id) < len(payload):
+            return False
+        size = h2c.max_outbound_frame_size
+        if len(payload) <= size:
+            h2c.send_data(self._id, payload)
+        else:
+            view = memoryview(payload)
+            for pos in range(0, len(payload), size):
+                h2c.send_data(self._id, view[pos : pos + size])
+            view.release()
+        return True
+
+    def flush(self) -> None:
+        """Write what h2 has buffered (no-op when nothing is)."""
+        data = self._h2.data_to_send()
+        if data and not self._transport.is_closing():
+            self._transport.write(data)
+
+
+class RequestReader:
+    """Reads one stream's gRPC messages inside the connection's data callback.
+
+    No reader task and no queue: :class:`Connection` hands the stream's DATA to
+    :meth:`feed`, which cuts it into messages (the prefix checked first, so an over-size
+    message is refused before its body is buffered; a big body copied into one buffer as
+    it arrives) and calls ``on_message`` with each, in order, on the loop.
+
+    Back-pressure is explicit: while :attr:`paused` (the session is saturated, a big
+    request is being decoded off the loop) or after :meth:`stop`, arriving data is kept
+    as it came and is **not** acknowledged to h2, so no WINDOW_UPDATE goes out and the
+    peer can send at most its flow-control window (grpclib's 4 MiB) more; consuming it
+    later acknowledges it. The stream's end (or an unreadable message) is reported once
+    through ``on_end`` (None, or the :class:`~rlmesh_trio._errors.WireError`), after
+    every message before it was delivered.
+    """
+
+    def __init__(
+        self,
+        connection: Connection,
+        stream: Stream[Any, Any],
+        limit: int,
+        on_message: Callable[[bytes | bytearray], None],
+        on_end: Callable[[WireError | None], None],
+    ) -> None:
+        raw = h2_stream(stream)
+        assert raw.id is not None
+        self._id: int = raw.id
+        self._raw = raw
+        self._connection = connection
+        self._h2 = raw._h2_connection
+        self._limit = limit
+        self._on_message = on_message
+        self._on_end = on_end
+        self._chunks: deque[tuple[bytes | memoryview, int]] = deque()  # data, to ack
+        self.buffered = 0  # bytes received and not yet consumed
+        self._consumed = 0  # flow-controlled bytes consumed, not yet acknowledged
+        self._eof = False
+        self._done = False  # the end was reported, or the reader detached: discard
+        self._stopped = False
+        self._paused = False
+        self._pumping = False
+        # The message being read: its prefix so far, or its body.
+        self._prefix = b""
+        self._length = -1  # body length, -1 while reading the prefix
+        self._small: list[bytes | memoryview] = []
+        self._small_size = 0
+        self._big: bytearray | None = None
+        self._big_view: memoryview | None = None
+        self._pos = 0
+
+    # -- control
+
+    def attach(self) -> None:
+        """Take over the stream's DATA: what grpclib buffered so far, then all that comes."""
+        self._connection.readers[self._id] = self
+        buffer = self._raw.buffer
+        queued = buffer._unacked
+        while not queued.empty():
+            data, _, ack_size = queued.get_nowait()
+            if not ack_size and not data:
+                self._eof = True
+            else:
+                self._chunks.append((data, ack_size))
+                self.buffered += len(data)
+        if buffer._eof:
+            self._eof = True
+        self._pump()
+        self._flush()
+
+    def close(self) -> None:
+        """Read no more, ever: what was kept and what still comes is acknowledged, dropped.
+
+        The WINDOW_UPDATE goes out at once: the connection's window is shared, and a peer
+        waiting for it to send on another stream may send nothing else meanwhile.
+        """
+        self._done = True
+        self._drop_all()
+        self._flush()
+
+    def detach(self) -> None:
+        """:meth:`close`, and the stream's DATA goes back to grpclib (the call is over)."""
+        self.close()
+        if self._connection.readers.get(self._id) is self:
+            del self._connection.readers[self._id]
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @paused.setter
+    def paused(self, value: bool) -> None:
+        if value == self._paused:
+            return
+        self._paused = value
+        if not value:
+            self._pump()
+            self._flush()
+
+    def stop(self) -> None:
+        """Consume no more (the server is draining); kept data stays unacknowledged."""
+        self._stopped = True
+
+    # -- events from the connection
+
+    def feed(self, data: bytes, flow_controlled_length: int) -> None:
+        if self._done:
+            self._ack(flow_controlled_length)
+            return
+        self._chunks.append((data, flow_controlled_length))
+        self.buffered += len(data)
+        self._pump()
+
+    def end(self) -> None:
+        self._eof = True
+        self._pump()
+
+    # -- internals
+
+    def _ack(self, size: int) -> None:
+        if size and not self._connection.connection.is_closing():
+            with contextlib.suppress(h2.exceptions.H2Error):
+                self._h2.acknowledge_received_data(size, self._id)
+
+    def _flush(self) -> None:
+        if not self._connection.connection.is_closing():
+            self._connection.connection.flush()
+
+    def _drop_all(self) -> None:
+        ack, self._consumed = self._consumed, 0
+        while self._chunks:
+            ack += self._chunks.popleft()[1]
+        self.buffered = 0
+        self._small.clear()
+        self._big = None
+        if self._big_view is not None:
+            self._big_view.release()
+            self._big_view = None
+        self._ack(ack)
+
+    def _report_end(self, error: WireError | None) -> None:
+        self._done = True
+        self._drop_all()
+        self._on_end(error)
+
+    def _pump(self) -> None:
+        if self._pumping:
+            return  # re-entered from a callback: the loop below goes on
+        self._pumping = True
+        try:
+            self._consume()
+        finally:
+            self._pumping = False
+        if self._consumed and (self._paused or self._stopped):
+            # Held back: what was consumed must not wait for a batch that may never come.
+            self._ack(self._consumed)
+            self._consumed = 0
+
+    def _consume(self) -> None:
+        chunks = self._chunks
+        while not (self._done or self._paused or self._stopped):
+            if not chunks:
+                if self._eof:
+                    mid_message = self._length >= 0 or self._prefix
+                    self._report_end(FrameError("truncated message") if mid_message else None)
+                return
+            data, ack = chunks[0]
+            try:
+                message, rest = self._cut(data)
+            except WireError as exc:
+                self._report_end(exc)
+                return
+            if rest is None:  # the chunk is consumed
+                chunks.popleft()
+                self.buffered -= len(data)
+                self._consumed += ack
+                if self._consumed >= ACK_BATCH:
+                    self._ack(self._consumed)
+                    self._consumed = 0
+            else:
+                chunks[0] = (rest, ack)  # acknowledged once the rest is consumed too
+                self.buffered -= len(data) - len(rest)
+            del data
+            if message is not None:
+                try:
+                    self._on_message(message)
+                except Exception:
+                    log.exception("a Join request could not be handled")
+                    self._report_end(FrameError("request handling failed"))
+                    return
+                del message
+
+    def _cut(
+        self, data: bytes | memoryview
+    ) -> tuple[bytes | bytearray | None, bytes | memoryview | None]:
+        """Consume from ``data``: (a complete message or None, the unconsumed rest or None)."""
+        if self._length < 0:
+            if not self._prefix and len(data) >= PREFIX_SIZE:
+                length = parse_prefix(bytes(data[:PREFIX_SIZE]), self._limit)
+                end = PREFIX_SIZE + length
+                if len(data) == end and length <= SMALL_MESSAGE:  # the usual case
+                    return bytes(data[PREFIX_SIZE:]), None
+                data = memoryview(data)[PREFIX_SIZE:]
+            else:
+                need = PREFIX_SIZE - len(self._prefix)
+                self._prefix += bytes(data[:need])
+                data = memoryview(data)[need:] if len(data) > need else b""
+                if len(self._prefix) < PREFIX_SIZE:
+                    return None, None
+                length = parse_prefix(self._prefix, self._limit)
+                self._prefix = b""
+            self._start_body(length)
+            if length == 0:
+                return self._finish_body(), data if len(data) else None
+            if not len(data):
+                return None, None
+        return self._take_body(data)
+
+    def _start_body(self, length: int) -> None:
+        self._length = length
+        self._pos = 0
+        if length > SMALL_MESSAGE:
+            self._big = bytearray(length)
+            self._big_view = memoryview(self._big)
+
+    def _take_body(
+        self, data: bytes | memoryview
+    ) -> tuple[bytes | bytearray | None, bytes | memoryview | None]:
+        need = self._length - self._pos
+        piece = data if len(data) <= need else memoryview(data)[:need]
+        taken = len(piece)
+        if self._big_view is not None:
+            self._big_view[self._pos : self._pos + taken] = piece
+        else:
+            self._small.append(bytes(piece) if isinstance(piece, memoryview) else piece)
+        self._pos += taken
+        rest = memoryview(data)[taken:] if len(data) > taken else None
+        if self._pos < self._length:
+            return None, rest
+        return self._finish_body(), rest
+
+    def _finish_body(self) -> bytes | bytearray:
+        self._length = -1
+        if self._big is not None:
+            message: bytes | bytearray = self._big
+            assert self._big_view is not None
+            self._big_view.release()
+            self._big = self._big_view = None
+            return message
+        message = b"".join(self._small)
+        self._small.clear()
+        return message

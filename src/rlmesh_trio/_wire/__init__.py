@@ -8,6 +8,7 @@ from ._framing import parse_prefix as parse_prefix
 from ._join import Clipped as Clipped
 from ._join import decode_join_request as decode_join_request
 from ._join import encode_join_response as encode_join_response
+from ._join import encode_join_response_framed as encode_join_response_framed
 from ._protobuf import decode_message as decode_message
 from ._unary import HEALTH_NOT_SERVING as HEALTH_NOT_SERVING
 from ._unary import HEALTH_SERVING as HEALTH_SERVING

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import DecodeError
+from .._errors import DecodeError, MessageTooLarge
 from .._proto.rlmesh.env import v1 as env_v1
 from .._proto.rlmesh.spaces import v1 as spaces_v1
 from ._protobuf import (
@@ -218,43 +218,6 @@ def _packed_varints(tag: bytes, values: list[int]) -> bytes:
     return len_prefixed(tag, b"".join(encode_varint(v) for v in values))
 
 
-def _step(step: env_v1.StepResponse) -> bytes:
-    out = bytearray()
-    if step.observation is not None:
-        out += len_prefixed(b"\x0a", _space_value(step.observation))
-    if step.rewards:
-        out += len_prefixed(b"\x12", struct.pack(f"<{len(step.rewards)}d", *step.rewards))
-    if step.terminated_mask:
-        out += len_prefixed(b"\x1a", step.terminated_mask)
-    if step.truncated_mask:
-        out += len_prefixed(b"\x22", step.truncated_mask)
-    if step.infos is not None:
-        out += len_prefixed(b"\x2a", _meta_map(step.infos))
-    if step.completed_episodes:
-        out += _episodes(b"\x32", step.completed_episodes)
-    if step.env_indices:
-        out += _packed_varints(b"\x3a", step.env_indices)
-    return bytes(out)
-
-
-def _reset(reset: env_v1.ResetResponse) -> bytes:
-    out = b""
-    if reset.observation is not None:
-        out += len_prefixed(b"\x0a", _space_value(reset.observation))
-    if reset.infos is not None:
-        out += len_prefixed(b"\x12", _meta_map(reset.infos))
-    return out
-
-
-def _render(render: env_v1.RenderResponse) -> bytes:
-    out = b""
-    if render.frame is not None:
-        out += len_prefixed(b"\x0a", render.frame)
-    if render.format:
-        out += b"\x10" + encode_varint(int(render.format))
-    return out
-
-
 def _error(error: env_v1.EnvError) -> bytes:
     out = bytearray()
     if error.code:
@@ -280,28 +243,115 @@ _TIMINGS = (
 )
 
 
-def encode_join_response(response: env_v1.JoinResponse) -> bytes:
-    """``bytes(response)``, byte for byte, without betterproto2's per-field overhead."""
-    out = bytearray()
+def _len_field(tag: bytes, parts: list[bytes], size: int) -> tuple[list[bytes], int]:
+    """A length-delimited field over ``parts`` (``size`` bytes in all), still in parts."""
+    head = tag + encode_varint(size)
+    return [head, *parts], len(head) + size
+
+
+def _space_value_parts(value: spaces_v1.SpaceValue) -> tuple[list[bytes], int]:
+    parts: list[bytes] = []
+    size = 0
+    for leaf in value.leaves:
+        head = b"\x0a" + encode_varint(len(leaf))
+        parts += (head, leaf)
+        size += len(head) + len(leaf)
+    return parts, size
+
+
+def _step_parts(step: env_v1.StepResponse) -> tuple[list[bytes], int]:
+    """``_step``, with the observation's leaves kept as they are (not copied)."""
+    parts: list[bytes] = []
+    size = 0
+    if step.observation is not None:
+        parts, size = _len_field(b"\x0a", *_space_value_parts(step.observation))
+    rest = bytearray()
+    if step.rewards:
+        rest += len_prefixed(b"\x12", struct.pack(f"<{len(step.rewards)}d", *step.rewards))
+    if step.terminated_mask:
+        rest += len_prefixed(b"\x1a", step.terminated_mask)
+    if step.truncated_mask:
+        rest += len_prefixed(b"\x22", step.truncated_mask)
+    if step.infos is not None:
+        rest += len_prefixed(b"\x2a", _meta_map(step.infos))
+    if step.completed_episodes:
+        rest += _episodes(b"\x32", step.completed_episodes)
+    if step.env_indices:
+        rest += _packed_varints(b"\x3a", step.env_indices)
+    parts.append(bytes(rest))
+    return parts, size + len(rest)
+
+
+def _reset_parts(reset: env_v1.ResetResponse) -> tuple[list[bytes], int]:
+    parts: list[bytes] = []
+    size = 0
+    if reset.observation is not None:
+        parts, size = _len_field(b"\x0a", *_space_value_parts(reset.observation))
+    if reset.infos is not None:
+        infos = len_prefixed(b"\x12", _meta_map(reset.infos))
+        parts.append(infos)
+        size += len(infos)
+    return parts, size
+
+
+def _render_parts(render: env_v1.RenderResponse) -> tuple[list[bytes], int]:
+    parts: list[bytes] = []
+    size = 0
+    if render.frame is not None:
+        parts, size = _len_field(b"\x0a", [render.frame], len(render.frame))
+    if render.format:
+        fmt = b"\x10" + encode_varint(int(render.format))
+        parts.append(fmt)
+        size += len(fmt)
+    return parts, size
+
+
+def _response_parts(response: env_v1.JoinResponse) -> tuple[list[bytes], int]:
+    """The encoded JoinResponse as pieces to join once (big leaves are never copied
+    before the final join: a 400 KB observation would otherwise be copied at every
+    nesting level, each copy a fresh page-faulting allocation)."""
+    head = bytearray()
     if response.request_id:
-        out += len_prefixed(b"\x2a", response.request_id.encode())
+        head += len_prefixed(b"\x2a", response.request_id.encode())
     for name, tag in _TIMINGS:
         value = getattr(response, name)
         if value is not None:
-            out += tag + encode_varint(value)
+            head += tag + encode_varint(value)
+    body: tuple[list[bytes], int] | None = None
     if response.reset is not None:
-        out += len_prefixed(b"\x0a", _reset(response.reset))
+        body = _len_field(b"\x0a", *_reset_parts(response.reset))
     elif response.step is not None:
-        out += len_prefixed(b"\x12", _step(response.step))
+        body = _len_field(b"\x12", *_step_parts(response.step))
     elif response.render is not None:
-        out += len_prefixed(b"\x1a", _render(response.render))
+        body = _len_field(b"\x1a", *_render_parts(response.render))
     elif response.close is not None:
-        out += len_prefixed(b"\x22", _episodes(b"\x0a", response.close.final_episodes))
+        head += len_prefixed(b"\x22", _episodes(b"\x0a", response.close.final_episodes))
     elif response.configure is not None:
-        out += b"\x3a\x00"
+        head += b"\x3a\x00"
     elif response.error is not None:
-        out += len_prefixed(b"\x52", _error(response.error))
-    return bytes(out)
+        head += len_prefixed(b"\x52", _error(response.error))
+    if body is None:
+        return [bytes(head)], len(head)
+    return [bytes(head), *body[0]], len(head) + body[1]
+
+
+def encode_join_response(response: env_v1.JoinResponse) -> bytes:
+    """``bytes(response)``, byte for byte, without betterproto2's per-field overhead."""
+    parts, _ = _response_parts(response)
+    return b"".join(parts)
+
+
+def encode_join_response_framed(response: env_v1.JoinResponse, limit: int) -> bytes:
+    """The gRPC message of ``response``: the 5-byte prefix and
+    :func:`encode_join_response`'s bytes, built with one copy of each leaf.
+
+    Raises :class:`~rlmesh_trio._errors.MessageTooLarge` ("encoded ...") past ``limit``,
+    before anything is joined.
+    """
+    parts, size = _response_parts(response)
+    if size > limit:
+        raise MessageTooLarge(size, limit, direction="encoded")
+    return b"".join([b"\x00" + size.to_bytes(4, "big"), *parts])
 
 
 # --------------------------------------------------------------------------- decoding
