@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
@@ -45,6 +46,9 @@ from ._messages import (
     reset_request,
     step_request,
 )
+
+if sys.version_info < (3, 11):  # pragma: no cover - trio depends on the backport there
+    from exceptiongroup import BaseExceptionGroup
 
 __all__ = ["Endpoint", "open_endpoint"]
 
@@ -405,22 +409,32 @@ async def open_endpoint(
         ping_timeout=ping_timeout,
         close_timeout=close_timeout,
     )
-    async with trio.open_nursery() as nursery:
-        try:
-            with trio.fail_after(connect_timeout):
-                await endpoint._start(nursery)
-        except trio.TooSlowError:
-            await endpoint.aclose()
-            nursery.cancel_scope.cancel()
-            raise ConnectionLostError(
-                f"no session with {target} within connect_timeout={connect_timeout:g} s"
-            ) from None
-        except BaseException:
-            await endpoint.aclose()
-            nursery.cancel_scope.cancel()
+    single: BaseException | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            try:
+                with trio.fail_after(connect_timeout):
+                    await endpoint._start(nursery)
+            except trio.TooSlowError:
+                await endpoint.aclose()
+                nursery.cancel_scope.cancel()
+                raise ConnectionLostError(
+                    f"no session with {target} within connect_timeout={connect_timeout:g} s"
+                ) from None
+            except BaseException:
+                await endpoint.aclose()
+                nursery.cancel_scope.cancel()
+                raise
+            try:
+                yield endpoint
+            finally:
+                await endpoint.aclose()
+                nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # The reader task never raises: a group holds the caller's own exception (or
+        # the startup error). Hand it over as itself, not wrapped by our nursery.
+        if len(group.exceptions) != 1:
             raise
-        try:
-            yield endpoint
-        finally:
-            await endpoint.aclose()
-            nursery.cancel_scope.cancel()
+        single = group.exceptions[0]
+    if single is not None:
+        raise single
