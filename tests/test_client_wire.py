@@ -254,3 +254,47 @@ async def test_big_messages_go_through_flow_control() -> None:
 
             await trio.to_thread.run_sync(sync)
             nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(
+    "space",
+    [
+        spaces.Box(-1.0, 1.0, (2, 3), np.float32),
+        spaces.Box(0, 255, (4,), np.uint8),
+        spaces.Box(0, 1, (3,), np.bool_),
+        spaces.Discrete(5, start=-2),
+        spaces.MultiBinary((2, 2)),
+        spaces.MultiDiscrete([3, 4]),
+    ],
+    ids=repr,
+)
+def test_the_fixed_leaf_fast_path_equals_the_general_codec(space: gym.spaces.Space[Any]) -> None:
+    """Single-leaf spaces skip the per-lane conversion; the bytes and the batches must be
+    exactly those of the general path (the package codec + gymnasium's batching)."""
+    from rlmesh_trio.client._core import Codecs, Contract
+
+    codecs = Codecs(Contract("X-v0", 3, None, "DISABLED", {}, {}, space, space))
+    assert codecs.fast_action is not None and codecs.fast_observation is not None
+    batched = gym.vector.utils.batch_space(space, 3)
+    batched.seed(1)
+    for _ in range(5):
+        actions = batched.sample()
+        rows = list(gym.vector.utils.iterate(batched, actions))
+        general = codecs.action.encode_batch(rows)
+        assert codecs.encode_actions(actions, 3) == general
+        fast = codecs.observation_batch(general, 3)
+        slow = gym.vector.utils.concatenate(
+            space,
+            codecs.observation.decode(general, 3),
+            gym.vector.utils.create_empty_array(space, 3),
+        )
+        assert fast.dtype == slow.dtype and fast.shape == slow.shape and np.array_equal(fast, slow)
+        assert fast.flags.writeable
+    # Values the fast path does not take go through the general conversion and checks.
+    if isinstance(space, spaces.Discrete):
+        assert codecs.encode_actions([1.0, 2.0, 0.0], 3) == codecs.action.encode_batch([1, 2, 0])
+    with pytest.raises(EnvError) as info:
+        codecs.encode_actions(np.zeros((2, 9)), 3)
+    assert (info.value.code, info.value.is_recoverable) == (ErrorCode.INVALID_ACTION, True)
+    with pytest.raises(Exception, match="malformed reply"):
+        codecs.observation_batch([b"\x00"], 3)

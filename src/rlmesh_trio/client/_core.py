@@ -192,6 +192,10 @@ class Codecs:
         self.observation = SpaceCodec(contract.observation_space)
         self.action = SpaceCodec(contract.action_space)
         self._batch_actions: dict[int, gym.spaces.Space[Any]] = {}
+        self.fast_observation = _FixedLeaf.of(contract.observation_space)
+        """Set when the observation is one fixed-width leaf (Box, Discrete, MultiBinary,
+        MultiDiscrete): batches are then read straight from the slab."""
+        self.fast_action = _FixedLeaf.of(contract.action_space)
 
     def batched_action_space(self, k: int) -> gym.spaces.Space[Any]:
         space = self._batch_actions.get(k)
@@ -201,6 +205,10 @@ class Codecs:
 
     def encode_actions(self, actions: Any, k: int) -> list[bytes]:
         """``k`` lanes' actions (batched, leading dimension ``k``) as wire leaves."""
+        if self.fast_action is not None:
+            slab = self.fast_action.encode(actions, k)
+            if slab is not None:
+                return [slab]
         try:
             rows = list(iterate(self.batched_action_space(k), actions))
             if len(rows) != k:
@@ -234,8 +242,16 @@ class Codecs:
                 is_recoverable=True,
             ) from exc
 
+    def observation_batch(self, leaves: Sequence[bytes] | None, k: int) -> Any:
+        """The ``k`` lanes' observations batched as gymnasium batches them."""
+        if self.fast_observation is not None:
+            return self.fast_observation.decode(leaves, k)
+        return self.batch(self.observations(leaves, k))
+
     def observations(self, leaves: Sequence[bytes] | None, k: int) -> list[Any]:
         """Each of the ``k`` lanes' observations (fresh, writable objects)."""
+        if self.fast_observation is not None:
+            return list(self.fast_observation.decode(leaves, k))
         try:
             values = self.observation.decode(leaves, k)
         except CodecError as exc:
@@ -243,9 +259,75 @@ class Codecs:
         return [_own(self.observation.space, v) for v in values]
 
     def batch(self, values: Sequence[Any]) -> Any:
+        if self.fast_observation is not None:
+            return np.stack(values)
         space = self.observation.space
         out: Any = create_empty_array(space, len(values))
         return concatenate(space, values, out)
+
+
+class _FixedLeaf:
+    """A space that is a single fixed-width wire leaf: the fast path for the common
+    Box / Discrete / MultiBinary / MultiDiscrete spaces (no per-lane Python objects)."""
+
+    __slots__ = ("binary", "out", "row_bytes", "shape", "wire")
+
+    def __init__(
+        self, wire: np.dtype[Any], out: np.dtype[Any], shape: tuple[int, ...], binary: bool
+    ) -> None:
+        self.wire = wire
+        self.out = out
+        self.shape = shape
+        self.binary = binary
+        self.row_bytes = int(np.prod(shape, dtype=np.int64)) * wire.itemsize
+
+    @classmethod
+    def of(cls, space: gym.spaces.Space[Any]) -> _FixedLeaf | None:
+        if isinstance(space, gym.spaces.Box):
+            dtype = np.dtype(space.dtype)
+            return cls(dtype.newbyteorder("<"), dtype, tuple(space.shape), dtype == np.bool_)
+        if isinstance(space, gym.spaces.Discrete):
+            return cls(np.dtype("<i8"), np.dtype(space.dtype), (), False)
+        if isinstance(space, gym.spaces.MultiDiscrete):
+            return cls(np.dtype("<i8"), np.dtype(space.dtype), tuple(space.nvec.shape), False)
+        if isinstance(space, gym.spaces.MultiBinary):
+            return cls(np.dtype("u1"), np.dtype(space.dtype), tuple(space.shape), True)
+        return None
+
+    def decode(self, leaves: Sequence[bytes] | None, k: int) -> np.ndarray[Any, Any]:
+        if leaves is None or len(leaves) != 1 or len(leaves[0]) != k * self.row_bytes:
+            got = "no value" if leaves is None else f"{[len(x) for x in leaves]} leaf bytes"
+            raise _malformed(f"observation does not match the contract: {got} for {k} lanes")
+        array = np.frombuffer(leaves[0], dtype=self.wire).reshape(k, *self.shape)
+        if self.binary:
+            array = array != 0
+        return array.astype(self.out)  # a copy: writable, owns its memory
+
+    def encode(self, actions: Any, k: int) -> bytes | None:
+        """The slab of ``k`` lanes' actions if they are already a plain array of the
+        right shape and kind, else None (the general path then converts and checks)."""
+        if not isinstance(actions, np.ndarray | list | tuple):
+            return None
+        array = np.asarray(actions)
+        if array.shape != (k, *self.shape):
+            return None
+        kind = array.dtype.kind
+        if self.wire.kind == "f" or self.out == np.bool_:
+            exact = array.dtype == self.out  # floats and bools: exactly the space's dtype
+            if not exact:
+                return None
+        elif not _integral(kind, array.dtype.itemsize, self.binary):
+            return None
+        if self.binary:
+            array = array != 0
+        return array.astype(self.wire, copy=False).tobytes()
+
+
+def _integral(kind: str, itemsize: int, binary: bool) -> bool:
+    """Integers that fit int64 (bools too for MultiBinary): encoded without checks."""
+    if kind == "b":
+        return binary
+    return kind == "i" or (kind == "u" and itemsize < 8)
 
 
 def _own(space: gym.spaces.Space[Any], value: Any) -> Any:

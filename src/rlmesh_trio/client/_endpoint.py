@@ -85,7 +85,9 @@ class Endpoint:
         self._target = target
         self._conn = GrpcConnection(target.authority, metadata(token))
         self._stream: trio.abc.Stream | None = None
-        self._send_lock = trio.Lock()
+        self._outbuf = bytearray()
+        self._sending = False
+        self._read_scope: trio.CancelScope | None = None
         self._unary: dict[int, trio.Event] = {}
         self._state: JoinState | None = None
         self._ping_interval = ping_interval
@@ -155,8 +157,7 @@ class Endpoint:
             env_indices=lanes or (),
         )
         reply = result_of(await self._call(payload, rid), "reset")
-        observations = state.codecs.observations(reply.leaves, k)
-        return state.codecs.batch(observations), reply.infos
+        return state.codecs.observation_batch(reply.leaves, k), reply.infos
 
     async def step(
         self,
@@ -179,9 +180,9 @@ class Endpoint:
         )
         reply = result_of(await self._call(payload, rid), "step")
         rewards, terminated, truncated = step_arrays(reply, k)
-        observations = state.codecs.observations(reply.leaves, k)
         state.completed.extend(reply.episodes)
-        return state.codecs.batch(observations), rewards, terminated, truncated, reply.infos
+        observations = state.codecs.observation_batch(reply.leaves, k)
+        return observations, rewards, terminated, truncated, reply.infos
 
     async def render(
         self, lane: int = 0, *, timeout_ms: int | None = None
@@ -212,6 +213,7 @@ class Endpoint:
                 rid = state.next_id()
                 try:
                     slot = state.submit(close_request(rid, reason), rid, _noop)
+                    self._arm_keepalive()
                     state.closing = True
                     await self._flush()
                     await self._wait_slot(slot, rid)
@@ -251,6 +253,7 @@ class Endpoint:
         self._state = state = JoinState(self._conn, join, contract)
         rid = state.next_id()
         slot = state.submit(configure_request(rid), rid, _noop)
+        self._arm_keepalive()
         await self._flush()
         await self._wait_slot(slot, rid)
         result_of(slot, "configure")
@@ -260,6 +263,7 @@ class Endpoint:
         event = self._unary[call.id] = trio.Event()
         try:
             self._conn.send(call, payload, end=True)
+            self._arm_keepalive()
             await self._flush()
             await event.wait()
         finally:
@@ -272,6 +276,7 @@ class Endpoint:
     async def _call(self, payload: bytes, rid: str) -> Slot:
         state = self._joined()
         slot = state.submit(payload, rid, _noop)
+        self._arm_keepalive()
         await self._flush()
         await self._wait_slot(slot, rid)
         return slot
@@ -288,19 +293,29 @@ class Endpoint:
                 self._state.abandon(rid)
 
     async def _flush(self) -> None:
-        """Write whatever the connection has to send; a write never stops half-way."""
-        async with self._send_lock:
-            data = self._conn.data_to_send()
-            if not data or self._stream is None:
-                return
-            with trio.CancelScope(shield=True):
-                with trio.move_on_after(WRITE_TIMEOUT) as scope:
-                    try:
-                        await self._stream.send_all(data)
-                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                        self._lose(f"connection lost while writing: {exc!r}")
-                if scope.cancelled_caught:
-                    self._lose(f"the server did not read for {WRITE_TIMEOUT:g} s")
+        """Write whatever the connection has to send; a write never stops half-way.
+
+        Bytes are appended to one buffer in the order h2 produced them; one task at a
+        time writes it out and keeps going until it is empty, so the others return at
+        once (no checkpoint when there is nothing to do).
+        """
+        self._outbuf += self._conn.data_to_send()
+        if self._sending or not self._outbuf or self._stream is None:
+            return
+        self._sending = True
+        try:
+            with trio.CancelScope(shield=True), trio.move_on_after(WRITE_TIMEOUT) as scope:
+                while self._outbuf:
+                    chunk = bytes(self._outbuf)
+                    self._outbuf.clear()
+                    await self._stream.send_all(chunk)
+                    self._outbuf += self._conn.data_to_send()
+            if scope.cancelled_caught:
+                self._lose(f"the server did not read for {WRITE_TIMEOUT:g} s")
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            self._lose(f"connection lost while writing: {exc!r}")
+        finally:
+            self._sending = False
 
     def _lose(self, why: str) -> None:
         self._conn.lose(why)
@@ -314,6 +329,15 @@ class Endpoint:
             if call is None or call.ended or self._conn.lost is not None:
                 event.set()
 
+    def _waiting(self) -> bool:
+        return bool(self._unary) or bool(self._state is not None and self._state.pending)
+
+    def _arm_keepalive(self) -> None:
+        """A request went out: the reader's silence clock starts now if it was idle."""
+        scope = self._read_scope
+        if scope is not None and scope.deadline == math.inf:
+            scope.deadline = trio.current_time() + self._ping_interval
+
     async def _reader(self) -> None:
         """Read, feed h2, route replies; keep-alive PINGs while requests wait."""
         stream = self._stream
@@ -322,20 +346,24 @@ class Endpoint:
         ping_deadline = math.inf
         try:
             while self._conn.lost is None:
-                waiting = bool(self._unary) or bool(self._state is not None and self._state.pending)
                 if ping_deadline < math.inf:
                     timeout = max(0.0, ping_deadline - trio.current_time())
                 else:
-                    timeout = self._ping_interval if waiting else math.inf
+                    timeout = self._ping_interval if self._waiting() else math.inf
                 data = None
-                with trio.move_on_after(timeout):
+                with trio.CancelScope() as scope:
+                    scope.deadline = trio.current_time() + timeout
+                    self._read_scope = scope
                     data = await stream.receive_some(_READ_SIZE)
+                self._read_scope = None
                 if data is None:
                     if ping_deadline < math.inf:
                         self._lose(
                             f"no answer to a keep-alive PING within {self._ping_timeout:g} s"
                         )
                         break
+                    if not self._waiting():
+                        continue
                     acked = self._conn.pings_acked
                     self._conn.ping(b"rlt-ping")
                     ping_deadline = trio.current_time() + self._ping_timeout

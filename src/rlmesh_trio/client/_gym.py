@@ -212,9 +212,13 @@ class VectorEnv(gym.vector.VectorEnv):
         Any, np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any], dict[str, Any]
     ]:
         n = self.num_envs
-        rows = list(iterate(self.action_space, actions))
-        if len(rows) != n:
-            raise ValueError(f"expected {n} actions, got {len(rows)}")
+        codecs = self._state.codecs
+        fast = codecs.fast_action
+        rows: list[Any] | None = None
+        if not (fast is not None and isinstance(actions, np.ndarray) and actions.shape[:1] == (n,)):
+            rows = list(iterate(self.action_space, actions))
+            if len(rows) != n:
+                raise ValueError(f"expected {n} actions, got {len(rows)}")
         mode = self.autoreset_mode
         if mode == AutoresetMode.NEXT_STEP:
             reset_lanes = [i for i in range(n) if self._autoreset_envs[i]]
@@ -227,11 +231,13 @@ class VectorEnv(gym.vector.VectorEnv):
                     "first with reset(options={'reset_mask': mask})"
                 )
         step_lanes = [i for i in range(n) if i not in set(reset_lanes)]
-        codecs = self._state.codecs
         builders: list[Any] = []
         kinds: list[str] = []
         if step_lanes:
-            leaves = codecs.encode_actions_rows([rows[i] for i in step_lanes])
+            if rows is None:
+                leaves = codecs.encode_actions(actions[step_lanes], len(step_lanes))
+            else:
+                leaves = codecs.encode_actions_rows([rows[i] for i in step_lanes])
             builders.append(
                 partial(_step_builder, leaves=leaves, timeout_ms=self._timeout_ms, lanes=step_lanes)
             )
@@ -294,6 +300,8 @@ class VectorEnv(gym.vector.VectorEnv):
         )
 
     def _observations(self) -> Any:
+        if self._state.codecs.fast_observation is not None:
+            return np.stack(self._env_obs)
         space = self.single_observation_space
         out: Any = create_empty_array(space, self.num_envs)
         return concatenate(space, self._env_obs, out)
