@@ -30,6 +30,7 @@ from ._messages import Episode, Reply, close_request, configure_request, handsha
 __all__ = ["BlockingEndpoint"]
 
 _READ_SIZE = 256 * 1024
+_QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)
 
 
 class BlockingEndpoint:
@@ -60,6 +61,7 @@ class BlockingEndpoint:
         self._conn = GrpcConnection(self.target.authority, metadata(token))
         self._sock: socket.socket | None = None
         self._closed: list[Episode] | None = None
+        self._quickack = False
         deadline = time.monotonic() + connect_timeout
         try:
             self._sock = self._connect(connect_timeout)
@@ -89,6 +91,7 @@ class BlockingEndpoint:
                 assert target.host is not None and target.port is not None
                 sock = socket.create_connection((target.host, target.port), timeout=timeout)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self._quickack = _QUICKACK is not None
         except OSError as exc:
             raise ConnectionLostError(f"cannot connect to {target}: {exc}") from None
         return sock
@@ -143,6 +146,9 @@ class BlockingEndpoint:
                 self._conn.lose(f"connection lost: {exc!r}")
                 self._after()
                 return
+            if data and self._quickack:  # see _endpoint._quickack
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.IPPROTO_TCP, _QUICKACK, 1)  # type: ignore[arg-type]
             self._conn.receive(data)
             if self._conn.pings_acked > acked:
                 ping_deadline = None

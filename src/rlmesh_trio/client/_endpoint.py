@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import socket
 import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
@@ -61,6 +62,17 @@ WRITE_TIMEOUT = 60.0
 connection is declared lost."""
 
 _READ_SIZE = 256 * 1024
+_QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)
+
+
+def _quickack(stream: trio.abc.Stream) -> None:
+    """Acknowledge what was just read at once (Linux ``TCP_QUICKACK``, which the kernel
+    clears again by itself). Servers that leave Nagle on (rlmesh 0.1.0's) otherwise hold
+    their next reply until our delayed ACK fires, 40 ms later, whenever two replies are
+    in flight; measured: 4 pipelined lanes at 81 env steps/s without it, 1396 with."""
+    assert isinstance(stream, trio.SocketStream) and _QUICKACK is not None
+    with contextlib.suppress(OSError):
+        stream.setsockopt(socket.IPPROTO_TCP, _QUICKACK, 1)
 
 
 class Endpoint:
@@ -88,6 +100,7 @@ class Endpoint:
         self._outbuf = bytearray()
         self._sending = False
         self._read_scope: trio.CancelScope | None = None
+        self._quickack = False
         self._unary: dict[int, trio.Event] = {}
         self._state: JoinState | None = None
         self._ping_interval = ping_interval
@@ -242,6 +255,7 @@ class Endpoint:
             else:
                 assert target.host is not None and target.port is not None
                 self._stream = await trio.open_tcp_stream(target.host, target.port)
+                self._quickack = _QUICKACK is not None
         except OSError as exc:
             raise ConnectionLostError(f"cannot connect to {target}: {exc}") from None
         nursery.start_soon(self._reader)
@@ -356,6 +370,8 @@ class Endpoint:
                     self._read_scope = scope
                     data = await stream.receive_some(_READ_SIZE)
                 self._read_scope = None
+                if data and self._quickack:
+                    _quickack(stream)
                 if data is None:
                     if ping_deadline < math.inf:
                         self._lose(

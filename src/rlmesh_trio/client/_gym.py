@@ -128,13 +128,14 @@ class VectorEnv(gym.vector.VectorEnv):
             groups.append(([lane for lane, _ in seeded], [int(s) for _, s in seeded]))
         if unseeded:
             groups.append((unseeded, []))
+        everyone = len(groups) == 1 and groups[0][0] == list(range(self.num_envs))
         builders = [
             partial(
                 _reset_builder,
                 seeds=group_seeds,
                 options=options,
                 timeout_ms=self._timeout_ms,
-                lanes=group,
+                lanes=[] if everyone else group,  # all lanes alike: one whole-vector reset
             )
             for group, group_seeds in groups
         ]
@@ -234,12 +235,21 @@ class VectorEnv(gym.vector.VectorEnv):
         builders: list[Any] = []
         kinds: list[str] = []
         if step_lanes:
+            whole = len(step_lanes) == n
             if rows is None:
-                leaves = codecs.encode_actions(actions[step_lanes], len(step_lanes))
+                subset = actions if whole else actions[step_lanes]
+                leaves = codecs.encode_actions(subset, len(step_lanes))
             else:
                 leaves = codecs.encode_actions_rows([rows[i] for i in step_lanes])
+            # Every lane steps: a whole-vector step (the same on a lane endpoint, and the
+            # form every server handles fastest); else a lane-scoped one beside the resets.
             builders.append(
-                partial(_step_builder, leaves=leaves, timeout_ms=self._timeout_ms, lanes=step_lanes)
+                partial(
+                    _step_builder,
+                    leaves=leaves,
+                    timeout_ms=self._timeout_ms,
+                    lanes=[] if whole else step_lanes,
+                )
             )
             kinds.append("step")
         if reset_lanes:
