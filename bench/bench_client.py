@@ -62,23 +62,31 @@ def percentile(values: list[float], q: float) -> float:
 # ---------------------------------------------------------------------------- throughput
 
 
-def ours_vector(address: str, n: int, seconds: float) -> float:
+def ours_vector(address: str, n: int, seconds: float) -> tuple[float, float]:
     env = VectorEnv(address)
     try:
         env.reset(seed=0)
         env.action_space.seed(0)
         actions = [env.action_space.sample() for _ in range(256)]
-        steps = 0
-        started = time.perf_counter()
-        while time.perf_counter() - started < seconds:
-            env.step(actions[steps % 256])
-            steps += 1
-        return steps * n / (time.perf_counter() - started)
+        return _loop(env, actions, n, seconds)
     finally:
         env.close()
 
 
-def ref_vector(address: str, n: int, seconds: float) -> float:
+def _loop(env: Any, actions: list[Any], n: int, seconds: float) -> tuple[float, float]:
+    """(env steps/s, this process's CPU µs per env step — all its threads, so the
+    native client's too) over ``seconds`` of back-to-back steps."""
+    steps = 0
+    cpu = time.process_time()
+    started = time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        env.step(actions[steps % 256])
+        steps += 1
+    elapsed = time.perf_counter() - started
+    return steps * n / elapsed, (time.process_time() - cpu) / (steps * n) * 1e6
+
+
+def ref_vector(address: str, n: int, seconds: float) -> tuple[float, float]:
     """rlmesh's RemoteVectorEnv (it refuses one-lane endpoints: RemoteEnv there)."""
     from rlmesh.numpy import RemoteEnv, RemoteVectorEnv
 
@@ -93,12 +101,7 @@ def ref_vector(address: str, n: int, seconds: float) -> float:
         env.reset(seed=list(range(n)))
         actions = [rng.integers(0, 2, n) for _ in range(256)]
     try:
-        steps = 0
-        started = time.perf_counter()
-        while time.perf_counter() - started < seconds:
-            env.step(actions[steps % 256])
-            steps += 1
-        return steps * n / (time.perf_counter() - started)
+        return _loop(env, actions, n, seconds)
     finally:
         env.close()
 
@@ -230,9 +233,7 @@ async def grpclib_thread(address: str, steps: int) -> list[float]:
 # ---------------------------------------------------------------------------- main
 
 
-def rounds_of(
-    rounds: int, work: dict[str, Callable[[], float | list[float]]]
-) -> dict[str, list[Any]]:
+def rounds_of(rounds: int, work: dict[str, Callable[[], Any]]) -> dict[str, list[Any]]:
     results: dict[str, list[Any]] = {name: [] for name in work}
     names = list(work)
     for r in range(rounds):
@@ -250,23 +251,27 @@ def bench(rounds: int, seconds: float, steps: int, with_ref: bool) -> list[dict[
                 kind, ServerConfig(entrypoint="support.envs:make_cartpole", num_envs=n)
             )  # type: ignore[arg-type]
             try:
-                work: dict[str, Callable[[], float | list[float]]] = {
+                work: dict[str, Callable[[], Any]] = {
                     "VectorEnv": functools.partial(ours_vector, server.address, n, seconds),
                     "RemoteVectorEnv": functools.partial(ref_vector, server.address, n, seconds),
                 }
                 results = rounds_of(rounds, work)
             finally:
                 server.stop()
-            ours = statistics.median(results["VectorEnv"])
-            ref = statistics.median(results["RemoteVectorEnv"])
+            ours = statistics.median(r[0] for r in results["VectorEnv"])
+            ref = statistics.median(r[0] for r in results["RemoteVectorEnv"])
+            ours_cpu = statistics.median(r[1] for r in results["VectorEnv"])
+            ref_cpu = statistics.median(r[1] for r in results["RemoteVectorEnv"])
             rows.append(
                 {
                     "server": kind,
                     "row": f"CartPole N={n}",
-                    "metric": "env steps/s",
+                    "metric": "env steps/s; client CPU us per env step",
                     "rlmesh_trio.client.VectorEnv": ours,
                     "rlmesh RemoteVectorEnv": ref,
                     "ratio": ours / ref,
+                    "VectorEnv cpu_us": ours_cpu,
+                    "RemoteVectorEnv cpu_us": ref_cpu,
                 }
             )
             print(rows[-1], flush=True)

@@ -201,3 +201,47 @@ def test_env_fatal_error_then_closed(servers: ServerPool, kind: str) -> None:
         assert closed.value.__cause__ is info.value
     finally:
         env.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_adapters_refuse_what_they_cannot_drive(servers: ServerPool, kind: str) -> None:
+    three = servers.get(kind, ServerConfig(entrypoint="support.envs:make_cartpole", num_envs=3))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="3 lanes; use VectorEnv"):
+        Env(three.address)
+    envs_ = VectorEnv(three.address, autoreset_mode=AutoresetMode.DISABLED)
+    try:
+        envs_.reset(seed=0)
+        for _ in range(500):
+            _obs, _r, terminated, truncated, _ = envs_.step(np.ones(3, np.int64))
+            if (terminated | truncated).any():
+                break
+        with pytest.raises(ValueError, match="reset_mask"):
+            envs_.step(np.ones(3, np.int64))
+        with pytest.raises(ValueError, match="length must match num_envs=3"):
+            envs_.reset(seed=[1, 2])
+        with pytest.raises(TypeError, match="reset_mask"):
+            envs_.reset(options={"reset_mask": [True, False, True]})
+        done = terminated | truncated
+        envs_.reset(options={"reset_mask": done})
+        envs_.step(np.zeros(3, np.int64))  # the reset lanes run again
+    finally:
+        envs_.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_vector_env_render_and_final_episodes(servers: ServerPool, kind: str) -> None:
+    server = servers.get(kind, ServerConfig(entrypoint="support.envs:make_boom", num_envs=2))  # type: ignore[arg-type]
+    envs_ = VectorEnv(server.address)
+    try:
+        envs_.reset(seed=[1, 2])
+        frames = envs_.render()
+        assert frames is not None and len(frames) == 2
+        assert np.array_equal(frames[0], envs.make_boom().render())
+        assert frames[1] is None  # the 0.1.0 servers render lane 0 of a vector only
+        envs_.step(np.zeros(2, np.int64))
+    finally:
+        envs_.close()
+    assert sorted((e.env_index, e.step_count, e.truncated) for e in envs_.final_episodes) == [
+        (0, 1, True),
+        (1, 1, True),
+    ]

@@ -7,6 +7,7 @@ wait on its slots in their own way.
 
 from __future__ import annotations
 
+import collections
 import io
 import itertools
 from collections.abc import Callable, Mapping, Sequence
@@ -46,6 +47,9 @@ __all__ = [
 SERVICE = "/rlmesh.env.v1.EnvService"
 HANDSHAKE_PATH = f"{SERVICE}/Handshake"
 JOIN_PATH = f"{SERVICE}/Join"
+
+MAX_COMPLETED = 65536
+"""Episode records kept for :meth:`Endpoint.pop_completed_episodes` (older ones drop)."""
 
 AUTORESET_NAMES = {0: "UNSPECIFIED", 1: "NEXT_STEP", 2: "SAME_STEP", 3: "DISABLED"}
 
@@ -455,7 +459,8 @@ class JoinState:
         """Set once the endpoint is unusable; new requests raise EndpointClosedError from it."""
         self.closing = False
         self._ids = itertools.count(1)
-        self.completed: list[Any] = []
+        self.completed: collections.deque[Any] = collections.deque(maxlen=MAX_COMPLETED)
+        """Episodes reported by step replies, not yet popped (the most recent ones)."""
 
     def next_id(self) -> str:
         return f"rt-{next(self._ids)}"

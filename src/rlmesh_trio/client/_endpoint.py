@@ -138,9 +138,12 @@ class Endpoint:
         return state is None or state.failure is not None or state.closing
 
     def pop_completed_episodes(self) -> list[Episode]:
-        """Episodes the server reported in step replies since the last call."""
+        """Episodes the server reported in step replies since the last call (finished
+        ones with their ``final_info``, and interrupted ones); at most the latest 65536
+        are kept between calls."""
         state = self._joined()
-        episodes, state.completed = state.completed, []
+        episodes = list(state.completed)
+        state.completed.clear()
         return episodes
 
     async def reset(
