@@ -17,7 +17,8 @@ Rows:
   messages, two thread crossings per call);
 * ``--ref``: the same VectorEnv / RemoteVectorEnv rows against rlmesh 0.1.0's server.
 
-Run: ``python bench/bench_client.py [--rounds R] [--seconds S] [--ref] [--json PATH]``.
+Run: ``python bench/bench_client.py [--rounds R] [--seconds S] [--steps N] [--ref]
+[--only throughput|latency] [--json PATH]``.
 On a shared 2-core VM numbers move from run to run: compare the ratios of one run.
 """
 
@@ -242,10 +243,13 @@ def rounds_of(rounds: int, work: dict[str, Callable[[], Any]]) -> dict[str, list
     return results
 
 
-def bench(rounds: int, seconds: float, steps: int, with_ref: bool) -> list[dict[str, Any]]:
+def bench(
+    rounds: int, seconds: float, steps: int, with_ref: bool, only: str | None = None
+) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     kinds = ["ours", "ref"] if with_ref else ["ours"]
-    for kind in kinds:
+    with_latency = only in (None, "latency")
+    for kind in kinds if only in (None, "throughput") else []:
         for n in (1, 4, 8):
             server = start_server(
                 kind, ServerConfig(entrypoint="support.envs:make_cartpole", num_envs=n)
@@ -275,28 +279,32 @@ def bench(rounds: int, seconds: float, steps: int, with_ref: bool) -> list[dict[
                 }
             )
             print(rows[-1], flush=True)
+    if not with_latency:
+        return rows
     server = start_server("ours", ServerConfig(entrypoint="support.envs:make_cartpole", num_envs=1))
+    address = server.address
     try:
         latency = rounds_of(
             rounds,
             {
-                "Endpoint.step (h2 on Trio)": lambda: trio.run(trio_client, server.address, steps),
-                "transport only: h2 on Trio": lambda: trio.run(
-                    trio_transport, server.address, steps
+                "Endpoint.step (h2 on Trio)": timed(lambda: trio.run(trio_client, address, steps)),
+                "transport only: h2 on Trio": timed(
+                    lambda: trio.run(trio_transport, address, steps)
                 ),
-                "raw floor: test client, h2 on asyncio": lambda: asyncio.run(
-                    raw_floor(server.address, steps)
+                "raw floor: test client, h2 on asyncio": timed(
+                    lambda: asyncio.run(raw_floor(address, steps))
                 ),
-                "transport only: grpclib on a thread, from Trio": lambda: trio.run(
-                    grpclib_thread, server.address, steps
+                "transport only: grpclib on a thread, from Trio": timed(
+                    lambda: trio.run(grpclib_thread, address, steps)
                 ),
             },
         )
     finally:
         server.stop()
     for name, per_round in latency.items():
-        p50 = statistics.median(percentile(v, 50) for v in per_round) * 1e3
-        p99 = statistics.median(percentile(v, 99) for v in per_round) * 1e3
+        p50 = statistics.median(percentile(v, 50) for v, _ in per_round) * 1e3
+        p99 = statistics.median(percentile(v, 99) for v, _ in per_round) * 1e3
+        cpu = statistics.median(c / steps for _, c in per_round) * 1e6
         rows.append(
             {
                 "server": "ours",
@@ -304,10 +312,23 @@ def bench(rounds: int, seconds: float, steps: int, with_ref: bool) -> list[dict[
                 "client": name,
                 "p50_ms": p50,
                 "p99_ms": p99,
+                "client_cpu_us_per_step": cpu,
             }
         )
         print(rows[-1], flush=True)
     return rows
+
+
+def timed(run: Callable[[], list[float]]) -> Callable[[], tuple[list[float], float]]:
+    """``run``, returning its latencies and this process's CPU seconds (all threads;
+    connecting included, a few ms over the whole run)."""
+
+    def wrapper() -> tuple[list[float], float]:
+        cpu = time.process_time()
+        latencies = run()
+        return latencies, time.process_time() - cpu
+
+    return wrapper
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -318,9 +339,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=3.0, help="per throughput measurement")
     parser.add_argument("--steps", type=int, default=2000, help="per latency measurement")
     parser.add_argument("--ref", action="store_true", help="also against rlmesh 0.1.0's server")
+    parser.add_argument("--only", choices=["throughput", "latency"])
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    rows = bench(args.rounds, args.seconds, args.steps, args.ref)
+    rows = bench(args.rounds, args.seconds, args.steps, args.ref, args.only)
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0

@@ -271,3 +271,33 @@ async def test_serve_and_client_in_one_nursery_with_a_token() -> None:
                 with pytest.raises(ValueError, match="2 seeds for 1 lanes"):
                     await ep.reset(seeds=[1, 2], env_indices=[0])
             nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_aclose_is_bounded_and_fails_pending_calls(servers: ServerPool, kind: str) -> None:
+    """Close waits behind a running lane request on the server; with that request stuck
+    (HangEnv: 30 s in a subprocess), close_timeout bounds aclose, the connection is
+    closed anyway and the waiting caller is told."""
+    srv = await server(servers, kind, fresh=True, entrypoint="support.envs:make_hang", num_envs=2)
+    outcome: list[BaseException] = []
+    try:
+        async with open_endpoint(srv.address, close_timeout=0.5) as ep:
+            await ep.reset()
+            sent = trio.Event()
+
+            async def waiting() -> None:
+                sent.set()
+                try:
+                    await ep.step(np.array([0]), env_indices=[0])  # never answered in time
+                except EndpointClosedError as exc:
+                    outcome.append(exc)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(waiting)
+                await sent.wait()
+                await trio.sleep(0.1)  # the step is on the wire
+                with trio.fail_after(15):  # half the hang: aclose did not wait for it
+                    assert await ep.aclose() == []
+        assert len(outcome) == 1
+    finally:
+        await trio.to_thread.run_sync(srv.kill)

@@ -219,27 +219,28 @@ class Endpoint:
             return self._closed
         episodes: list[Episode] = []
         state = self._state
-        with trio.CancelScope(shield=True), trio.move_on_after(self._close_timeout):
-            if (
-                state is not None
-                and not state.closing
-                and not state.join.ended
-                and self._conn.lost is None
-            ):
-                rid = state.next_id()
-                try:
-                    slot = state.submit(close_request(rid, reason), rid, _noop)
-                    self._arm_keepalive()
-                    state.closing = True
-                    await self._flush()
-                    await self._wait_slot(slot, rid)
-                    episodes = result_of(slot, "close").episodes
-                except EndpointError:
-                    pass
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(self._close_timeout):
+                if (
+                    state is not None
+                    and not state.closing
+                    and not state.join.ended
+                    and self._conn.lost is None
+                ):
+                    rid = state.next_id()
+                    try:
+                        slot = state.submit(close_request(rid, reason), rid, _noop)
+                        self._arm_keepalive()
+                        state.closing = True
+                        await self._flush()
+                        await self._wait_slot(slot, rid)
+                        episodes = result_of(slot, "close").episodes
+                    except EndpointError:
+                        pass
             if state is not None:
                 state.closing = True
                 state.fail(EndpointClosedError())
-            await self._shutdown()
+            await self._shutdown()  # bounded on its own (1 s), even after a close timeout
         self._closed = episodes
         return episodes
 
@@ -404,11 +405,18 @@ class Endpoint:
         if self._stream is None:
             return
         self._conn.close()
-        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            data = self._conn.data_to_send()
-            if data:
-                with trio.move_on_after(1.0):
-                    await self._stream.send_all(data)
+        data = self._conn.data_to_send()  # GOAWAY
+        if data and not self._sending:  # (a write still in progress: just close)
+            with (
+                contextlib.suppress(
+                    trio.BrokenResourceError,
+                    trio.ClosedResourceError,
+                    trio.BusyResourceError,
+                    OSError,
+                ),
+                trio.move_on_after(1.0),
+            ):
+                await self._stream.send_all(data)
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             await self._stream.aclose()
         self._after_receive()

@@ -231,7 +231,8 @@ class VectorEnv(gym.vector.VectorEnv):
                     f"lanes {done} finished their episodes and autoreset is DISABLED: reset them "
                     "first with reset(options={'reset_mask': mask})"
                 )
-        step_lanes = [i for i in range(n) if i not in set(reset_lanes)]
+        resetting = set(reset_lanes)
+        step_lanes = [i for i in range(n) if i not in resetting]
         builders: list[Any] = []
         kinds: list[str] = []
         if step_lanes:
