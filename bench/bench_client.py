@@ -18,7 +18,7 @@ Rows:
 * ``--ref``: the same VectorEnv / RemoteVectorEnv rows against rlmesh 0.1.0's server.
 
 Run: ``python bench/bench_client.py [--rounds R] [--seconds S] [--steps N] [--ref]
-[--only throughput|latency] [--json PATH]``.
+[--only throughput|latency] [--quick] [--json PATH]``.
 On a shared 2-core VM numbers move from run to run: compare the ratios of one run.
 """
 
@@ -340,8 +340,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2000, help="per latency measurement")
     parser.add_argument("--ref", action="store_true", help="also against rlmesh 0.1.0's server")
     parser.add_argument("--only", choices=["throughput", "latency"])
+    parser.add_argument(
+        "--quick", action="store_true", help="1 round, 1 s per measurement, 500 steps"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.seconds, args.steps = 1, 1.0, 500
     rows = bench(args.rounds, args.seconds, args.steps, args.ref, args.only)
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=2))
