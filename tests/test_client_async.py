@@ -247,6 +247,29 @@ async def test_connect_failures_are_clear_and_bounded(tmp_path: Any) -> None:
             pass
 
 
+async def test_a_peer_that_is_not_an_http2_server() -> None:
+    """Bytes that are not HTTP/2 end the connection with a clear error, never a hang."""
+    listener = trio.socket.socket()
+    await listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+
+    async def junk() -> None:
+        conn, _ = await listener.accept()
+        with conn:
+            await conn.send(b"HTTP/1.1 400 Bad Request\r\n\r\n" + bytes(range(256)) * 4)
+            await trio.sleep_forever()
+
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(junk)
+            with pytest.raises(ConnectionLostError, match="HTTP/2 protocol error"):
+                async with open_endpoint(f"127.0.0.1:{port}"):
+                    pass
+            nursery.cancel_scope.cancel()
+    listener.close()
+
+
 async def test_serve_and_client_in_one_nursery_with_a_token() -> None:
     with trio.fail_after(BOUND):
         async with trio.open_nursery() as nursery:

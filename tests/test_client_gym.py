@@ -4,6 +4,9 @@ mode, and ``Env`` through gymnasium's ``check_env``."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +21,14 @@ from support import envs
 from support.refserver import ServerConfig, ServerPool
 
 from rlmesh_trio._codec import from_meta_map, to_meta_map
-from rlmesh_trio.client import EndpointClosedError, Env, EnvError, ErrorCode, VectorEnv
+from rlmesh_trio.client import (
+    ConnectionLostError,
+    EndpointClosedError,
+    Env,
+    EnvError,
+    ErrorCode,
+    VectorEnv,
+)
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(240)]
 
@@ -245,3 +255,36 @@ def test_vector_env_render_and_final_episodes(servers: ServerPool, kind: str) ->
         (0, 1, True),
         (1, 1, True),
     ]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_vector_env_against_a_server_that_vanishes(servers: ServerPool, kind: str) -> None:
+    server = servers.fresh(kind, ServerConfig(entrypoint="support.envs:make_slow", num_envs=1))  # type: ignore[arg-type]
+    env = VectorEnv(server.address)
+    killer = threading.Timer(0.3, os.kill, (server.pid, signal.SIGKILL))
+    try:
+        env.reset()
+        killer.start()
+        with pytest.raises(ConnectionLostError) as info:
+            env.step(np.array([30]))  # 3 s on the server; it dies after 0.3 s
+        assert info.value.code == ErrorCode.CLOSED and not info.value.is_recoverable
+        with pytest.raises(EndpointClosedError):
+            env.step(np.array([0]))
+    finally:
+        killer.join()
+        env.close()
+        server.stop()
+
+
+def test_env_against_a_frozen_server(servers: ServerPool) -> None:
+    server = servers.fresh("ours", ServerConfig(entrypoint="support.envs:make_slow"))
+    env = Env(server.address, ping_interval=0.2, ping_timeout=0.5)
+    try:
+        env.reset()
+        os.kill(server.pid, signal.SIGSTOP)
+        with pytest.raises(ConnectionLostError, match="PING"):
+            env.step(0)
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+        env.close()
+        server.stop()

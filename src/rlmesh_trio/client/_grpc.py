@@ -91,6 +91,7 @@ class GrpcConnection:
         """Set once the connection is gone; every call then fails with it."""
         self.goaway = False
         self.pings_acked = 0
+        self._preface: bytearray | None = bytearray()
         self._h2.local_settings = h2.settings.Settings(
             client=True,
             initial_values={
@@ -192,6 +193,20 @@ class GrpcConnection:
         if not data:
             self.lose("the server closed the connection")
             return
+        if self._preface is not None:
+            # A server's first frame is SETTINGS (RFC 9113 §3.4); h2 would buffer a bogus
+            # "frame" of up to 16 MiB before saying anything. Tell an HTTP/1 or TLS peer
+            # at once.
+            self._preface += data
+            if len(self._preface) < 9:
+                return
+            head, data, self._preface = bytes(self._preface[:9]), bytes(self._preface), None
+            if head[3] != 0x04:
+                self.lose(
+                    "HTTP/2 protocol error from the server: it does not speak HTTP/2 "
+                    f"(prior knowledge, no TLS): its first bytes are {head!r}"
+                )
+                return
         try:
             events = self._h2.receive_data(data)
         except h2.exceptions.ProtocolError as exc:
