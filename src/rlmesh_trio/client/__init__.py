@@ -1,0 +1,43 @@
+"""rlmesh-trio's client: a Trio-native async client and gymnasium adapters.
+
+* :func:`open_endpoint` — ``async with open_endpoint(address) as ep:`` then
+  ``await ep.reset(...)``, ``await ep.step(...)``, ``await ep.render()``,
+  ``await ep.aclose()``; lane-scoped requests pipeline across Trio tasks.
+* :class:`VectorEnv` — a synchronous ``gymnasium.vector.VectorEnv`` over an endpoint,
+  with gymnasium's autoreset modes done client-side.
+* :class:`Env` — a synchronous ``gymnasium.Env`` over a one-lane endpoint.
+
+Errors are one family rooted at :class:`EndpointError` (``code``, ``is_recoverable``,
+``message``). Works against rlmesh-trio and rlmesh 0.1.0's server, over TCP and unix
+sockets.
+"""
+
+from ._core import Contract as Contract
+from ._endpoint import Endpoint as Endpoint
+from ._endpoint import open_endpoint as open_endpoint
+from ._errors import ConnectionLostError as ConnectionLostError
+from ._errors import EndpointClosedError as EndpointClosedError
+from ._errors import EndpointError as EndpointError
+from ._errors import EnvError as EnvError
+from ._errors import ErrorCode as ErrorCode
+from ._errors import HandshakeError as HandshakeError
+from ._errors import RpcError as RpcError
+from ._gym import Env as Env
+from ._gym import VectorEnv as VectorEnv
+from ._messages import Episode as Episode
+
+__all__ = [
+    "ConnectionLostError",
+    "Contract",
+    "Endpoint",
+    "EndpointClosedError",
+    "EndpointError",
+    "Env",
+    "EnvError",
+    "Episode",
+    "ErrorCode",
+    "HandshakeError",
+    "RpcError",
+    "VectorEnv",
+    "open_endpoint",
+]

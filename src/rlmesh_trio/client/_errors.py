@@ -1,0 +1,141 @@
+"""The client's one exception family: every failure carries a code, recoverability, text.
+
+In-band env errors (``JoinResponse.error``, SPEC §9) keep the server's code, its
+``is_recoverable`` flag and its message verbatim. Failures below the Join (the
+connection, a gRPC status, the handshake) are mapped onto the same codes so one
+``except EndpointError as e: if e.is_recoverable: ...`` covers them all.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+__all__ = [
+    "ConnectionLostError",
+    "EndpointClosedError",
+    "EndpointError",
+    "EnvError",
+    "ErrorCode",
+    "HandshakeError",
+    "RpcError",
+]
+
+
+class ErrorCode(enum.IntEnum):
+    """``rlmesh.env.v1.EnvErrorCode`` (SPEC §2.3), names without the prefix."""
+
+    UNSPECIFIED = 0
+    TIMEOUT = 1
+    INVALID_ACTION = 2
+    NOT_READY = 3
+    BUSY = 4
+    UNSUPPORTED = 5
+    INTERNAL = 10
+    CRASHED = 11
+    CANCELLED = 12
+    CLOSED = 13
+
+    @classmethod
+    def of(cls, value: int) -> ErrorCode:
+        """The member for a wire value; an unknown value reads as UNSPECIFIED."""
+        try:
+            return cls(value)
+        except ValueError:
+            return cls.UNSPECIFIED
+
+
+class EndpointError(Exception):
+    """Base of every error the client raises on purpose.
+
+    ``code`` (:class:`ErrorCode`), ``is_recoverable`` (the session is still usable: retry
+    or carry on) and ``message`` (the server's text where there is one).
+    """
+
+    def __init__(
+        self, message: str, *, code: ErrorCode = ErrorCode.UNSPECIFIED, is_recoverable: bool = False
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.is_recoverable = is_recoverable
+
+    def __str__(self) -> str:
+        kind = "recoverable" if self.is_recoverable else "fatal"
+        return f"{self.code.name} ({kind}): {self.message}"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.message, self.code, self.is_recoverable, self.__dict__))
+
+
+def _rebuild(
+    cls: type[EndpointError],
+    message: str,
+    code: ErrorCode,
+    recoverable: bool,
+    state: dict[str, Any],
+) -> EndpointError:
+    error = EndpointError.__new__(cls)
+    EndpointError.__init__(error, message, code=code, is_recoverable=recoverable)
+    error.__dict__.update(state)
+    return error
+
+
+class EnvError(EndpointError):
+    """The server's in-band ``EnvError`` for one request (SPEC §9), or an action the
+    client could not even encode (``INVALID_ACTION``, recoverable, nothing sent).
+
+    ``request_id`` is the request it answered. A non-recoverable one closes the endpoint.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: ErrorCode = ErrorCode.UNSPECIFIED,
+        is_recoverable: bool = False,
+        request_id: str = "",
+        debug_info: str = "",
+    ) -> None:
+        super().__init__(message, code=code, is_recoverable=is_recoverable)
+        self.request_id = request_id
+        self.debug_info = debug_info
+
+
+class RpcError(EndpointError):
+    """A call ended with a non-OK gRPC status (``grpc_status``, ``grpc_message``), e.g.
+    UNAUTHENTICATED "invalid env token" or FAILED_PRECONDITION for a second Join."""
+
+    _CODES = {4: ErrorCode.TIMEOUT, 9: ErrorCode.BUSY, 12: ErrorCode.UNSUPPORTED}
+
+    def __init__(self, grpc_status: int, grpc_message: str) -> None:
+        code = self._CODES.get(
+            grpc_status, ErrorCode.CLOSED if grpc_status == 14 else ErrorCode.UNSPECIFIED
+        )
+        super().__init__(f"gRPC status {grpc_status}: {grpc_message}", code=code)
+        self.grpc_status = grpc_status
+        self.grpc_message = grpc_message
+
+
+class HandshakeError(EndpointError):
+    """The server is not one this client can talk to (protocol generation, edition, no
+    contract). Nothing was joined."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code=ErrorCode.UNSUPPORTED)
+
+
+class ConnectionLostError(EndpointError):
+    """The connection could not be made, or went away (closed, reset, a Join stream cut
+    without a status, no answer to a keep-alive PING): every pending call fails with it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code=ErrorCode.CLOSED)
+
+
+class EndpointClosedError(EndpointError):
+    """A call on an endpoint that was closed (by :meth:`aclose`, or by a fatal error:
+    then ``__cause__`` is that error)."""
+
+    def __init__(self, message: str = "the endpoint is closed") -> None:
+        super().__init__(message, code=ErrorCode.CLOSED)

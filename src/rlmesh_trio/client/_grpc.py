@@ -1,0 +1,301 @@
+"""gRPC over one HTTP/2 connection, sans-IO: the ``h2`` state machine plus gRPC framing.
+
+The drivers (:mod:`._endpoint` on Trio, :mod:`._blocking` on a plain socket) only move
+bytes: they feed what they read to :meth:`GrpcConnection.receive` and write whatever
+:meth:`GrpcConnection.data_to_send` returns. Outgoing messages are queued whole, so a
+caller cancelled at any point never leaves half a gRPC message on a stream; the queue
+drains as the peer's flow-control windows allow.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import struct
+from typing import Any, Final
+from urllib.parse import unquote
+
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import h2.exceptions
+import h2.settings
+
+from .._wire import PREFIX_SIZE, parse_prefix
+
+__all__ = ["MAX_MESSAGE_SIZE", "Call", "GrpcConnection"]
+
+MAX_MESSAGE_SIZE: Final = 256 * 1024 * 1024
+"""The reference's per-message limit (SPEC §1.8), both directions."""
+
+_WINDOW: Final = 16 * 1024 * 1024
+"""Our receive window (stream and connection): replies are rarely held by flow control."""
+
+_PREFIX: Final = struct.Struct(">BI")
+
+
+class Call:
+    """One gRPC call (an HTTP/2 stream): received messages, how it ended, what to send."""
+
+    __slots__ = (
+        "_buffer",
+        "_outbound",
+        "ended",
+        "headers",
+        "id",
+        "lost",
+        "messages",
+        "status",
+        "status_message",
+    )
+
+    def __init__(self, stream_id: int) -> None:
+        self.id = stream_id
+        self.headers: dict[str, str] | None = None
+        self.messages: collections.deque[bytes] = collections.deque()
+        self.status: int | None = None
+        self.status_message = ""
+        self.ended = False
+        """The server's side is over (trailers, reset or connection loss)."""
+        self.lost: str | None = None
+        """Why the call ended without a gRPC status (stream reset, connection gone)."""
+        self._buffer = bytearray()
+        self._outbound: collections.deque[tuple[memoryview, bool]] = collections.deque()
+
+    def end_with(self, block: list[tuple[str, str]]) -> None:
+        values = dict(block)
+        status = values.get("grpc-status")
+        if status is not None:
+            try:
+                self.status = int(status)
+            except ValueError:
+                self.lost = f"unreadable grpc-status {status!r}"
+            self.status_message = unquote(values.get("grpc-message", ""))
+        elif self.lost is None:
+            self.lost = "the stream ended without a grpc-status"
+        self.ended = True
+
+
+class GrpcConnection:
+    """The client side of one h2c (prior knowledge) connection carrying gRPC calls."""
+
+    def __init__(self, authority: str, metadata: list[tuple[str, str]]) -> None:
+        self._authority = authority
+        self._metadata = metadata
+        self._h2 = _GracefulH2Connection(
+            h2.config.H2Configuration(client_side=True, header_encoding="utf-8")
+        )
+        self._calls: dict[int, Call] = {}
+        self.lost: str | None = None
+        """Set once the connection is gone; every call then fails with it."""
+        self.goaway = False
+        self.pings_acked = 0
+        self._preface: bytearray | None = bytearray()
+        self._h2.local_settings = h2.settings.Settings(
+            client=True,
+            initial_values={
+                h2.settings.SettingCodes.ENABLE_PUSH: 0,
+                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: _WINDOW,
+                h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: 16384,
+            },
+        )
+        self._h2.initiate_connection()
+        self._h2.increment_flow_control_window(_WINDOW - 65535)
+
+    # ---- output ------------------------------------------------------------------------
+
+    def data_to_send(self) -> bytes:
+        return self._h2.data_to_send()
+
+    def open(self, path: str) -> Call:
+        """Start a call (request headers go out with the next :meth:`data_to_send`)."""
+        self._check()
+        stream_id = self._h2.get_next_available_stream_id()
+        headers = [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", path),
+            (":authority", self._authority),
+            ("te", "trailers"),
+            ("content-type", "application/grpc"),
+            ("user-agent", "rlmesh-trio-client"),
+            *self._metadata,
+        ]
+        self._h2.send_headers(stream_id, headers)
+        call = self._calls[stream_id] = Call(stream_id)
+        return call
+
+    def send(self, call: Call, message: bytes, *, end: bool = False) -> None:
+        """Queue one whole gRPC message (and END_STREAM after it if ``end``)."""
+        self._check()
+        if len(message) > MAX_MESSAGE_SIZE:
+            raise ValueError(
+                f"message of {len(message)} bytes over the {MAX_MESSAGE_SIZE}-byte limit"
+            )
+        if call.ended:
+            return
+        call._outbound.append((memoryview(_PREFIX.pack(0, len(message)) + message), end))
+        self._pump(call)
+
+    def cancel(self, call: Call) -> None:
+        """RST_STREAM(CANCEL) a call that is still open; forget it either way."""
+        self._calls.pop(call.id, None)
+        call._outbound.clear()
+        if self.lost is None and not call.ended:
+            with contextlib.suppress(h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+                self._h2.reset_stream(call.id, h2.errors.ErrorCodes.CANCEL)
+        call.ended = True
+        if call.status is None and call.lost is None:
+            call.lost = "cancelled by the client"
+
+    def forget(self, call: Call) -> None:
+        self._calls.pop(call.id, None)
+
+    def ping(self, opaque: bytes) -> None:
+        self._check()
+        self._h2.ping(opaque)
+
+    def close(self) -> None:
+        """GOAWAY(NO_ERROR) if the connection still works (the driver then closes the socket)."""
+        if self.lost is None:
+            with contextlib.suppress(h2.exceptions.ProtocolError):
+                self._h2.close_connection()
+        self.lose("the connection was closed by the client")
+
+    def _check(self) -> None:
+        if self.lost is not None:
+            raise ConnectionError(self.lost)
+
+    def _pump(self, call: Call) -> None:
+        """Move queued bytes of ``call`` into h2 as far as the windows allow."""
+        h2c = self._h2
+        while call._outbound:
+            view, end = call._outbound[0]
+            window = min(h2c.local_flow_control_window(call.id), h2c.max_outbound_frame_size)
+            if window <= 0 and view:
+                return
+            chunk = view[:window]
+            rest = view[len(chunk) :]
+            last = not rest
+            h2c.send_data(call.id, chunk.tobytes(), end_stream=end and last)
+            if last:
+                call._outbound.popleft()
+            else:
+                call._outbound[0] = (rest, end)
+
+    # ---- input -------------------------------------------------------------------------
+
+    def receive(self, data: bytes) -> None:
+        """Feed bytes read from the socket; the calls' state changes accordingly."""
+        if self.lost is not None:
+            return
+        if not data:
+            self.lose("the server closed the connection")
+            return
+        if self._preface is not None:
+            # A server's first frame is SETTINGS (RFC 9113 §3.4); h2 would buffer a bogus
+            # "frame" of up to 16 MiB before saying anything. Tell an HTTP/1 or TLS peer
+            # at once.
+            self._preface += data
+            if len(self._preface) < 9:
+                return
+            head, data, self._preface = bytes(self._preface[:9]), bytes(self._preface), None
+            if head[3] != 0x04:
+                self.lose(
+                    "HTTP/2 protocol error from the server: it does not speak HTTP/2 "
+                    f"(prior knowledge, no TLS): its first bytes are {head!r}"
+                )
+                return
+        try:
+            events = self._h2.receive_data(data)
+        except h2.exceptions.ProtocolError as exc:
+            self.lose(f"HTTP/2 protocol error from the server: {exc}")
+            return
+        pump = False
+        for event in events:
+            if isinstance(event, h2.events.DataReceived):
+                call = self._calls.get(event.stream_id)
+                if event.flow_controlled_length:
+                    self._h2.acknowledge_received_data(
+                        event.flow_controlled_length, event.stream_id
+                    )
+                if call is not None:
+                    call._buffer += event.data
+                    self._split(call)
+            elif isinstance(event, h2.events.ResponseReceived):
+                call = self._calls.get(event.stream_id)
+                if call is not None:
+                    block = [(str(k), str(v)) for k, v in event.headers]
+                    call.headers = dict(block)
+                    if "grpc-status" in call.headers:  # trailers-only
+                        call.end_with(block)
+            elif isinstance(event, h2.events.TrailersReceived):
+                call = self._calls.get(event.stream_id)
+                if call is not None:
+                    call.end_with([(str(k), str(v)) for k, v in event.headers])
+            elif isinstance(event, h2.events.StreamEnded):
+                call = self._calls.get(event.stream_id)
+                if call is not None and not call.ended:
+                    call.end_with([])
+            elif isinstance(event, h2.events.StreamReset):
+                call = self._calls.get(event.stream_id)
+                if call is not None and not call.ended:
+                    call.lost = f"the server reset the stream (error code {int(event.error_code)})"
+                    call.ended = True
+            elif isinstance(event, h2.events.WindowUpdated | h2.events.RemoteSettingsChanged):
+                pump = True
+            elif isinstance(event, h2.events.PingAckReceived):
+                self.pings_acked += 1
+            elif isinstance(event, h2.events.ConnectionTerminated):
+                self._goaway(event)
+        if pump:
+            for call in list(self._calls.values()):
+                if call._outbound:
+                    self._pump(call)
+
+    def _split(self, call: Call) -> None:
+        buffer = call._buffer
+        while len(buffer) >= PREFIX_SIZE:
+            try:
+                length = parse_prefix(bytes(buffer[:PREFIX_SIZE]), MAX_MESSAGE_SIZE)
+            except Exception as exc:
+                self.lose(f"bad gRPC message from the server: {exc}")
+                return
+            if len(buffer) < PREFIX_SIZE + length:
+                return
+            call.messages.append(bytes(buffer[PREFIX_SIZE : PREFIX_SIZE + length]))
+            del buffer[: PREFIX_SIZE + length]
+
+    def _goaway(self, event: Any) -> None:
+        self.goaway = True
+        code = int(event.error_code or 0)
+        last = event.last_stream_id
+        for call in self._calls.values():
+            if not call.ended and (code != 0 or last is None or call.id > last):
+                call.lost = f"the server sent GOAWAY (error code {code})"
+                call.ended = True
+        if code != 0:
+            self.lose(f"the server ended the connection (GOAWAY error code {code})")
+
+    def lose(self, why: str) -> None:
+        if self.lost is not None:
+            return
+        self.lost = why
+        for call in self._calls.values():
+            if not call.ended:
+                call.lost = why
+                call.ended = True
+
+
+class _GracefulH2Connection(h2.connection.H2Connection):
+    """h2 treats every received GOAWAY as the end of the connection and refuses the
+    frames that follow; a graceful one (NO_ERROR, sent by a server that stops) still lets
+    the streams already open finish, so keep accepting their replies and trailers."""
+
+    def _receive_goaway_frame(self, frame: Any) -> Any:
+        state = self.state_machine.state
+        result = super()._receive_goaway_frame(frame)
+        if frame.error_code == 0:
+            self.state_machine.state = state
+        return result

@@ -1,0 +1,439 @@
+"""gymnasium adapters over an endpoint: :class:`VectorEnv` and :class:`Env` (synchronous).
+
+Both run the blocking driver in the caller's thread. :class:`VectorEnv` does gymnasium's
+autoreset on the client with lane-scoped resets, following ``SyncVectorEnv`` step by
+step (same rewards, flags, ``final_obs`` / ``final_info`` and masks, same seeding
+rules), so it works with any lane endpoint — rlmesh-trio's or rlmesh 0.1.0's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+from typing import Any, SupportsFloat
+
+import gymnasium as gym
+import numpy as np
+from gymnasium.vector import AutoresetMode
+from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
+
+from ._blocking import BlockingEndpoint
+from ._core import JoinState, check_options, decode_frame, lane_infos, step_arrays, timeout_of
+from ._endpoint import (
+    DEFAULT_CLOSE_TIMEOUT,
+    DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_PING_INTERVAL,
+    DEFAULT_PING_TIMEOUT,
+)
+from ._errors import EnvError
+from ._messages import Episode, Reply, render_request, reset_request, step_request
+
+__all__ = ["Env", "VectorEnv"]
+
+
+def _open(
+    address: str,
+    token: str | None,
+    connect_timeout: float,
+    ping_interval: float,
+    ping_timeout: float,
+    close_timeout: float,
+) -> BlockingEndpoint:
+    return BlockingEndpoint(
+        address,
+        token=token,
+        connect_timeout=connect_timeout,
+        ping_interval=ping_interval,
+        ping_timeout=ping_timeout,
+        close_timeout=close_timeout,
+    )
+
+
+class VectorEnv(gym.vector.VectorEnv):
+    """A ``gymnasium.vector.VectorEnv`` whose sub-envs are the lanes of an endpoint.
+
+    ``autoreset_mode``: ``NEXT_STEP`` (default), ``SAME_STEP`` or ``DISABLED``, with the
+    semantics of gymnasium's ``SyncVectorEnv`` (DISABLED: reset finished lanes with
+    ``reset(options={"reset_mask": mask})``). The endpoint must be a lane endpoint
+    (autoreset DISABLED on the server, the ``subset_step`` capability when it has more
+    than one lane). ``request_timeout_ms`` is sent with every reset and step (the
+    server answers TIMEOUT past it); ``token`` as ``authorization: Bearer``.
+    Infos are what the wire carries (numpy arrays in an env's info arrive as lists).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        autoreset_mode: str | AutoresetMode = AutoresetMode.NEXT_STEP,
+        token: str | None = None,
+        request_timeout_ms: int | None = None,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        ping_interval: float = DEFAULT_PING_INTERVAL,
+        ping_timeout: float = DEFAULT_PING_TIMEOUT,
+        close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
+    ) -> None:
+        mode = (
+            autoreset_mode
+            if isinstance(autoreset_mode, AutoresetMode)
+            else AutoresetMode(autoreset_mode)
+        )
+        self._timeout_ms = timeout_of(request_timeout_ms)
+        self._ep = _open(
+            address, token, connect_timeout, ping_interval, ping_timeout, close_timeout
+        )
+        self._state: JoinState = self._ep.state
+        contract = self._state.contract
+        try:
+            if contract.autoreset_mode != "DISABLED":
+                raise ValueError(
+                    f"{address} autoresets on the server ({contract.autoreset_mode}); "
+                    "VectorEnv needs a lane endpoint (autoreset DISABLED)"
+                )
+            if contract.num_envs > 1 and not contract.subset_step:
+                raise ValueError(f"{address} does not take lane-scoped requests (no subset_step)")
+        except BaseException:
+            self._ep.close()
+            raise
+        self.final_episodes: list[Episode] = []
+        """What the server reported at :meth:`close` (episodes still running then)."""
+        self.autoreset_mode = mode
+        self.num_envs = contract.num_envs
+        self.metadata = dict(contract.metadata)
+        self.metadata["autoreset_mode"] = mode
+        self.render_mode = contract.render_mode
+        self.single_observation_space = contract.observation_space
+        self.single_action_space = contract.action_space
+        self.observation_space = batch_space(self.single_observation_space, self.num_envs)
+        self.action_space = batch_space(self.single_action_space, self.num_envs)
+        self.spec = None
+        n = self.num_envs
+        self._env_obs: list[Any] = [None] * n
+        self._rewards = np.zeros((n,), dtype=np.float64)
+        self._terminations = np.zeros((n,), dtype=np.bool_)
+        self._truncations = np.zeros((n,), dtype=np.bool_)
+        self._autoreset_envs = np.zeros((n,), dtype=np.bool_)
+
+    # ---- requests ---------------------------------------------------------------------
+
+    def _resets(
+        self, lanes: Sequence[int], seeds: Sequence[int | None], options: dict[str, Any] | None
+    ) -> dict[int, tuple[Any, dict[str, Any]]]:
+        """Lane-scoped resets of ``lanes`` (one request for the seeded lanes, one for the
+        unseeded), sent together; each lane's observation and info."""
+        seeded = [(lane, s) for lane, s in zip(lanes, seeds, strict=True) if s is not None]
+        unseeded = [lane for lane, s in zip(lanes, seeds, strict=True) if s is None]
+        groups: list[tuple[list[int], list[int]]] = []
+        if seeded:
+            groups.append(([lane for lane, _ in seeded], [int(s) for _, s in seeded]))
+        if unseeded:
+            groups.append((unseeded, []))
+        everyone = len(groups) == 1 and groups[0][0] == list(range(self.num_envs))
+        builders = [
+            partial(
+                _reset_builder,
+                seeds=group_seeds,
+                options=options,
+                timeout_ms=self._timeout_ms,
+                lanes=[] if everyone else group,  # all lanes alike: one whole-vector reset
+            )
+            for group, group_seeds in groups
+        ]
+        replies = self._ep.roundtrip(builders, ["reset"] * len(builders))
+        out: dict[int, tuple[Any, dict[str, Any]]] = {}
+        for (group, _), reply in zip(groups, replies, strict=True):
+            out.update(self._per_lane_reset(group, reply))
+        return out
+
+    def _per_lane_reset(
+        self, lanes: list[int], reply: Reply
+    ) -> dict[int, tuple[Any, dict[str, Any]]]:
+        k = len(lanes)
+        observations = self._state.codecs.observations(reply.leaves, k)
+        infos = lane_infos(reply.infos, k)
+        return {lane: (observations[j], infos[j]) for j, lane in enumerate(lanes)}
+
+    # ---- gymnasium API -----------------------------------------------------------------
+
+    def reset(
+        self,
+        *,
+        seed: int | list[int | None] | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> tuple[Any, dict[str, Any]]:
+        n = self.num_envs
+        if seed is None:
+            seeds: list[int | None] = [None] * n
+        elif isinstance(seed, int | np.integer):
+            seeds = [int(seed) + i for i in range(n)]
+        else:
+            seeds = list(seed)
+        if len(seeds) != n:
+            raise ValueError(
+                f"If seeds are passed as a list the length must match num_envs={n} but got length={len(seeds)}."
+            )
+        check_options(options)
+        mask = None
+        if options is not None and "reset_mask" in options:
+            mask = options.pop("reset_mask")
+            if not isinstance(mask, np.ndarray):
+                raise TypeError(f"`options['reset_mask']` must be a numpy array, got {type(mask)}")
+            if mask.shape != (n,):
+                raise ValueError(
+                    f"`options['reset_mask']` must have shape `({n},)`, got {mask.shape}"
+                )
+            if mask.dtype != np.bool_:
+                raise TypeError(
+                    f"`options['reset_mask']` must have `dtype=np.bool_`, got {mask.dtype}"
+                )
+            if not np.any(mask):
+                raise ValueError(
+                    "`options['reset_mask']` must contain a boolean array with at least one True value, "
+                    f"got reset_mask={mask}"
+                )
+        lanes = list(range(n)) if mask is None else [i for i in range(n) if mask[i]]
+        results = self._resets(lanes, [seeds[i] for i in lanes], options)
+        if mask is None:
+            self._terminations = np.zeros((n,), dtype=np.bool_)
+            self._truncations = np.zeros((n,), dtype=np.bool_)
+            self._autoreset_envs = np.zeros((n,), dtype=np.bool_)
+        else:
+            self._terminations[mask] = False
+            self._truncations[mask] = False
+            self._autoreset_envs[mask] = False
+        infos: dict[str, Any] = {}
+        for i in lanes:
+            self._env_obs[i], info = results[i]
+            infos = self._add_info(infos, info, i)
+        return self._observations(), infos
+
+    def step(
+        self, actions: Any
+    ) -> tuple[
+        Any, np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any], dict[str, Any]
+    ]:
+        n = self.num_envs
+        codecs = self._state.codecs
+        fast = codecs.fast_action
+        rows: list[Any] | None = None
+        if not (fast is not None and isinstance(actions, np.ndarray) and actions.shape[:1] == (n,)):
+            rows = list(iterate(self.action_space, actions))
+            if len(rows) != n:
+                raise ValueError(f"expected {n} actions, got {len(rows)}")
+        mode = self.autoreset_mode
+        if mode == AutoresetMode.NEXT_STEP:
+            reset_lanes = [i for i in range(n) if self._autoreset_envs[i]]
+        else:
+            reset_lanes = []
+            if mode == AutoresetMode.DISABLED and self._autoreset_envs.any():
+                done = [i for i in range(n) if self._autoreset_envs[i]]
+                raise ValueError(
+                    f"lanes {done} finished their episodes and autoreset is DISABLED: reset them "
+                    "first with reset(options={'reset_mask': mask})"
+                )
+        resetting = set(reset_lanes)
+        step_lanes = [i for i in range(n) if i not in resetting]
+        builders: list[Any] = []
+        kinds: list[str] = []
+        if step_lanes:
+            whole = len(step_lanes) == n
+            if rows is None:
+                subset = actions if whole else actions[step_lanes]
+                leaves = codecs.encode_actions(subset, len(step_lanes))
+            else:
+                leaves = codecs.encode_actions_rows([rows[i] for i in step_lanes])
+            # Every lane steps: a whole-vector step (the same on a lane endpoint, and the
+            # form every server handles fastest); else a lane-scoped one beside the resets.
+            builders.append(
+                partial(
+                    _step_builder,
+                    leaves=leaves,
+                    timeout_ms=self._timeout_ms,
+                    lanes=[] if whole else step_lanes,
+                )
+            )
+            kinds.append("step")
+        if reset_lanes:
+            builders.append(
+                partial(
+                    _reset_builder,
+                    seeds=[],
+                    options=None,
+                    timeout_ms=self._timeout_ms,
+                    lanes=reset_lanes,
+                )
+            )
+            kinds.append("reset")
+        replies = self._ep.roundtrip(builders, kinds)
+        stepped: dict[int, tuple[Any, float, bool, bool, dict[str, Any]]] = {}
+        if step_lanes:
+            reply = replies[0]
+            k = len(step_lanes)
+            rewards, terminated, truncated = step_arrays(reply, k)
+            observations = codecs.observations(reply.leaves, k)
+            infos_k = lane_infos(reply.infos, k)
+            for j, lane in enumerate(step_lanes):
+                stepped[lane] = (
+                    observations[j],
+                    float(rewards[j]),
+                    bool(terminated[j]),
+                    bool(truncated[j]),
+                    infos_k[j],
+                )
+        reset_results = self._per_lane_reset(reset_lanes, replies[-1]) if reset_lanes else {}
+        finished: dict[int, tuple[Any, dict[str, Any]]] = {}
+        if mode == AutoresetMode.SAME_STEP:
+            done = [i for i in step_lanes if stepped[i][2] or stepped[i][3]]
+            if done:
+                finished = self._resets(done, [None] * len(done), None)
+        infos: dict[str, Any] = {}
+        for i in range(n):
+            if i in reset_results:
+                self._env_obs[i], info = reset_results[i]
+                self._rewards[i] = 0.0
+                self._terminations[i] = False
+                self._truncations[i] = False
+            else:
+                obs, reward, term, trunc, info = stepped[i]
+                self._env_obs[i] = obs
+                self._rewards[i], self._terminations[i], self._truncations[i] = reward, term, trunc
+                if i in finished:
+                    infos = self._add_info(infos, {"final_obs": obs, "final_info": info}, i)
+                    self._env_obs[i], info = finished[i]
+            infos = self._add_info(infos, info, i)
+        self._autoreset_envs = np.logical_or(self._terminations, self._truncations)
+        return (
+            self._observations(),
+            np.copy(self._rewards),
+            np.copy(self._terminations),
+            np.copy(self._truncations),
+            infos,
+        )
+
+    def _observations(self) -> Any:
+        if self._state.codecs.fast_observation is not None:
+            return np.stack(self._env_obs)
+        space = self.single_observation_space
+        out: Any = create_empty_array(space, self.num_envs)
+        return concatenate(space, self._env_obs, out)
+
+    def render(self) -> tuple[Any, ...] | None:
+        """Each lane's frame; None for a lane the server cannot render (the 0.1.0
+        servers render lane 0 of a multi-lane endpoint only)."""
+        if self.render_mode is None:
+            return None
+        frames: list[Any] = []
+        for lane in range(self.num_envs):
+            try:
+                reply = self._ep.roundtrip([partial(_render_builder, lane=lane)], ["render"])[0]
+            except EnvError as exc:
+                if not exc.is_recoverable:
+                    raise
+                frames.append(None)
+                continue
+            frames.append(decode_frame(reply))
+        return tuple(frames)
+
+    def close_extras(self, **kwargs: Any) -> None:
+        self.final_episodes = self._ep.close()
+
+    def __del__(self) -> None:
+        ep = getattr(self, "_ep", None)
+        if ep is not None:
+            ep._teardown()
+
+
+class Env(gym.Env):
+    """A ``gymnasium.Env`` over a one-lane endpoint (``num_envs == 1``).
+
+    ``reset(seed=...)`` also seeds the adapter's own ``np_random`` (as ``gymnasium.Env``
+    does), the env's own randomness lives on the server. ``render()`` returns the
+    server's frame as an ``(H, W, 3)`` array (``render_mode`` from the contract).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        request_timeout_ms: int | None = None,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        ping_interval: float = DEFAULT_PING_INTERVAL,
+        ping_timeout: float = DEFAULT_PING_TIMEOUT,
+        close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
+    ) -> None:
+        self._timeout_ms = timeout_of(request_timeout_ms)
+        self._ep = _open(
+            address, token, connect_timeout, ping_interval, ping_timeout, close_timeout
+        )
+        self._state: JoinState = self._ep.state
+        contract = self._state.contract
+        if contract.num_envs != 1:
+            self._ep.close()
+            raise ValueError(f"{address} has {contract.num_envs} lanes; use VectorEnv for it")
+        self.final_episodes: list[Episode] = []
+        self.observation_space = contract.observation_space
+        self.action_space = contract.action_space
+        self.metadata = dict(contract.metadata)
+        self.render_mode = contract.render_mode
+        self.spec = None
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[Any, dict[str, Any]]:
+        super().reset(seed=seed)
+        check_options(options)
+        seeds = [] if seed is None else [int(seed)]
+        reply = self._ep.roundtrip(
+            [
+                partial(
+                    _reset_builder,
+                    seeds=seeds,
+                    options=options,
+                    timeout_ms=self._timeout_ms,
+                    lanes=[],
+                )
+            ],
+            ["reset"],
+        )[0]
+        return self._state.codecs.observations(reply.leaves, 1)[0], reply.infos
+
+    def step(self, action: Any) -> tuple[Any, SupportsFloat, bool, bool, dict[str, Any]]:
+        leaves = self._state.codecs.encode_single_action(action)
+        reply = self._ep.roundtrip(
+            [partial(_step_builder, leaves=leaves, timeout_ms=self._timeout_ms, lanes=[])], ["step"]
+        )[0]
+        rewards, terminated, truncated = step_arrays(reply, 1)
+        obs = self._state.codecs.observations(reply.leaves, 1)[0]
+        return obs, float(rewards[0]), bool(terminated[0]), bool(truncated[0]), reply.infos
+
+    def render(self) -> Any:
+        if self.render_mode is None:
+            return None
+        reply = self._ep.roundtrip([partial(_render_builder, lane=0)], ["render"])[0]
+        return decode_frame(reply)
+
+    def close(self) -> None:
+        if getattr(self, "_ep", None) is not None:
+            self.final_episodes = self._ep.close()
+
+    def __del__(self) -> None:
+        ep = getattr(self, "_ep", None)
+        if ep is not None:
+            ep._teardown()
+
+
+def _reset_builder(
+    rid: str, *, seeds: list[int], options: dict[str, Any] | None, timeout_ms: int, lanes: list[int]
+) -> bytes:
+    return reset_request(
+        rid, seeds=seeds, options=options, timeout_ms=timeout_ms, env_indices=lanes
+    )
+
+
+def _step_builder(rid: str, *, leaves: list[bytes], timeout_ms: int, lanes: list[int]) -> bytes:
+    return step_request(rid, leaves, timeout_ms=timeout_ms, env_indices=lanes)
+
+
+def _render_builder(rid: str, *, lane: int) -> bytes:
+    return render_request(rid, [lane])

@@ -1,0 +1,300 @@
+"""The client's message layer and HTTP/2 core, without a network: requests decode with
+the server's own decoder, replies encoded by the server's encoder decode back, the
+handshake checks, big messages through flow control, the error family."""
+
+from __future__ import annotations
+
+import functools
+import pickle
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import trio
+from gymnasium import spaces
+
+from rlmesh_trio import serve_env
+from rlmesh_trio._codec import space_to_spec, to_meta_map
+from rlmesh_trio._proto.rlmesh.core import v1 as core_v1
+from rlmesh_trio._proto.rlmesh.env import v1 as env_v1
+from rlmesh_trio._proto.rlmesh.spaces import v1 as spaces_v1
+from rlmesh_trio._wire import DecodeError, decode_join_request, encode_join_response
+from rlmesh_trio.client import (
+    EndpointClosedError,
+    EnvError,
+    ErrorCode,
+    HandshakeError,
+    RpcError,
+    VectorEnv,
+    open_endpoint,
+)
+from rlmesh_trio.client._core import contract_from_handshake
+from rlmesh_trio.client._messages import (
+    close_request,
+    configure_request,
+    decode_reply,
+    render_request,
+    reset_request,
+    step_request,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_requests_decode_with_the_servers_decoder() -> None:
+    reset = decode_join_request(
+        reset_request(
+            "rt-1",
+            seeds=[7, -2],
+            options={"a": [1, 2.5], "b": None},
+            timeout_ms=250,
+            env_indices=[2, 0],
+        )
+    )
+    assert reset == env_v1.JoinRequest(
+        reset=env_v1.ResetRequest(
+            seeds=[7, -2],
+            options=to_meta_map({"a": [1, 2.5], "b": None}),
+            timeout_ms=250,
+            env_indices=[2, 0],
+        ),
+        request_id="rt-1",
+    )
+    step = decode_join_request(step_request("rt-2", [b"\x01", b""], env_indices=[1]))
+    assert step == env_v1.JoinRequest(
+        step=env_v1.StepRequest(
+            action=spaces_v1.SpaceValue(leaves=[b"\x01", b""]), env_indices=[1]
+        ),
+        request_id="rt-2",
+    )
+    assert decode_join_request(render_request("r", [0])) == env_v1.JoinRequest(
+        render=env_v1.RenderRequest(env_indices=[0]), request_id="r"
+    )
+    assert decode_join_request(close_request("c", "bye")) == env_v1.JoinRequest(
+        close=env_v1.CloseEnvsRequest(reason="bye"), request_id="c"
+    )
+    assert decode_join_request(configure_request("")) == env_v1.JoinRequest(
+        configure=env_v1.ConfigureEnvRequest(selected_workflow_edition="2026.06")
+    )
+
+
+def test_replies_encoded_by_the_server_decode_back() -> None:
+    infos = {
+        "final_info": [{"x": [1, None, "t", b"\x00", {"k": 1.5}]}, {}],
+        "_final_info": [True, False],
+    }
+    episode = env_v1.EpisodeMetadata(
+        episode_id="e1",
+        seed=-5,
+        env_index=1,
+        step_count=9,
+        cumulative_reward=3.5,
+        terminated=True,
+        start_timestamp_ns=10,
+        end_timestamp_ns=20,
+        final_info=to_meta_map({"y": True}),
+    )
+    data = encode_join_response(
+        env_v1.JoinResponse(
+            step=env_v1.StepResponse(
+                observation=spaces_v1.SpaceValue(leaves=[b"ab", b"c"]),
+                rewards=[1.0, -0.5],
+                terminated_mask=b"\x01\x00",
+                truncated_mask=b"\x00\x00",
+                infos=to_meta_map(infos),
+                completed_episodes=[episode],
+                env_indices=[3, 1],
+            ),
+            request_id="rt-9",
+            endpoint_total_ns=5,
+            queue_ns=2,
+        )
+    )
+    reply = decode_reply(data)
+    assert (reply.kind, reply.request_id, reply.leaves) == ("step", "rt-9", [b"ab", b"c"])
+    assert reply.rewards == [1.0, -0.5] and reply.env_indices == [3, 1]
+    assert (reply.terminated, reply.truncated) == (b"\x01\x00", b"\x00\x00")
+    assert reply.infos == infos
+    assert reply.timings == {"endpoint_total_ns": 5, "queue_ns": 2}
+    (ep,) = reply.episodes
+    assert (ep.episode_id, ep.seed, ep.env_index, ep.step_count, ep.cumulative_reward) == (
+        "e1",
+        -5,
+        1,
+        9,
+        3.5,
+    )
+    assert ep.terminated and not ep.truncated and ep.final_info == {"y": True}
+    error = decode_reply(
+        encode_join_response(
+            env_v1.JoinResponse(
+                error=env_v1.EnvError(
+                    code=env_v1.EnvErrorCode.TIMEOUT, message="late", is_recoverable=True
+                ),
+                request_id="rt-3",
+            )
+        )
+    )
+    assert (error.kind, error.error_code, error.error_message, error.error_recoverable) == (
+        "error",
+        1,
+        "late",
+        True,
+    )
+    assert decode_reply(b"").kind == ""
+    with pytest.raises(DecodeError, match=r"buffer underflow|invalid"):
+        decode_reply(b"\x12\x05\x00")
+
+
+def handshake(**base: Any) -> bytes:
+    space = space_to_spec(spaces.Discrete(2))
+    defaults: dict[str, Any] = {
+        "compatible": True,
+        "supported_workflow_editions": ["2026.06"],
+        "preferred_workflow_edition": "2026.06",
+    }
+    defaults.update(base)
+    return bytes(
+        env_v1.HandshakeResponse(
+            base=core_v1.HandshakeResponse(**defaults),
+            env_contract=core_v1.EnvContract(
+                spec=core_v1.EnvSpec(id="X-v0", action_space=space, observation_space=space),
+                num_envs=2,
+            ),
+        )
+    )
+
+
+def test_handshake_checks() -> None:
+    contract = contract_from_handshake(handshake())
+    assert (contract.env_id, contract.num_envs, contract.action_space) == (
+        "X-v0",
+        2,
+        gym.spaces.Discrete(2),
+    )
+    with pytest.raises(HandshakeError, match="protocol generation"):
+        contract_from_handshake(
+            handshake(compatible=False, error_message="protocol generation x not compatible")
+        )
+    with pytest.raises(HandshakeError, match="no mutual workflow edition"):
+        contract_from_handshake(
+            handshake(supported_workflow_editions=["2099.01"], preferred_workflow_edition="2099.01")
+        )
+    with pytest.raises(HandshakeError, match="no env contract"):
+        contract_from_handshake(
+            bytes(
+                env_v1.HandshakeResponse(
+                    base=core_v1.HandshakeResponse(
+                        compatible=True, supported_workflow_editions=["2026.06"]
+                    )
+                )
+            )
+        )
+    with pytest.raises(HandshakeError, match="undecodable"):
+        contract_from_handshake(b"\x0a\xff")
+
+
+def test_errors_are_one_family_and_pickle() -> None:
+    error = EnvError("boom", code=ErrorCode.INTERNAL, is_recoverable=False, request_id="rt-1")
+    again = pickle.loads(pickle.dumps(error))
+    assert (type(again), again.code, again.is_recoverable, again.message, again.request_id) == (
+        EnvError,
+        ErrorCode.INTERNAL,
+        False,
+        "boom",
+        "rt-1",
+    )
+    assert str(error) == "INTERNAL (fatal): boom"
+    rpc = RpcError(16, "invalid env token")
+    assert pickle.loads(pickle.dumps(rpc)).grpc_status == 16
+    assert isinstance(EndpointClosedError(), type(error).__mro__[1])
+    assert ErrorCode.of(99) is ErrorCode.UNSPECIFIED
+
+
+class EchoEnv(gym.Env[np.ndarray, np.ndarray]):
+    """Big Box actions and observations: the observation is the last action."""
+
+    metadata: dict[str, Any] = {"render_modes": []}
+    SHAPE = (512, 512, 5)  # 1.25 MiB a lane: over the server's 1 MiB window
+
+    def __init__(self) -> None:
+        self.observation_space = spaces.Box(0, 255, self.SHAPE, np.uint8)
+        self.action_space = spaces.Box(0, 255, self.SHAPE, np.uint8)
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Any:
+        super().reset(seed=seed)
+        return np.zeros(self.SHAPE, np.uint8), {}
+
+    def step(self, action: Any) -> Any:
+        return np.array(action, np.uint8), 0.0, False, False, {}
+
+
+async def test_big_messages_go_through_flow_control() -> None:
+    rng = np.random.default_rng(0)
+    actions = rng.integers(0, 256, (3, *EchoEnv.SHAPE), dtype=np.uint8)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            info = await nursery.start(functools.partial(serve_env, EchoEnv, num_envs=3))
+            async with open_endpoint(info.address) as ep:
+                await ep.reset()
+                obs, *_ = await ep.step(actions)
+                assert np.array_equal(obs, actions)
+                obs, *_ = await ep.step(actions[::-1].copy(), env_indices=[2, 1, 0])
+                assert np.array_equal(obs, actions[::-1])
+
+            def sync() -> None:
+                env = VectorEnv(info.address)
+                try:
+                    env.reset()
+                    got = env.step(actions)[0]
+                    assert np.array_equal(got, actions)
+                finally:
+                    env.close()
+
+            await trio.to_thread.run_sync(sync)
+            nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(
+    "space",
+    [
+        spaces.Box(-1.0, 1.0, (2, 3), np.float32),
+        spaces.Box(0, 255, (4,), np.uint8),
+        spaces.Box(0, 1, (3,), np.bool_),
+        spaces.Discrete(5, start=-2),
+        spaces.MultiBinary((2, 2)),
+        spaces.MultiDiscrete([3, 4]),
+    ],
+    ids=repr,
+)
+def test_the_fixed_leaf_fast_path_equals_the_general_codec(space: gym.spaces.Space[Any]) -> None:
+    """Single-leaf spaces skip the per-lane conversion; the bytes and the batches must be
+    exactly those of the general path (the package codec + gymnasium's batching)."""
+    from rlmesh_trio.client._core import Codecs, Contract
+
+    codecs = Codecs(Contract("X-v0", 3, None, "DISABLED", {}, {}, space, space))
+    assert codecs.fast_action is not None and codecs.fast_observation is not None
+    batched = gym.vector.utils.batch_space(space, 3)
+    batched.seed(1)
+    for _ in range(5):
+        actions = batched.sample()
+        rows = list(gym.vector.utils.iterate(batched, actions))
+        general = codecs.action.encode_batch(rows)
+        assert codecs.encode_actions(actions, 3) == general
+        fast = codecs.observation_batch(general, 3)
+        slow = gym.vector.utils.concatenate(
+            space,
+            codecs.observation.decode(general, 3),
+            gym.vector.utils.create_empty_array(space, 3),
+        )
+        assert fast.dtype == slow.dtype and fast.shape == slow.shape and np.array_equal(fast, slow)
+        assert fast.flags.writeable
+    # Values the fast path does not take go through the general conversion and checks.
+    if isinstance(space, spaces.Discrete):
+        assert codecs.encode_actions([1.0, 2.0, 0.0], 3) == codecs.action.encode_batch([1, 2, 0])
+    with pytest.raises(EnvError) as info:
+        codecs.encode_actions(np.zeros((2, 9)), 3)
+    assert (info.value.code, info.value.is_recoverable) == (ErrorCode.INVALID_ACTION, True)
+    with pytest.raises(Exception, match="malformed reply"):
+        codecs.observation_batch([b"\x00"], 3)
