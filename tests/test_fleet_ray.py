@@ -247,3 +247,84 @@ def test_token_generated_beyond_loopback_unless_refused() -> None:
         assert not anonymous.serving and "UNAUTHENTICATED" in (anonymous.error or "")
         with pytest.raises(Exception, match="token"):
             fleet.run(MODEL, seeds=[0])
+
+
+def _wait_cpus_free(expected: float, timeout: float = 60.0) -> float:
+    deadline = time.monotonic() + timeout
+    while True:
+        free = float(ray.available_resources().get("CPU", 0.0))
+        if free >= expected or time.monotonic() > deadline:
+            return free
+        time.sleep(0.2)
+
+
+def test_cli_fleet_prints_addresses_stays_up_and_stops_on_ctrl_c() -> None:
+    import select
+    import subprocess
+    import sys
+
+    from rlmesh_trio.fleet import Fleet
+
+    assert _wait_cpus_free(2.0) == 2.0  # earlier fleets gave their bundles back
+    read_fd, write_fd = os.pipe()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rlmesh_trio",
+            "fleet",
+            "--env",
+            "CartPole-v1",
+            "--endpoints",
+            "2",
+            "--num-envs",
+            "2",
+            "--cpus-per-endpoint",
+            "0.5",
+            "--bind",
+            "127.0.0.1",
+            "--ray-address",
+            ray.get_runtime_context().gcs_address,
+            "--ready-fd",
+            str(write_fd),
+        ],
+        pass_fds=(write_fd,),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    os.close(write_fd)
+    try:
+        data = b""
+        deadline = time.monotonic() + 120
+        with os.fdopen(read_fd, "rb") as ready:
+            while time.monotonic() < deadline:
+                readable, _, _ = select.select([ready], [], [], 1.0)
+                if readable:
+                    chunk = os.read(ready.fileno(), 4096)
+                    if not chunk:
+                        break
+                    data += chunk
+                assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+        addresses = data.decode().split()
+        assert len(addresses) == 2 and all(a.startswith("tcp://127.0.0.1:") for a in addresses)
+        with Fleet.from_addresses(addresses) as fleet:
+            fleet.wait_ready(30)
+            result = fleet.run(MODEL, seeds=[0, 1, 2, 3])
+            assert [e.seed for e in result.episodes] == [0, 1, 2, 3]
+        assert free_while_up() < 2.0
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err.decode()
+    assert out.decode().split() == addresses  # the addresses, one per line, on stdout
+    assert b"stopping the fleet" in err
+    assert _wait_cpus_free(2.0) == 2.0  # the fleet's actors and placement group are gone
+
+
+def free_while_up() -> float:
+    return float(ray.available_resources().get("CPU", 0.0))
