@@ -366,10 +366,12 @@ class RayFleet(Fleet):
         if member.state == "dead":
             return
         health = self._probe_one(index, self._probe_timeout)
+        # Serving or not, ask the actor too: a restart that was over before any probe
+        # failed (a pinned port) is still counted. Not serving: has it been restarted
+        # (new address), is it dead, or wedged?
+        info = self._refresh(index, self._probe_timeout)
         if health.serving:
             return
-        # Not serving: has it been restarted (new address), is it dead, or wedged?
-        info = self._refresh(index, self._probe_timeout)
         with self._lock:
             if info is None and _refused(health) and member.down_since is None:
                 # Nothing listens and the actor does not answer: its process died and
