@@ -28,6 +28,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -352,14 +353,19 @@ class RayFleet(Fleet):
     # -- supervision -------------------------------------------------------------------
 
     def _supervise(self) -> None:
-        while not self._stopping.wait(self._period):
-            for index in range(len(self._members)):
-                if self._stopping.is_set():
-                    return
-                try:
-                    self._check(index)
-                except Exception:  # never let one endpoint's trouble stop the watch
-                    log.exception("fleet: supervising endpoint %d failed", index)
+        # The endpoints are checked at once (a wedged one takes its whole probe timeout).
+        workers = min(16, len(self._members))
+        with ThreadPoolExecutor(workers, "rlmesh-fleet-supervise") as pool:
+            while not self._stopping.wait(self._period):
+                list(pool.map(self._check_safely, range(len(self._members))))
+
+    def _check_safely(self, index: int) -> None:
+        if self._stopping.is_set():
+            return
+        try:
+            self._check(index)
+        except Exception:  # never let one endpoint's trouble stop the watch
+            log.exception("fleet: supervising endpoint %d failed", index)
 
     def _check(self, index: int) -> None:
         member = self._ray_member(index)
