@@ -5,7 +5,8 @@ at niceness 0) it launches two fleets with the same total of 4 CartPole lanes --
 K=2 x N=2 and K=1 x N=4 -- and measures:
 
 * throughput: ``fleet.run`` over 16 full episodes (500 steps each: 8,000 env steps) on
-  each fleet, and ``rlmesh.run`` straight to the K=1 endpoint (no fleet layer), in
+  each fleet (recording episodes as they end, the default, and without), and
+  ``rlmesh.run`` straight to the K=1 endpoint (no fleet layer), in
   alternating order for ``--rounds`` rounds; env steps per second, median (min-max);
 * restart times, each from the event until the endpoint answers a health probe and a
   Handshake again at its (pinned) address: SIGKILL of the endpoint's process (Ray
@@ -140,6 +141,12 @@ def main(argv: list[str] | None = None) -> int:
             configs = {
                 "fleet K=2 x N=2": lambda: split.run(MODEL, seeds=SEEDS),
                 "fleet K=1 x N=4": lambda: single.run(MODEL, seeds=SEEDS),
+                "fleet K=2 x N=2, record_episodes=False": lambda: split.run(
+                    MODEL, seeds=SEEDS, record_episodes=False
+                ),
+                "fleet K=1 x N=4, record_episodes=False": lambda: single.run(
+                    MODEL, seeds=SEEDS, record_episodes=False
+                ),
                 "rlmesh.run, one endpoint N=4": lambda: rlmesh.run(
                     MODEL, single.addresses[0], seeds=SEEDS
                 ),

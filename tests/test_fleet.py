@@ -255,3 +255,34 @@ def test_map_with_no_endpoint_left_raises(servers: ServerPool) -> None:
         with pytest.raises(FleetError, match="no endpoint left") as caught:
             fleet.map(lambda address, shard: shard, range(3), recover_timeout=0.5)
         assert caught.value.partial == [None, None, None]
+
+
+def test_without_recording_a_failed_shard_runs_again_whole(servers: ServerPool) -> None:
+    victim = servers.fresh("ours", CARTPOLE_2)
+    survivor = servers.fresh("ours", CARTPOLE_2)
+    gains = np.array([0.0, 0.0, 1.0, 0.5])  # full 500-step episodes: the run is long
+    model = rlmesh.numpy.Model(lambda obs: (np.asarray(obs) @ gains > 0).astype(np.int64))
+    seeds = list(range(8))
+    # Whether the kill lands before or during the victim's run, none of its episodes
+    # is known (no hooks), so all of its seeds run again on the survivor.
+    timer = threading.Timer(0.3, os.kill, (victim.pid, signal.SIGKILL))
+    with Fleet.from_addresses([victim.address, survivor.address]) as fleet:
+        timer.start()
+        try:
+            result = fleet.run(model, seeds=seeds, record_episodes=False, recover_timeout=1.0)
+        finally:
+            timer.join()
+    assert [e.seed for e in result.episodes] == seeds
+    assert all(e.steps == 500 for e in result.episodes)
+    (failed,) = [s for s in result.shards if s.error is not None]
+    assert failed.endpoint == 0 and failed.kept == 0
+    moved = {seed for s in result.shards if s.error is None and s.endpoint == 1 for seed in s.seeds}
+    assert set(failed.seeds) <= moved
+
+
+def test_without_recording_results_merge_the_same(
+    pair: list[str], reference: dict[int, tuple[Any, ...]]
+) -> None:
+    with Fleet.from_addresses(pair) as fleet:
+        result = fleet.run(MODEL, seeds=list(range(12)), record_episodes=False)
+    assert [_key(e) for e in result.episodes] == [reference[s] for s in range(12)]

@@ -358,6 +358,7 @@ class Fleet:
         seeds: Sequence[int],
         retries: int = 2,
         recover_timeout: float = 60.0,
+        record_episodes: bool = True,
         **run_kwargs: Any,
     ) -> FleetRunResult:
         """One evaluation over the whole fleet: :func:`rlmesh.run` per endpoint, merged.
@@ -372,6 +373,7 @@ class Fleet:
             seeds=seeds,
             retries=retries,
             recover_timeout=recover_timeout,
+            record_episodes=record_episodes,
             **run_kwargs,
         )
 
