@@ -58,6 +58,20 @@ def envs(session: nox.Session) -> None:
 
 
 @nox.session
+def fleet(session: nox.Session) -> None:
+    """The fleet's tests alone (static fleets, Kubernetes manifests, a local Ray); they
+    also run in ``tests``: deselect them there with ``-- -m "not ray"``."""
+    session.install(".[test]")
+    session.run(
+        "pytest",
+        "tests/test_fleet.py",
+        "tests/test_fleet_kubernetes.py",
+        "tests/test_fleet_ray.py",
+        *session.posargs,
+    )
+
+
+@nox.session
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the repository."""
     session.install(dev_pin("ruff"))

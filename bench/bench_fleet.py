@@ -122,7 +122,6 @@ def main(argv: list[str] | None = None) -> int:
         include_dashboard=False,
         log_to_driver=False,
         _node_ip_address="127.0.0.1",
-        _system_config={"worker_niceness": 0},
     )
     print(f"ray.init: {time.monotonic() - began:.1f} s; load average {os.getloadavg()}")
     results: dict[str, Any] = {"load_average_start": os.getloadavg()}

@@ -1,7 +1,8 @@
 """``rlmesh_trio.fleet.ray`` on a local Ray: launch, run, crash, wedge, death.
 
 One Ray per module (it takes seconds to start): loopback only (node IP 127.0.0.1),
-``num_cpus=2``, no dashboard, workers at niceness 0. Each test launches its own fleet
+``num_cpus=2``, no dashboard; Ray's workers start at nice 15 and ``launch`` puts the
+endpoints at 0 (asserted). Each test launches its own fleet
 of K=2 endpoints x N=2 CartPole lanes with ``resources={"CPU": 0.5}``. No wall-clock
 thresholds: the tests wait for events, under generous bounds, and log the timings.
 """
@@ -60,7 +61,6 @@ def local_ray() -> Iterator[None]:
         include_dashboard=False,
         log_to_driver=False,
         _node_ip_address="127.0.0.1",
-        _system_config={"worker_niceness": 0},
     )
     print(f"ray.init: {time.monotonic() - began:.1f} s")
     try:

@@ -98,7 +98,10 @@ class _EndpointActor:
         from .._serve import ServerInfo, serve_env
 
         self._config = config
-        self._trio = trio
+        if config.options.auth_token is None:
+            # launch() decided on auth; a token in the workers' environment would make
+            # the endpoint refuse the fleet's own probes (and be restarted forever).
+            os.environ.pop("RLMESH_TRIO_AUTH_TOKEN", None)
         self._ready: queue.Queue[ServerInfo | BaseException] = queue.Queue()
         self._token: trio.lowlevel.TrioToken | None = None
         self._scope: trio.CancelScope | None = None
@@ -531,6 +534,8 @@ def launch(
       rlmesh 0.1.0's clients cannot send a token, so :meth:`Fleet.run` needs
       ``require_auth=False`` (on a network you trust); token-capable clients use
       :meth:`Fleet.map` with ``fleet.auth_token``. The health check never needs it.
+      These arguments decide: ``RLMESH_TRIO_AUTH_TOKEN`` in the workers' environment is
+      ignored.
     * ``niceness``: the endpoint processes' nice value (Ray starts workers at 15, which
       cost an endpoint 11-16 % against normal-priority clients on a busy node);
       ``None`` keeps Ray's.
