@@ -1,4 +1,4 @@
-"""Development sessions: ``nox -s tests | fuzz | lint | typecheck | codegen | bench``.
+"""Development sessions: ``nox -s tests | ray | fuzz | lint | typecheck | codegen | bench``.
 
 Every session builds its own virtualenv (``venv`` backend) with the interpreter that
 runs nox, and installs exactly the pins of ``pyproject.toml``: the ``test`` extra for
@@ -14,7 +14,7 @@ from pathlib import Path
 import nox
 
 nox.options.default_venv_backend = "venv"
-nox.options.sessions = ["tests", "lint", "typecheck"]
+nox.options.sessions = ["tests", "ray", "lint", "typecheck"]
 nox.options.error_on_external_run = True
 
 ROOT = Path(__file__).resolve().parent
@@ -31,9 +31,10 @@ def dev_pin(name: str) -> str:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Install the package with its test extra and run the whole pytest suite."""
+    """Install the package with its test extra and run the pytest suite (but the Ray tests)."""
     session.install(".[test]")
-    session.run("pytest", *session.posargs)
+    # The Ray fleet tests start Ray clusters (minutes on 2 cores): their own session.
+    session.run("pytest", "-m", "not ray", *session.posargs)
 
 
 @nox.session
@@ -58,17 +59,11 @@ def envs(session: nox.Session) -> None:
 
 
 @nox.session
-def fleet(session: nox.Session) -> None:
-    """The fleet's tests alone (static fleets, Kubernetes manifests, a local Ray); they
-    also run in ``tests``: deselect them there with ``-- -m "not ray"``."""
+def ray(session: nox.Session) -> None:
+    """The fleet's tests on a local Ray (``-m ray``: one Ray per module, loopback only);
+    ``tests`` leaves them out, CI (``.ci/run``) runs both."""
     session.install(".[test]")
-    session.run(
-        "pytest",
-        "tests/test_fleet.py",
-        "tests/test_fleet_kubernetes.py",
-        "tests/test_fleet_ray.py",
-        *session.posargs,
-    )
+    session.run("pytest", "-m", "ray", *session.posargs)
 
 
 @nox.session

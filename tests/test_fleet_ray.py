@@ -20,6 +20,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+# Before Ray is imported: it reads them at import (the node IP then is 127.0.0.1).
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 ray = pytest.importorskip("ray")
 
 import rlmesh  # noqa: E402
@@ -52,8 +56,6 @@ MODEL = rlmesh.numpy.Model(_policy)
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray() -> Iterator[None]:
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     ray.cloudpickle.register_pickle_by_value(support.fleet_envs)
     began = time.monotonic()
     ray.init(
