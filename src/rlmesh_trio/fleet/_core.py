@@ -493,8 +493,14 @@ class _Scheduler:
             self.workers_alive = len(threads)
             for thread in threads:
                 thread.start()
-            for thread in threads:
-                thread.join()
+            try:
+                for thread in threads:
+                    thread.join()
+            except BaseException as exc:  # e.g. KeyboardInterrupt: take no more work
+                with self.cond:
+                    self.aborted = exc
+                    self.cond.notify_all()
+                raise
             with self.cond:
                 for task, _ in self.queue:  # no endpoint left to run them (or aborted)
                     for unit in task:
