@@ -286,3 +286,16 @@ def test_without_recording_results_merge_the_same(
     with Fleet.from_addresses(pair) as fleet:
         result = fleet.run(MODEL, seeds=list(range(12)), record_episodes=False)
     assert [_key(e) for e in result.episodes] == [reference[s] for s in range(12)]
+
+
+@pytest.mark.timeout(60)
+def test_run_does_not_wait_for_a_down_endpoint_once_the_work_is_done(
+    pair: list[str], reference: dict[int, tuple[Any, ...]]
+) -> None:
+    dead = f"127.0.0.1:{_free_port()}"
+    with Fleet.from_addresses([dead, pair[0]]) as fleet:
+        # recover_timeout far beyond the test's timeout: the run must end with the work.
+        result = fleet.run(MODEL, seeds=[0, 1, 2, 3], recover_timeout=600.0)
+        assert fleet.endpoints[0].state == "restarting"
+    assert [_key(e) for e in result.episodes] == [reference[s] for s in range(4)]
+    assert {s.endpoint for s in result.shards} == {1}

@@ -287,11 +287,14 @@ class Fleet:
 
     # -- recovery (what a subclass with an engine does better) ----------------------------
 
-    def _recover(self, index: int, deadline: float) -> bool:
+    def _recover(
+        self, index: int, deadline: float, cancelled: Callable[[], bool] = lambda: False
+    ) -> bool:
         """After a failure on endpoint ``index``: block until it serves again (True),
-        or until ``deadline`` (``time.monotonic()``) or its death (False). A static
-        fleet can only re-probe; a Ray fleet waits for the restarted actor."""
-        while not self._closed:
+        or until ``deadline`` (``time.monotonic()``), its death or ``cancelled()`` (the
+        work is over; False). A static fleet can only re-probe; a Ray fleet waits for
+        the restarted actor."""
+        while not self._closed and not cancelled():
             health = self._probe_one(index, min(2.0, max(0.1, deadline - time.monotonic())))
             if health.serving:
                 return True
@@ -479,6 +482,11 @@ class _Scheduler:
     def finished(self) -> bool:
         return len(self.done) + len(self.failed) >= self.total
 
+    def over(self) -> bool:
+        """Nothing left for a recovering endpoint to do: stop waiting for it."""
+        with self.cond:
+            return self.finished() or self.aborted is not None
+
     def run(self) -> _Outcome:
         if self.total:
             live = [e for e in self.fleet.endpoints if e.state != "dead"]
@@ -551,7 +559,7 @@ class _Scheduler:
         try:
             # Not answering when the work began: wait for it (bounded), then join in.
             if self.fleet._member(index).state != "serving" and not self.fleet._recover(
-                index, time.monotonic() + self.recover_timeout
+                index, time.monotonic() + self.recover_timeout, self.over
             ):
                 return
             while True:
@@ -574,7 +582,7 @@ class _Scheduler:
                         return
                     self.fleet._failed(index, exc)
                     deadline = time.monotonic() + self.recover_timeout
-                    if not self.fleet._recover(index, deadline):
+                    if not self.fleet._recover(index, deadline, self.over):
                         log.warning(
                             "fleet: endpoint %d (%s) is not serving again; it takes no more work",
                             index,

@@ -422,15 +422,18 @@ class RayFleet(Fleet):
             raise TimeoutError(f"endpoint {index} is not serving again after {wait} s")
         return self._ray_member(index).info
 
-    def _recover(self, index: int, deadline: float) -> bool:
+    def _recover(
+        self, index: int, deadline: float, cancelled: Callable[[], bool] = lambda: False
+    ) -> bool:
         member = self._ray_member(index)
-        while not self._closed:
+        while not self._closed and not cancelled():
             left = deadline - time.monotonic()
             if member.state == "dead":
                 return False
             if left <= 0:
                 return False
-            self._refresh(index, min(max(0.1, left), self._ready_timeout))
+            # Short waits, so that a cancelled recovery ends soon.
+            self._refresh(index, min(max(0.1, left), self._probe_timeout))
             if member.dead():
                 return False
             health = self._probe_one(index, min(self._probe_timeout, max(0.1, left)))
