@@ -299,3 +299,19 @@ def test_run_does_not_wait_for_a_down_endpoint_once_the_work_is_done(
         assert fleet.endpoints[0].state == "restarting"
     assert [_key(e) for e in result.episodes] == [reference[s] for s in range(4)]
     assert {s.endpoint for s in result.shards} == {1}
+
+
+def test_cli_fleet_refuses_bad_arguments_before_starting_anything(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from rlmesh_trio._cli import main
+
+    base = ["fleet", "--env", "CartPole-v1"]
+    assert main([*base]) == 2  # --endpoints is required
+    assert main([*base, "--endpoints", "0"]) == 2
+    assert main([*base, "--endpoints", "2", "--no-auth", "--auth-token", "x"]) == 2
+    assert "contradicts" in capsys.readouterr().err
+    assert main([*base, "--endpoints", "2", "--cpus-per-endpoint", "0"]) == 2
+    assert main([*base, "--endpoints", "2", "--max-restarts", "-2"]) == 2
+    assert main([*base, "--endpoints", "2", "--ready-fd", "987"]) == 2
+    assert "--ready-fd 987" in capsys.readouterr().err

@@ -193,6 +193,11 @@ def fleet_command(args: argparse.Namespace) -> int:
             auth_token=token,
             require_auth=False if args.no_auth else (True if token or beyond else None),
         )
+    except KeyboardInterrupt:  # Ctrl-C while launching: launch() removed what it made
+        print(f"{PROG}: interrupted while launching", file=sys.stderr)
+        if started_ray:
+            ray.shutdown()
+        return 128 + signal.SIGINT
     except Exception as exc:
         print(f"{PROG}: error: cannot launch the fleet: {_first_line(exc)}", file=sys.stderr)
         if started_ray:
