@@ -388,16 +388,19 @@ class Fleet:
         recover_timeout: float,
         *,
         split: bool,
+        owners: Sequence[int] | None = None,
     ) -> _Outcome:
         """Run ``tasks`` (lists of unit ids) on the endpoints, one task per endpoint at a
         time, re-queueing what a failed attempt left unfinished. ``runner(address,
         endpoint, units, done)`` calls ``done(unit, value)`` per finished unit and raises
         on failure. ``split``: an idle endpoint may take part of a queued task (``run``:
-        its unfinished seeds), so a re-queued task spreads over the free endpoints."""
+        its unfinished seeds), so a re-queued task spreads over the free endpoints.
+        ``owners[i]``: the endpoint that runs task ``i`` first (another takes it only
+        while that one is not serving, or once it has left the work)."""
         self._check_open()
         if not isinstance(retries, int) or retries < 0:
             raise ValueError(f"retries must be an int >= 0, got {retries!r}")
-        return _Scheduler(self, tasks, runner, retries, recover_timeout, split).run()
+        return _Scheduler(self, tasks, runner, retries, recover_timeout, split, owners).run()
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -460,6 +463,7 @@ class _Scheduler:
         retries: int,
         recover_timeout: float,
         split: bool,
+        owners: Sequence[int] | None = None,
     ) -> None:
         self.fleet = fleet
         self.runner = runner
@@ -467,8 +471,21 @@ class _Scheduler:
         self.recover_timeout = recover_timeout
         self.split = split
         self.cond = threading.Condition()
-        self.queue: deque[tuple[list[int], bool]] = deque((t, False) for t in tasks if t)
-        """Tasks to run, and whether each was queued again after a failure."""
+        if owners is not None and len(owners) != len(tasks):
+            raise ValueError("owners must name one endpoint per task")
+        self.owned: dict[int, list[int]] = {}
+        """Tasks reserved for an endpoint (its first shard), by endpoint index."""
+        self.queue: deque[tuple[list[int], bool]] = deque()
+        """Tasks any endpoint may take, and whether each was queued again after a failure."""
+        for i, task in enumerate(tasks):
+            if not task:
+                continue
+            if owners is not None and owners[i] not in self.owned:
+                self.owned[owners[i]] = task
+            else:
+                self.queue.append((task, False))
+        self.unavailable: set[int] = set()
+        """Endpoints recovering or gone: their reserved tasks are free for the others."""
         self.total = sum(len(t) for t in tasks)
         self.done: dict[int, Any] = {}
         self.failed: dict[int, str] = {}
@@ -510,6 +527,8 @@ class _Scheduler:
                     self.cond.notify_all()
                 raise
             with self.cond:
+                self.queue.extend((task, False) for task in self.owned.values())
+                self.owned.clear()
                 for task, _ in self.queue:  # no endpoint left to run them (or aborted)
                     for unit in task:
                         if unit not in self.done:
@@ -517,11 +536,19 @@ class _Scheduler:
                 self.queue.clear()
         return _Outcome(self.done, self.failed, self.retry_log, self.last_error)
 
-    def take(self, lanes: int | None) -> list[int] | None:
-        """Lock held: the next task for a free endpoint, or None when all is done."""
+    def take(self, index: int, lanes: int | None) -> list[int] | None:
+        """Lock held: the next task for endpoint ``index``, or None when all is done."""
         while True:
             if self.finished() or self.fleet.closed or self.aborted is not None:
                 return None
+            own = self.owned.pop(index, None)
+            if own is None:
+                # Reserved for an endpoint that cannot take it now: free for all.
+                for owner in sorted(self.owned.keys() & self.unavailable):
+                    self.queue.append((self.owned.pop(owner), False))
+            if own is not None:
+                self.in_flight += 1
+                return own
             if self.queue:
                 task, again = self.queue.popleft()
                 pending = [u for u in task if u not in self.done and u not in self.failed]
@@ -542,7 +569,7 @@ class _Scheduler:
                         pending = pending[:share]
                 self.in_flight += 1
                 return pending
-            if self.in_flight == 0:
+            if self.in_flight == 0 and not self.owned:
                 return None  # nothing queued, nothing that could re-queue
             self.cond.wait(1.0)
 
@@ -555,17 +582,28 @@ class _Scheduler:
                 self.cond.notify_all()
             return True
 
+    def available(self, index: int, available: bool) -> None:
+        with self.cond:
+            if available:
+                self.unavailable.discard(index)
+            else:
+                self.unavailable.add(index)
+            self.cond.notify_all()
+
     def work(self, index: int) -> None:
         try:
             # Not answering when the work began: wait for it (bounded), then join in.
-            if self.fleet._member(index).state != "serving" and not self.fleet._recover(
-                index, time.monotonic() + self.recover_timeout, self.over
-            ):
-                return
+            if self.fleet._member(index).state != "serving":
+                self.available(index, False)
+                if not self.fleet._recover(
+                    index, time.monotonic() + self.recover_timeout, self.over
+                ):
+                    return
+                self.available(index, True)
             while True:
                 endpoint = self.fleet._member(index)
                 with self.cond:
-                    task = self.take(endpoint.lanes)
+                    task = self.take(index, endpoint.lanes)
                 if task is None:
                     return
                 try:
@@ -581,6 +619,7 @@ class _Scheduler:
                     if not self.requeue(endpoint, task, exc):
                         return
                     self.fleet._failed(index, exc)
+                    self.available(index, False)
                     deadline = time.monotonic() + self.recover_timeout
                     if not self.fleet._recover(index, deadline, self.over):
                         log.warning(
@@ -589,6 +628,7 @@ class _Scheduler:
                             endpoint.address,
                         )
                         return
+                    self.available(index, True)
                 else:
                     with self.cond:
                         self.in_flight -= 1
@@ -601,6 +641,10 @@ class _Scheduler:
         finally:
             with self.cond:
                 self.workers_alive -= 1
+                self.unavailable.add(index)
+                leftover = self.owned.pop(index, None)
+                if leftover is not None:
+                    self.queue.append((leftover, False))
                 self.cond.notify_all()
 
     def requeue(self, endpoint: Endpoint, task: list[int], exc: BaseException) -> bool:

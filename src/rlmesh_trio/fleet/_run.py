@@ -51,9 +51,10 @@ def run_fleet(
 ) -> FleetRunResult:
     """Evaluate ``model`` once per seed over the fleet and merge the results.
 
-    The seeds are cut into one shard per serving endpoint (in whole rounds of that
-    endpoint's lanes: a short shard is filled up by repeating some of its seeds, and
-    the extra episodes are discarded), and every endpoint runs its shard with its own
+    The seeds are cut, in order, into one shard per serving endpoint (the first
+    endpoint's shard holds the first seeds), in whole rounds of that endpoint's lanes
+    (a short shard is filled up by repeating some of its seeds, and the extra episodes
+    are discarded), and every endpoint runs its shard with its own
     :func:`rlmesh.run` (endpoints admit one session each), all at once, on one thread
     each. ``model`` is what ``rlmesh.run`` takes: a local ``rlmesh`` ``Model`` instance
     (borrowed by the concurrent runs, as ``rlmesh.run`` borrows it) or a ``Model``
@@ -118,13 +119,18 @@ def run_fleet(
         raise FleetError("every endpoint of the fleet is dead")
     lanes = [h.lanes or 1 for h in serving] or [1]
     rounds = -(-len(wanted) // sum(lanes))
+    # Shard i is endpoint serving[i]'s first (contiguous seeds, in rounds of its lanes).
     tasks: list[list[int]] = []
+    owners: list[int] = []
     start = 0
-    for n in lanes:
+    for health, n in zip(serving, lanes, strict=False):
         size = n * rounds
         if start < len(wanted):
             tasks.append(list(range(start, min(start + size, len(wanted)))))
+            owners.append(health.index)
         start += size
+    if not serving:  # none answers yet: one task, for whichever endpoint comes up first
+        tasks = [list(range(len(wanted)))]
 
     forward = threading.Lock()
     shards: list[ShardRun] = []
@@ -209,7 +215,9 @@ def run_fleet(
                     )
                 )
 
-    outcome = fleet._schedule(tasks, runner, retries, recover_timeout, split=True)
+    outcome = fleet._schedule(
+        tasks, runner, retries, recover_timeout, split=True, owners=owners if serving else None
+    )
     episodes = tuple(_renumber(outcome.done[u], u) for u in sorted(outcome.done))
     merged = FleetRunResult(
         episodes=episodes,

@@ -323,9 +323,8 @@ class RayFleet(Fleet):
                 member.node = info.node
                 member.lanes = info.lanes
                 member.failures = 0
-                member.down_since = time.monotonic()  # up again once a probe says so
-                if member.state == "serving":
-                    member.state = "restarting"
+                # Its start-up grace; the state stays what the probes say.
+                member.down_since = time.monotonic()
         return info
 
     def _dead(self, member: _RayMember, exc: BaseException) -> None:
