@@ -1,4 +1,5 @@
-"""Development sessions: ``nox -s tests | tests-process | fuzz | envs | lint | typecheck | codegen | bench``.
+"""Development sessions: ``nox -s tests | ray | tests-process | fuzz | envs | lint | typecheck |
+codegen | bench``.
 
 Every session builds its own virtualenv (``venv`` backend) with the interpreter that
 runs nox, and installs exactly the pins of ``pyproject.toml``: the ``test`` extra for
@@ -14,7 +15,7 @@ from pathlib import Path
 import nox
 
 nox.options.default_venv_backend = "venv"
-nox.options.sessions = ["tests", "lint", "typecheck"]
+nox.options.sessions = ["tests", "ray", "lint", "typecheck"]
 nox.options.error_on_external_run = True
 
 ROOT = Path(__file__).resolve().parent
@@ -31,9 +32,10 @@ def dev_pin(name: str) -> str:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Install the package with its test extra and run the whole pytest suite."""
+    """Install the package with its test extra and run the pytest suite (but the Ray tests)."""
     session.install(".[test]")
-    session.run("pytest", *session.posargs)
+    # The Ray fleet tests start Ray clusters (minutes on 2 cores): their own session.
+    session.run("pytest", "-m", "not ray", *session.posargs)
 
 
 @nox.session
@@ -70,6 +72,14 @@ def envs(session: nox.Session) -> None:
     """Popular third-party envs (MiniGrid, ...) served through rlmesh's own clients."""
     session.install(".[test,envs]")
     session.run("pytest", "-m", "envs", *session.posargs)
+
+
+@nox.session
+def ray(session: nox.Session) -> None:
+    """The fleet's tests on a local Ray (``-m ray``: one Ray per module, loopback only);
+    ``tests`` leaves them out, CI (``.ci/run``) runs both."""
+    session.install(".[test]")
+    session.run("pytest", "-m", "ray", *session.posargs)
 
 
 @nox.session

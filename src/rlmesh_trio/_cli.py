@@ -305,7 +305,21 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TOKEN",
         help="bearer token of the endpoint (also: RLMESH_TRIO_AUTH_TOKEN)",
     )
+    _add_fleet(commands)
     return parser
+
+
+def _add_fleet(commands: Any) -> None:
+    """``rlmesh-trio fleet`` (its own module; Ray is imported only when it runs)."""
+    from .fleet._cli import add_fleet_parser
+
+    add_fleet_parser(
+        commands,
+        num_envs=_num_envs,
+        json_object=_json_object,
+        fd=_fd,
+        positive_seconds=_seconds(minimum_exclusive=True),
+    )
 
 
 @dataclass(frozen=True)
@@ -338,6 +352,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     if args.command == "probe":
         return _probe_command(args)
+    if args.command == "fleet":
+        from .fleet._cli import fleet_command
+
+        return fleet_command(args)
     debug = args.verbose or args.log_level == "debug"
     configure_logging(
         "debug" if debug else args.log_level,

@@ -1,0 +1,37 @@
+"""Many endpoints, one client: ``Fleet`` (no Ray import; see :mod:`rlmesh_trio.fleet.ray`).
+
+A :class:`Fleet` is K rlmesh-trio (or rlmesh) endpoints of N lanes each. Clients dial
+every endpoint directly -- env traffic never goes through the fleet -- and the fleet adds
+what a driver of many endpoints needs: their current addresses and states, health over
+grpc.health.v1 with a deadline, :meth:`Fleet.map` (one shard per endpoint at a time,
+failed shards retried) and :meth:`Fleet.run` (one rlmesh evaluation sharded over the
+endpoints, merged into one result with each seed exactly once).
+
+* :meth:`Fleet.from_addresses` -- endpoints something else runs (processes, containers);
+* :meth:`Fleet.from_dns` -- a Kubernetes StatefulSet behind a headless Service
+  (``deploy/kubernetes/``);
+* :func:`rlmesh_trio.fleet.ray.launch` -- endpoints launched and supervised on Ray
+  (the ``rlmesh-trio[ray]`` extra).
+"""
+
+from ._core import Endpoint as Endpoint
+from ._core import Fleet as Fleet
+from ._core import FleetError as FleetError
+from ._core import FleetRunResult as FleetRunResult
+from ._core import Health as Health
+from ._core import Retry as Retry
+from ._core import ShardRun as ShardRun
+from ._core import State as State
+from ._run import run_fleet as run_fleet
+
+__all__ = [
+    "Endpoint",
+    "Fleet",
+    "FleetError",
+    "FleetRunResult",
+    "Health",
+    "Retry",
+    "ShardRun",
+    "State",
+    "run_fleet",
+]

@@ -1,0 +1,201 @@
+"""``deploy/kubernetes/``: the manifests agree with themselves and with the server.
+
+No cluster here (none can be fetched offline): the manifests are parsed and checked --
+probe ports equal the container port and the ``--address`` port, ports are numeric,
+the command line is one ``rlmesh-trio serve`` accepts -- and the container's exact
+arguments are run locally (address rewritten to loopback) to check that the probes'
+health service answers without the token while everything else requires it, and that
+``Fleet.from_addresses`` drives the endpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import rlmesh
+import rlmesh.numpy
+from support.refserver import ROOT, TESTS_DIR, _read_address
+
+from rlmesh_trio._address import TcpAddress, parse_address
+from rlmesh_trio._cli import build_parser
+from rlmesh_trio._options import stop_bound
+from rlmesh_trio._transport import SERVICE_NAME, probe
+from rlmesh_trio.fleet import Fleet
+
+yaml = pytest.importorskip("yaml")
+
+pytestmark = [pytest.mark.timeout(120)]
+
+DEPLOY = ROOT / "deploy" / "kubernetes"
+
+
+def _manifests() -> dict[str, dict[str, Any]]:
+    docs: dict[str, dict[str, Any]] = {}
+    for path in sorted(DEPLOY.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc:
+                docs[f"{doc['kind']}/{doc.get('metadata', {}).get('name', path.stem)}"] = doc
+    return docs
+
+
+DOCS = _manifests()
+
+
+def _container() -> dict[str, Any]:
+    (container,) = DOCS["StatefulSet/rlmesh-envs"]["spec"]["template"]["spec"]["containers"]
+    return container  # type: ignore[no-any-return]
+
+
+def _container_port() -> int:
+    (port,) = _container()["ports"]
+    assert isinstance(port["containerPort"], int)
+    return port["containerPort"]  # type: ignore[no-any-return]
+
+
+def test_kustomization_lists_every_manifest() -> None:
+    listed = set(DOCS["Kustomization/kustomization"]["resources"])
+    on_disk = {p.name for p in DEPLOY.glob("*.yaml")} - {"kustomization.yaml"}
+    assert listed == on_disk
+
+
+def test_headless_service_selects_the_statefulset_pods_on_the_container_port() -> None:
+    service = DOCS["Service/rlmesh-envs"]
+    statefulset = DOCS["StatefulSet/rlmesh-envs"]
+    assert service["spec"]["clusterIP"] == "None"
+    assert statefulset["spec"]["serviceName"] == service["metadata"]["name"]
+    labels = statefulset["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert statefulset["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    (port,) = service["spec"]["ports"]
+    assert port["targetPort"] == port["port"] == _container_port()
+    assert DOCS["PodDisruptionBudget/rlmesh-envs"]["spec"]["selector"]["matchLabels"].items() <= (
+        labels.items()
+    )
+    policy = DOCS["NetworkPolicy/rlmesh-envs"]["spec"]
+    assert policy["podSelector"]["matchLabels"].items() <= labels.items()
+    assert [p["port"] for rule in policy["ingress"] for p in rule["ports"]] == [_container_port()]
+
+
+def test_probes_are_native_grpc_on_the_numeric_container_port() -> None:
+    container = _container()
+    port = _container_port()
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        probe_spec = container[kind]
+        assert set(probe_spec) & {"grpc", "httpGet", "exec", "tcpSocket"} == {"grpc"}, kind
+        assert probe_spec["grpc"]["port"] == port, kind
+        assert isinstance(probe_spec["grpc"]["port"], int), kind  # gRPC probes: no names
+    assert container["livenessProbe"]["grpc"]["service"] == SERVICE_NAME
+    assert "service" not in container["readinessProbe"]["grpc"]  # "": the server
+    assert container["livenessProbe"]["timeoutSeconds"] >= 1
+
+
+def test_container_runs_a_serve_command_line_the_parser_accepts() -> None:
+    container = _container()
+    assert container["command"] == ["rlmesh-trio"]
+    args = build_parser().parse_args(container["args"])
+    assert args.command == "serve"
+    address = parse_address(args.address)
+    assert isinstance(address, TcpAddress)
+    assert address.host == "0.0.0.0"  # the kubelet probes the pod IP
+    assert address.port == _container_port()
+    requests = container["resources"]["requests"]
+    assert requests.get("cpu") and requests.get("memory")
+    grace = DOCS["StatefulSet/rlmesh-envs"]["spec"]["template"]["spec"][
+        "terminationGracePeriodSeconds"
+    ]
+    drain = args.drain_timeout_seconds or 5.0
+    close = args.close_timeout_seconds or 5.0
+    assert grace > stop_bound(drain, close)  # SIGTERM drains before the SIGKILL
+    (token_env,) = [e for e in container["env"] if e["name"] == "RLMESH_TRIO_AUTH_TOKEN"]
+    assert token_env["valueFrom"]["secretKeyRef"]["optional"] is True
+
+
+def test_dockerfile_default_command_parses() -> None:
+    lines = (DEPLOY / "Dockerfile").read_text().splitlines()
+    (cmd,) = [line for line in lines if line.startswith("CMD ")]
+    import json
+
+    args = build_parser().parse_args(json.loads(cmd[4:]))
+    assert parse_address(args.address) == TcpAddress("0.0.0.0", _container_port())
+
+
+def _local_args(token: str | None, ready_fd: int) -> tuple[list[str], dict[str, str]]:
+    """The container's exact arguments, bound to loopback port 0 instead."""
+    args = list(_container()["args"])
+    args[args.index("--address") + 1] = "127.0.0.1:0"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS_DIR), env.get("PYTHONPATH")) if p)
+    env.pop("RLMESH_TRIO_AUTH_TOKEN", None)
+    if token is not None:  # what the optional Secret puts there
+        env["RLMESH_TRIO_AUTH_TOKEN"] = token
+    return [*args, "--ready-fd", str(ready_fd)], env
+
+
+@pytest.fixture
+def pod(tmp_path: Path) -> Iterator[Any]:
+    """Start the container's command locally; yields ``start(token) -> address``."""
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(token: str | None) -> str:
+        read_fd, write_fd = os.pipe()
+        args, env = _local_args(token, write_fd)
+        log_path = tmp_path / f"pod-{len(procs)}.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "rlmesh_trio", *args],
+                pass_fds=(write_fd,),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=ROOT,
+            )
+        procs.append(proc)
+        os.close(write_fd)
+        with os.fdopen(read_fd, "rb") as ready:
+            try:
+                return _read_address(ready, proc, 60.0)
+            except Exception:
+                text = log_path.read_text(errors="replace")
+                raise RuntimeError(f"{shlex.join(args)} did not start: {text}") from None
+
+    try:
+        yield start
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def test_pod_command_health_without_token_everything_else_with_it(pod: Any) -> None:
+    token = "k8s-secret-token-for-tests"
+    address = pod(token)
+    anonymous = probe(address, timeout=5.0)
+    assert anonymous.health == "SERVING"  # what the kubelet's probe sees: no token needed
+    assert not anonymous.serving
+    assert "UNAUTHENTICATED" in (anonymous.error or "")
+    with Fleet.from_addresses([address], auth_token=token) as fleet:
+        (health,) = fleet.health()
+        assert health.serving and health.lanes == 8
+
+
+def test_pod_command_without_the_secret_is_driven_by_fleet_from_addresses(pod: Any) -> None:
+    address = pod(None)
+    model = rlmesh.numpy.Model(lambda obs: (np.asarray(obs)[..., 2] > 0).astype(np.int64))
+    with Fleet.from_addresses([address]) as fleet:
+        fleet.wait_ready(30)
+        result = fleet.run(model, seeds=list(range(10)))
+    assert [e.seed for e in result.episodes] == list(range(10))
+    assert result.discarded == 6  # 10 seeds on 8 lanes: the second round filled up
