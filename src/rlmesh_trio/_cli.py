@@ -315,7 +315,7 @@ def _add_fleet(commands: Any) -> None:
 
     add_fleet_parser(
         commands,
-        num_envs=_num_envs,
+        num_envs=_int_at_least(1),
         json_object=_json_object,
         fd=_fd,
         positive_seconds=_seconds(minimum_exclusive=True),
