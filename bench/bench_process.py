@@ -6,7 +6,7 @@ flight per lane (``rlmesh.run``'s pattern without its per-step policy) for a fix
 window, alternating the servers' order from round to round; medians.
 
 Rows: CartPole-v1 at N = 4 (what the pipe and pickling cost per step); ``BusyEnv``
-(``tests/support/crashy.py``: a step of ~1 ms of pure-Python work) at N = 2 and 4 (what
+(``tests/support/crashy.py``: a step of ~4 ms of pure-Python work) at N = 2 and 4 (what
 escaping the server's GIL buys on this machine's cores); ``FramesEnv`` (210x160x3 uint8
 frames) at N = 4 (big observations through the pipe); and, ours only, the time from a
 segfault in ``env.step`` to the lane's next reply (``--on-lane-fault rebuild``: a fresh
@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 os.environ.setdefault("RLMESH_WORKFLOW_EDITION", "2026.06")
 
 from support import wire  # noqa: E402
+from support.crashy import FRAMES_SEGFAULT  # noqa: E402
 from support.refserver import ServerConfig, start_server  # noqa: E402
 
 SERVERS = {
@@ -73,8 +74,8 @@ def bench(rounds: int, seconds: float) -> list[tuple[str, dict[str, float]]]:
     rows = []
     for label, entrypoint, lanes in (
         ("CartPole-v1, N=4", "support.envs:make_cartpole", 4),
-        ("BusyEnv (1 ms pure Python), N=2", "support.crashy:make_busy", 2),
-        ("BusyEnv (1 ms pure Python), N=4", "support.crashy:make_busy", 4),
+        ("BusyEnv (~4 ms pure Python), N=2", "support.crashy:make_busy", 2),
+        ("BusyEnv (~4 ms pure Python), N=4", "support.crashy:make_busy", 4),
         ("FramesEnv (210x160x3 uint8), N=4", "support.crashy:make_frames", 4),
     ):
         servers = {}
@@ -101,7 +102,7 @@ async def segfault_recoveries(address: str, count: int) -> list[float]:
     async with wire.WireClient(address) as client, client.join() as join:
         for k in range(count):
             await join.call(wire.reset(seeds=[k], env_indices=[0]))
-            reply = await join.call(wire.step([wire.i64([1])], env_indices=[0]))  # SEGFAULT
+            reply = await join.call(wire.step([wire.i64([FRAMES_SEGFAULT])], env_indices=[0]))
             assert reply.error is not None, reply
             t0 = time.perf_counter()
             reply = await join.call(wire.reset(seeds=[k], env_indices=[0]))

@@ -60,8 +60,8 @@ def make_crashy() -> CrashyEnv:
 
 
 BUSY_LOOPS = 20_000
-"""``BusyEnv.step`` runs this many iterations of a Python loop (about 1 ms): pure-Python
-work that holds the GIL, as most gymnasium envs do."""
+"""``BusyEnv.step`` runs this many iterations of a Python loop (about 4 ms here):
+pure-Python work that holds the GIL, as most gymnasium envs do."""
 
 
 class BusyEnv(gym.Env[np.ndarray, int]):
@@ -93,6 +93,10 @@ def make_busy() -> BusyEnv:
     return BusyEnv()
 
 
+FRAMES_SEGFAULT = 4
+"""``FramesEnv.step(FRAMES_SEGFAULT)`` reads address 0; every other action is a normal step."""
+
+
 class FramesEnv(gym.Env[np.ndarray, int]):
     """Atari-sized frames (210x160x3 uint8), a fresh one each step (for the benches)."""
 
@@ -112,7 +116,7 @@ class FramesEnv(gym.Env[np.ndarray, int]):
         return self._frames[0], {}
 
     def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
-        if int(action) == SEGFAULT:
+        if int(action) == FRAMES_SEGFAULT:
             ctypes.string_at(0)
         self.t += 1
         return self._frames[self.t % 4], 0.0, self.t >= 200, False, {}
