@@ -298,3 +298,10 @@ def test_the_fixed_leaf_fast_path_equals_the_general_codec(space: gym.spaces.Spa
     assert (info.value.code, info.value.is_recoverable) == (ErrorCode.INVALID_ACTION, True)
     with pytest.raises(Exception, match="malformed reply"):
         codecs.observation_batch([b"\x00"], 3)
+
+
+def test_the_public_error_codes_are_the_protocols() -> None:
+    """``ErrorCode`` mirrors ``rlmesh.env.v1.EnvErrorCode`` member for member."""
+    assert {code.name: int(code) for code in ErrorCode} == {
+        code.name: int(code) for code in env_v1.EnvErrorCode
+    }
