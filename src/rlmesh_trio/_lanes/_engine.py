@@ -981,34 +981,31 @@ class LaneEngine:
                     lane.current = None
                     queued = self._take_queued(lane)
         name = inc.thread.name if inc.thread is not None else "?"
-        if self._supervised and inc.child is not None:
-            inc.child.kill()  # a process can be killed: nothing is abandoned
-            logger.warning(
-                "lane %d: env.%s has run for %.3g s (%s); killed its process %s and "
-                "rebuilding the lane in a fresh one",
-                lane.index,
-                verb,
-                age / 1e9,
-                error,
-                inc.child.pid,
-            )
-            fault = LaneFault(lane=lane.index, error=f"TimeoutError: {error}")
-            _answer(lane.index, item, outcome.Error(error), Phases(), fault)
-            self._to_trio(self._wake_lane, lane.index)
-            return
         if self._supervised:
-            self._count_abandoned(lane, inc, "-abandoned")
-            logger.warning(
-                "lane %d: env.%s has run for %.3g s (%s); abandoning thread %r with its env "
-                "and rebuilding the lane on a fresh thread (%d abandoned lane threads in "
-                "this process)",
-                lane.index,
-                verb,
-                age / 1e9,
-                error,
-                name,
-                self._abandoned,
-            )
+            if inc.child is not None:
+                inc.child.kill()  # a process can be killed: nothing is abandoned
+                logger.warning(
+                    "lane %d: env.%s has run for %.3g s (%s); killed its process %s and "
+                    "rebuilding the lane in a fresh one",
+                    lane.index,
+                    verb,
+                    age / 1e9,
+                    error,
+                    inc.child.pid,
+                )
+            else:
+                self._count_abandoned(lane, inc, "-abandoned")
+                logger.warning(
+                    "lane %d: env.%s has run for %.3g s (%s); abandoning thread %r with its "
+                    "env and rebuilding the lane on a fresh thread (%d abandoned lane "
+                    "threads in this process)",
+                    lane.index,
+                    verb,
+                    age / 1e9,
+                    error,
+                    name,
+                    self._abandoned,
+                )
             fault = LaneFault(lane=lane.index, error=f"TimeoutError: {error}")
             _answer(lane.index, item, outcome.Error(error), Phases(), fault)
             self._to_trio(self._wake_lane, lane.index)
