@@ -198,6 +198,8 @@ def resolve(options: ServeOptions, environ: Mapping[str, str] = os.environ) -> R
         token = environ.get(AUTH_TOKEN_ENV) or None
     if token is not None and (not isinstance(token, str) or not token.strip()):
         raise ValueError("auth_token must be a non-empty string or None")
+    if token is not None:
+        check_token(token)
     metrics = options.metrics_address
     if metrics is not None:
         from ._address import TcpAddress, parse_address
@@ -250,3 +252,17 @@ def resolve(options: ServeOptions, environ: Mapping[str, str] = os.environ) -> R
         max_abandoned_lanes=cap,
         lane_isolation=options.lane_isolation,
     )
+
+
+def check_token(token: str) -> None:
+    """A bearer token must be visible ASCII (``!`` to ``~``): it travels as an HTTP/2
+    header value, where a client cannot present anything else byte for byte.
+
+    The error names the position of the first character refused, never the token.
+    """
+    for position, char in enumerate(token):
+        if not "!" <= char <= "~":
+            raise ValueError(
+                f"auth_token must be visible ASCII characters ('!' to '~', no spaces): "
+                f"character {position + 1} is U+{ord(char):04X}"
+            )

@@ -17,7 +17,7 @@ from typing import Any
 import gymnasium as gym
 import trio
 
-from ._address import DEFAULT_ADDRESS, Listener, bind, parse_address
+from ._address import DEFAULT_ADDRESS, Listener, bind, is_loopback, parse_address
 from ._lanes import LaneEngine
 from ._metrics import ServerMetrics, start_http
 from ._options import STOP_SLACK, Resolved, ServeOptions, resolve
@@ -203,6 +203,15 @@ async def _serve(
                 metrics_address=metrics_address,
             )
             log.info("serving %s x%d lanes on %s", info.env_id, info.num_envs, info.address)
+            if not is_loopback(listener.address) and options.auth_token is None:
+                log.warning(
+                    "serving on %s, beyond loopback, with no auth token: anyone who can "
+                    "reach this port can drive the envs. Set --auth-token "
+                    "(ServeOptions.auth_token), and TLS so that neither the token nor the "
+                    "observations cross the network in clear (docs/operations.md, "
+                    "'Running beyond loopback')",
+                    info.address,
+                )
             task_status.started(info)
     if startup_error is not None:
         raise startup_error
