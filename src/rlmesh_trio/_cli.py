@@ -188,6 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="accept the Shutdown RPC (also: RLMESH_ALLOW_REMOTE_SHUTDOWN=1)",
     )
     serve.add_argument(
+        "--reflection",
+        action="store_true",
+        help="serve gRPC server reflection (grpc.reflection.v1 and v1alpha) for tools like "
+        "grpcurl; needs the reflection extra (protobuf); under --auth-token it needs the token",
+    )
+    serve.add_argument(
         "--idle-timeout-seconds",
         type=_seconds(minimum_exclusive=True),
         metavar="S",
@@ -566,6 +572,7 @@ def _configure(args: argparse.Namespace, address: str) -> _Config:
         lane_timeout_seconds=args.lane_timeout_seconds,
         max_abandoned_lanes=args.max_abandoned_lanes,
         lane_isolation=args.lane_isolation,
+        reflection=args.reflection,
     )
     return _Config(
         make_env=make_env,

@@ -79,6 +79,9 @@ class ServeOptions:
     ``lane_isolation``: ``thread`` (each env on a thread of the server) or ``process``
     (each env in a child process of its own: a segfault or a GIL-holding env costs the
     other lanes nothing, and pure-Python envs use every core; the factory must pickle).
+    ``reflection``: serve gRPC server reflection (``grpc.reflection.v1`` and ``v1alpha``),
+    so that tools like grpcurl can list and describe the services; needs the
+    ``reflection`` extra (protobuf). Off by default; under a token it needs the token.
     """
 
     allow_remote_shutdown: bool = False
@@ -95,6 +98,7 @@ class ServeOptions:
     lane_timeout_seconds: float | None = None
     max_abandoned_lanes: int = DEFAULT_MAX_ABANDONED_LANES
     lane_isolation: LaneIsolation = "thread"
+    reflection: bool = False
 
     def remote_shutdown_allowed(self, environ: Mapping[str, str] = os.environ) -> bool:
         """The option, or the environment variable (which can only enable it)."""
@@ -142,6 +146,7 @@ class Resolved:
     lane_timeout: float | None = None
     max_abandoned_lanes: int = DEFAULT_MAX_ABANDONED_LANES
     lane_isolation: LaneIsolation = "thread"
+    reflection: bool = False
 
     @property
     def stop_bound(self) -> float:
@@ -251,6 +256,7 @@ def resolve(options: ServeOptions, environ: Mapping[str, str] = os.environ) -> R
         else float(options.lane_timeout_seconds),
         max_abandoned_lanes=cap,
         lane_isolation=options.lane_isolation,
+        reflection=bool(options.reflection),
     )
 
 

@@ -54,6 +54,7 @@ from .._wire import (
 )
 from .._wire import encode_health_response as health_response
 from ._join import OFF_LOOP_DECODE_BYTES, JoinCall
+from ._reflection import V1_PATH, V1ALPHA_PATH, ReflectionServices
 from ._shim import (
     Connection,
     Dispatcher,
@@ -226,6 +227,12 @@ class LoopServer:
                 self._mapped(self._unknown), Cardinality.STREAM_STREAM, bytes, bytes
             ),
         )
+        if options.reflection:
+            reflection = ReflectionServices()  # RuntimeError without protobuf: at startup
+            for path, handler in ((V1_PATH, reflection.v1), (V1ALPHA_PATH, reflection.v1alpha)):
+                self.mapping[path] = MethodHandler(
+                    self._mapped(handler), Cardinality.STREAM_STREAM, bytes, bytes
+                )
 
     # -- lifecycle
 

@@ -25,6 +25,12 @@ grpclib is pinned (0.4.9); each use below is covered by the transport tests:
   an already framed message with grpclib's h2-level ``Stream.send_data`` (its flow
   control and write-ready waits), so a big reply is not framed, and copied, again.
 
+* Server reflection (:mod:`._reflection`) uses grpclib's servicers, built with their
+  underscored constructor arguments (``_service_names``, ``_pool``: the public
+  ``ServerReflection.extend`` names services from servicer objects, which ours are
+  not), the v1alpha one from ``grpclib.reflection._deprecated``
+  (:func:`reflection_servicers`).
+
 h2 cannot send a GOAWAY and keep serving the open streams (its state machine closes the
 connection), so the GOAWAY frames of a graceful stop are written next to it with
 hyperframe.
@@ -410,6 +416,17 @@ async def read_message(stream: Stream[Any, Any], limit: int) -> bytes | bytearra
         return buffer
     except AssertionError as exc:  # grpclib's Buffer: EOF inside a message
         raise FrameError("truncated message") from exc
+
+
+def reflection_servicers(service_names: tuple[str, ...], pool: Any) -> tuple[Any, Any]:
+    """grpclib's reflection servicers (v1, v1alpha) answering from ``pool``."""
+    from grpclib.reflection._deprecated import ServerReflection as V1Alpha
+    from grpclib.reflection.service import ServerReflection as V1
+
+    return (
+        V1(_service_names=service_names, _pool=pool),
+        V1Alpha(_service_names=service_names, _pool=pool),
+    )
 
 
 async def send_framed(stream: Stream[Any, Any], payload: bytes) -> None:
