@@ -37,7 +37,7 @@ import betterproto2
 import outcome
 
 from .._codec import Candidate, from_meta_map, to_meta_map
-from .._errors import ActionError, env_error
+from .._errors import ActionError, LaneClosedError, LaneDeadError, LaneWedgedError, env_error
 from .._jobs import (
     Job,
     LaneFault,
@@ -622,7 +622,12 @@ class Session:
             if isinstance(reply.outcome, outcome.Error):
                 error = reply.outcome.error
                 code, message, recoverable = env_error(op.verb, error)
-                kind = "rejected" if code == Code.INVALID_ACTION else "fault"
+                if code == Code.INVALID_ACTION:
+                    kind = "rejected"
+                elif isinstance(error, (LaneDeadError, LaneWedgedError, LaneClosedError)):
+                    kind = "refused"  # the lane took no job: no env code ran
+                else:
+                    kind = "fault"
                 actions: list[Action] = [
                     self._error(op.request_id, op.started_ns, code, message, recoverable),
                     Report(kind, op.verb, op.request_id, (reply.lane,), code, message, error),
