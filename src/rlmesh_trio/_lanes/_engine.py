@@ -42,21 +42,14 @@ import outcome
 import trio
 
 from .._bridge import ToTrio
-from .._codec import SpaceCodec
-from .._errors import (
-    ContractMismatchError,
-    LaneBrokenError,
-    LaneClosedError,
-    LaneError,
-)
+from .._errors import LaneBrokenError, LaneClosedError, LaneError
 from .._jobs import EnvContract, Job, Phases, ReplyFn
 from .._options import DEFAULT_CLOSE_TIMEOUT, FaultPolicy, Policy, Resolved, ServeOptions, resolve
-from ._contract import EnvFacts
-from ._contract import contract_differences as _contract_differences
+from ._contract import EnvFacts, agree
 from ._incarnation import spawner
-from ._lane import _STOP, Incarnation, _Lane, answer, stopped_error
+from ._lane import _STOP, LANE_THREAD_PREFIX, Incarnation, _Lane, answer, stopped_error
 from ._state import LaneState
-from ._supervisor import LANE_THREAD_PREFIX, REBUILD_BACKOFF, AbandonedLedger, Supervisor
+from ._supervisor import REBUILD_BACKOFF, AbandonedLedger, Supervisor
 from ._thread import LaneThreads
 from ._watchdog import Wedges
 from ._work import LaneWork
@@ -319,29 +312,15 @@ class LaneEngine:
         for result in self._facts:
             assert isinstance(result, outcome.Value)
             facts.append(result.value)
-        lane0 = facts[0]
-        for index, other in enumerate(facts[1:], start=1):
-            diffs = _contract_differences(lane0, other)
-            if diffs:
-                return ContractMismatchError(
-                    f"lane {index} disagrees with lane 0 on the env contract: {'; '.join(diffs)}"
-                )
         try:
-            action_codec = SpaceCodec(lane0.action_space)
-            observation_codec = SpaceCodec(lane0.observation_space)
-        except Exception as exc:
+            self._contract = agree(facts)
+        except Exception as exc:  # a lane disagrees, or a space the codec cannot serve
             return exc
-        self._threads.work = LaneWork(action_codec, observation_codec, self._policy)
-        self._threads.facts0 = lane0
-        self._contract = EnvContract(
-            env_id=lane0.env_id,
-            action_space=lane0.action_space,
-            observation_space=lane0.observation_space,
-            action_codec=action_codec,
-            observation_codec=observation_codec,
-            metadata=lane0.metadata,
-            render_mode=lane0.render_mode,
+        contract = self._contract
+        self._threads.work = LaneWork(
+            contract.action_codec, contract.observation_codec, self._policy
         )
+        self._threads.facts0 = facts[0]
         self._facts = []  # lanes 1.. keep no space objects alive through the engine
         for lane in self._lanes:
             # Every lane thread is alive (waiting for ``_go``): up from now on, so that

@@ -31,6 +31,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger("rlmesh_trio.lanes")
 
 
+LANE_THREAD_PREFIX: Final = "rlmesh-trio-lane-"
+"""Lane ``i``'s serving thread is named ``f"{LANE_THREAD_PREFIX}{i}"``. A thread the lane
+left behind is renamed ``...-<i>-retired`` (closing a faulted env) or ``...-<i>-abandoned``
+(stuck in a wedged env call)."""
+
+
 class _Stop:
     """The mailbox sentinel that tells a lane thread to wind down."""
 

@@ -21,17 +21,12 @@ from typing import Final
 
 import trio
 
-from ._lane import Incarnation, _Lane
+from ._lane import LANE_THREAD_PREFIX, Incarnation, _Lane
 from ._state import LaneState
 
-__all__ = ["LANE_THREAD_PREFIX", "REBUILD_BACKOFF", "AbandonedLedger", "Supervisor"]
+__all__ = ["REBUILD_BACKOFF", "AbandonedLedger", "Supervisor"]
 
 logger = logging.getLogger("rlmesh_trio.lanes")
-
-LANE_THREAD_PREFIX: Final = "rlmesh-trio-lane-"
-"""Lane ``i``'s serving thread is named ``f"{LANE_THREAD_PREFIX}{i}"``. A thread the lane
-left behind is renamed ``...-<i>-retired`` (closing a faulted env) or ``...-<i>-abandoned``
-(stuck in a wedged env call)."""
 
 REBUILD_BACKOFF: Final = (0.5, 30.0)
 """First delay and cap, in seconds, between failed rebuild attempts (doubling)."""

@@ -18,10 +18,18 @@ import outcome
 from .._errors import ContractMismatchError, LaneDeadError, LaneNeedsResetError
 from .._jobs import Job, LaneFault, Phases, ResetJob, StepJob
 from ._contract import EnvFacts, contract_differences
-from ._lane import Execute, Incarnation, _Item, _Lane, _Stop, answer, stopped_error
+from ._lane import (
+    LANE_THREAD_PREFIX,
+    Execute,
+    Incarnation,
+    _Item,
+    _Lane,
+    _Stop,
+    answer,
+    stopped_error,
+)
 from ._process import LaneProcessDiedError
 from ._state import LaneState
-from ._supervisor import LANE_THREAD_PREFIX
 from ._work import LaneWork, verb_of
 
 __all__ = ["LaneThreads"]
