@@ -9,7 +9,11 @@ The engine speaks one protocol to both kinds (:class:`Incarnation`):
   is killed (nothing is left behind); a thread cannot be, so it is *abandoned* with its
   env;
 * :meth:`~Incarnation.close` -- on the incarnation's own thread, last: close the env,
-  within a timeout where that can be enforced.
+  within a timeout where that can be enforced;
+* :meth:`~Incarnation.lost_by` -- whether a job's error means the env's host is gone (a
+  process lane's child died), which makes the lane dead under policy ``error``.
+
+The protocol and the bookkeeping every incarnation carries are in :mod:`._lane`.
 
 :class:`ThreadIncarnation` runs the env on the thread itself (DESIGN.md decision 3: the
 env is created and only ever used on that thread). :class:`ProcessIncarnation` runs it
@@ -29,7 +33,7 @@ import gymnasium as gym
 from .._options import LaneIsolation, Policy
 from ._contract import EnvFacts, lane_facts
 from ._lane import Execute, Incarnation, Spawn
-from ._process import CHILD_STOP_TIMEOUT, ChildLane, check_picklable
+from ._process import CHILD_STOP_TIMEOUT, ChildLane, LaneProcessDiedError, check_picklable
 from ._work import LaneWork
 
 __all__ = ["Execute", "Incarnation", "ProcessIncarnation", "ThreadIncarnation", "spawner"]
@@ -109,6 +113,9 @@ class ProcessIncarnation(Incarnation):
         """Ask the child to close its env and exit; killed if it does not in time."""
         if self._child is not None:
             self._child.close(min(CHILD_STOP_TIMEOUT, timeout))
+
+    def lost_by(self, error: BaseException) -> bool:
+        return isinstance(error, LaneProcessDiedError)
 
 
 def spawner(isolation: LaneIsolation, make_env: EnvFactory, policy: Policy) -> Spawn:

@@ -93,6 +93,11 @@ class Incarnation:
         """The incarnation's thread, last: close the env (never raises)."""
         raise NotImplementedError
 
+    def lost_by(self, error: BaseException) -> bool:
+        """Whether a job's ``error`` means the env is gone with its host (a process lane's
+        child died): under policy ``error`` the lane is then dead."""
+        return False
+
 
 Spawn = Callable[[int, int], Incarnation]
 """``spawn(lane, number)``: a lane's incarnation ``number``, not started yet (the

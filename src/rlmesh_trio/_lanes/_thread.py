@@ -28,7 +28,6 @@ from ._lane import (
     answer,
     stopped_error,
 )
-from ._process import LaneProcessDiedError
 from ._state import LaneState
 from ._work import LaneWork, verb_of
 
@@ -228,7 +227,7 @@ class LaneThreads:
                 assert isinstance(result, outcome.Error)
                 self._faulted(lane, item, result, phases, retry=lane.retry is not None)
                 return  # the ``finally`` of _main closes the faulted env, here
-            if isinstance(result, outcome.Error) and isinstance(result.error, LaneProcessDiedError):
+            if isinstance(result, outcome.Error) and inc.lost_by(result.error):
                 # Policy ``error``: nothing rebuilds the lane; it refuses from now on.
                 answer(index, item, result, phases)
                 self._lost(lane, str(result.error))
@@ -239,7 +238,8 @@ class LaneThreads:
             del job, result, item, _reply
 
     def _lost(self, lane: _Lane, cause: str) -> None:
-        """Policy ``error``: the lane's child process died; refuse its jobs."""
+        """Policy ``error``: the incarnation is lost (a process lane's child died): refuse
+        the lane's jobs from now on."""
         reason = cause.split(": ", 1)[-1]
         refusal = LaneDeadError(
             f"lane {lane.index} is gone: {reason} (--on-lane-fault rebuild would rebuild it)"
