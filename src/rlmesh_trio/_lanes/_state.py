@@ -47,7 +47,6 @@ TRANSITIONS: Final[frozenset[tuple[LaneState, LaneState]]] = frozenset(
         (_S.SERVING, _S.WEDGED),  # error: an env call overran a deadline
         (_S.SERVING, _S.DEAD),  # error: a process lane's child died
         (_S.WEDGED, _S.SERVING),  # error: the wedged call returned
-        (_S.WEDGED, _S.DEAD),  # error: a wedged process lane's child died
         (_S.REBUILDING, _S.SERVING),  # the fresh env agrees with lane 0
         (_S.REBUILDING, _S.DEAD),  # the factory raised, overran, or built a disagreeing env
         (_S.DEAD, _S.REBUILDING),  # rebuild/truncate: the backoff is over, try again
