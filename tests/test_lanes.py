@@ -28,6 +28,7 @@ import pytest
 import trio
 from gymnasium import spaces
 from PIL import Image
+from support.lanes import engine as lane_engine
 
 from rlmesh_trio._errors import (
     ActionError,
@@ -195,7 +196,7 @@ class Replies:
 async def serving(
     make_env: Callable[[], gym.Env[Any, Any]], num_envs: int = 1, **kwargs: Any
 ) -> AsyncIterator[LaneEngine]:
-    engine = LaneEngine(make_env, num_envs, **kwargs)
+    engine = lane_engine(make_env, num_envs, **kwargs)
     async with trio.open_nursery() as nursery:
         with trio.fail_after(SAFETY):
             await nursery.start(engine.run)
@@ -824,7 +825,7 @@ async def test_a_startup_failure_does_not_wait_for_a_lane_stuck_building(
         return ProbeEnv()
 
     built = Built(build)
-    engine = LaneEngine(built, 2, teardown_timeout=0.2)
+    engine = lane_engine(built, 2, teardown_timeout=0.2)
     start = time.perf_counter()
     async with trio.open_nursery() as nursery:
         with pytest.raises(ValueError, match="bad config"):
@@ -927,10 +928,12 @@ async def test_error_texts_and_alive() -> None:
 def test_constructor_checks() -> None:
     with pytest.raises(ValueError, match="num_envs"):
         LaneEngine(Built(), 0)
+    # The engine takes resolved options: its policy and teardown deadline are checked by
+    # the one validator, ``resolve()``, under their ServeOptions names.
     with pytest.raises(ValueError, match="policy"):
-        LaneEngine(Built(), 1, policy="loud")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="teardown_timeout"):
-        LaneEngine(Built(), 1, teardown_timeout=-1)
+        lane_engine(Built(), 1, policy="loud")
+    with pytest.raises(ValueError, match="close_timeout_seconds"):
+        lane_engine(Built(), 1, teardown_timeout=-1)
     with pytest.raises(TypeError):
         LaneEngine("CartPole-v1", 1)  # type: ignore[arg-type]
     assert LANE_TEARDOWN_TIMEOUT == 5.0
@@ -1032,7 +1035,7 @@ async def test_teardown_abandons_a_wedged_lane_within_its_bound(
     wedged = trio.Event()
     replies = Replies()
     built = Built()
-    engine = LaneEngine(built, 2, teardown_timeout=0.3)
+    engine = lane_engine(built, 2, teardown_timeout=0.3)
 
     def wedge(env: Any) -> str:
         token.run_sync_soon(wedged.set)

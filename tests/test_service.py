@@ -30,6 +30,7 @@ import pytest
 import trio
 from hypothesis import strategies as st
 from support import envs, wire
+from support.lanes import engine as lane_engine
 
 from rlmesh_trio._address import bind, parse_address
 from rlmesh_trio._bridge import ReplyInbox, ToLoop
@@ -105,7 +106,7 @@ async def running(
 
     The transport runs on the loop the module's ``event_loop`` fixture picked."""
     options = dataclasses.replace(options or ServeOptions(), event_loop=EVENT_LOOP[0])
-    engine = LaneEngine(make_env, num_envs, teardown_timeout=teardown_timeout)
+    engine = lane_engine(make_env, num_envs, teardown_timeout=teardown_timeout)
     listener = bind(parse_address(address))
     try:
         async with trio.open_nursery() as nursery:

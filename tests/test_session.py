@@ -977,3 +977,16 @@ def test_half_close_does_not_wait_for_a_timed_out_env_call() -> None:
     actions = h.session.on_timer(timer.token)
     assert error_of([a for a in actions if not isinstance(a, EndStream)])[0] == Code.TIMEOUT
     assert isinstance(actions[-1], EndStream)
+
+
+def test_job_ids_are_unique_over_the_sessions_of_an_endpoint() -> None:
+    # The transport routes a lane reply to its session by the job's id: a late reply of
+    # an ended session must never carry an id one of the next session's jobs has.
+    h = Harness(2)
+    h.request(reset=env_v1.ResetRequest())
+    first = {job.id for _, job in h.take()}
+    assert len(first) == 1  # one request: one id, one job per lane
+    later = Session(h.endpoint)
+    actions = later.on_request(env_v1.JoinRequest(request_id="r", reset=env_v1.ResetRequest()))
+    second = {act.job.id for act in actions if isinstance(act, Post)}
+    assert len(second) == 1 and second.isdisjoint(first)

@@ -24,6 +24,7 @@ import pytest
 import trio
 from support import wire
 from support.faulty import HANG, RAISE, Controller, Factory
+from support.lanes import engine as lane_engine
 
 from rlmesh_trio import ServeOptions, serve_env
 from rlmesh_trio._errors import LaneBrokenError, LaneDeadError, LaneTimeoutError
@@ -533,7 +534,7 @@ async def engine_for(
 ) -> AsyncIterator[LaneEngine]:
     try:
         async with trio.open_nursery() as nursery:
-            engine = LaneEngine(Factory(ctl), num_envs, **kwargs)
+            engine = lane_engine(Factory(ctl), num_envs, **kwargs)
             await nursery.start(engine.run)
             try:
                 yield engine

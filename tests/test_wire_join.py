@@ -281,35 +281,3 @@ def test_hand_written_field_tables_match_the_generated_classes(table: str) -> No
 
     for cls, fields in getattr(_join, table).items():
         assert fields == {n: f.name for n, f in schema(cls).items()}, cls.__name__
-
-
-def test_only_the_transport_package_imports_asyncio_grpclib_or_h2() -> None:
-    """STYLE 2: the wire format, the session, the lanes, the bridge and serve never
-    import the asyncio stack; the transport package holds all of it. The one exception:
-    the client's sans-IO HTTP/2 layer (``client/_grpc.py``) drives the ``h2`` state
-    machine itself, on Trio or a plain socket, and imports nothing of asyncio's."""
-    import ast
-    from pathlib import Path
-
-    import rlmesh_trio
-
-    root = Path(rlmesh_trio.__file__).parent
-    banned = {"asyncio", "grpclib", "h2", "hyperframe", "hpack", "uvloop"}
-    offenders = []
-    for path in root.rglob("*.py"):
-        parts = path.relative_to(root).parts
-        if parts[0] in ("_transport", "_proto"):
-            continue
-        allowed = {"h2"} if parts == ("client", "_grpc.py") else set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names = [node.module]
-            offenders += [
-                f"{path.name}: {n}"
-                for n in names
-                if n.split(".")[0] in banned and n.split(".")[0] not in allowed
-            ]
-    assert offenders == []

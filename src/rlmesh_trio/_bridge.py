@@ -70,10 +70,12 @@ class ToTrio:
 
 
 class ReplyInbox:
-    """Lane replies for one Join, handed to ``deliver`` on the transport loop in order.
+    """Lane replies, handed to ``deliver`` on the transport loop in order.
 
-    :meth:`put` is the ``reply`` callback given to the lane engine with every job: it is
-    called once per job, on the lane's thread (or any thread that answers for a lane).
+    The server has one: :meth:`put` is the ``reply`` callback it gives the lane engine
+    with every job of every Join (``deliver`` routes each reply to its Join by job id).
+    It is called once per job, on the lane's thread (or any thread that answers for a
+    lane).
     """
 
     __slots__ = ("_deliver", "_done", "_pending", "_scheduled", "_to_loop")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -231,6 +232,8 @@ def resolve(options: ServeOptions, environ: Mapping[str, str] = os.environ) -> R
         raise ValueError(
             f"lane_isolation must be 'thread' or 'process', got {options.lane_isolation!r}"
         )
+    if options.lane_isolation == "process" and sys.platform == "win32":
+        raise ValueError("lane_isolation='process' needs a POSIX system")
     cap = options.max_abandoned_lanes
     if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
         raise ValueError(f"max_abandoned_lanes must be an int >= 0, got {cap!r}")

@@ -89,16 +89,7 @@ async def serve_env(
     resolved = resolve(ServeOptions() if options is None else options)
     parsed = parse_address(address)
     factory = LaneEngine.factory(make_env, **dict(env_kwargs or {}))
-    engine = LaneEngine(
-        factory,
-        num_envs,
-        policy=resolved.policy,
-        teardown_timeout=resolved.close_timeout,
-        on_fault=resolved.on_lane_fault,
-        lane_timeout=resolved.lane_timeout,
-        max_abandoned=resolved.max_abandoned_lanes,
-        isolation=resolved.lane_isolation,
-    )
+    engine = LaneEngine(factory, num_envs, resolved)
     listener = bind(parsed)
     try:
         return await _serve(engine, listener, resolved, task_status)

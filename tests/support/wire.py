@@ -357,7 +357,10 @@ class WireClient:
         then wait for the call to end; its status and every message it sent back."""
         stream = self._open(method, extra_headers)
         for index, payload in enumerate(payloads):
-            await self._send(stream, payload, end=index == len(payloads) - 1)
+            try:
+                await self._send(stream, payload, end=index == len(payloads) - 1)
+            except h2.exceptions.StreamClosedError:
+                break  # the server answered (and reset the stream) before it was all sent
         if not payloads:
             self._conn.end_stream(stream.id)
             self._flush()

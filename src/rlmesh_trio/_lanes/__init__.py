@@ -1,11 +1,19 @@
 """The lane engine: N gymnasium envs as the lanes of one endpoint.
 
-* :mod:`._engine` -- :class:`LaneEngine`: the lane supervisors and threads, startup,
-  fault handling (rebuild, watchdog, abandon) and bounded teardown;
-* :mod:`._work` -- what a lane thread does with one job (decode, env call, encode);
-* :mod:`._process` -- process lanes: the env in a child process, the lane thread its proxy;
-* :mod:`._lane` -- one lane's mailbox, state and thread incarnations, the timing split
-  of a job;
+* :mod:`._engine` -- :class:`LaneEngine`: construction, startup (the contract), bounded
+  teardown and the public API (post, close, status);
+* :mod:`._state` -- a lane's states and the one table of allowed moves;
+* :mod:`._lane` -- one lane's mailbox and the transitions that change its state;
+  the incarnation protocol (build, execute, interrupt, close);
+* :mod:`._incarnation` -- its two variants: the env on the lane's thread, or in a child
+  process the thread proxies for;
+* :mod:`._thread` -- the lane thread's body: build, serve the mailbox, hand over after a
+  fault, close;
+* :mod:`._supervisor` -- a lane's supervisor task (rebuild backoff, retiring and
+  abandoning old threads) and the ledger of abandoned threads;
+* :mod:`._watchdog` -- wedged env calls: the watchdog and what a wedge does;
+* :mod:`._work` -- what a lane does with one job (decode, env call, encode);
+* :mod:`._process` -- process lanes: the child process and the parent's handle on it;
 * :mod:`._contract` -- what a lane's env serves, and the agreement of every lane with
   lane 0.
 """
@@ -19,14 +27,18 @@ if TYPE_CHECKING:
     from ._engine import LANE_THREAD_PREFIX as LANE_THREAD_PREFIX
     from ._engine import LaneEngine as LaneEngine
     from ._engine import LaneStatus as LaneStatus
-    from ._lane import LaneState as LaneState
+    from ._state import LaneState as LaneState
 
-_ENGINE = ("LANE_TEARDOWN_TIMEOUT", "LANE_THREAD_PREFIX", "LaneEngine", "LaneStatus", "LaneState")
+_ENGINE = ("LANE_TEARDOWN_TIMEOUT", "LANE_THREAD_PREFIX", "LaneEngine", "LaneStatus")
 
 
 def __getattr__(name: str) -> Any:
     # The engine (trio, the bridge) is imported on first use: a process lane's child
     # imports only the wire work of a job.
+    if name == "LaneState":
+        from ._state import LaneState
+
+        return LaneState
     if name in _ENGINE:
         from . import _engine
 

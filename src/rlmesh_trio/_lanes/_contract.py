@@ -8,7 +8,9 @@ from typing import Any, Final
 
 import gymnasium as gym
 
-from .._codec import from_meta_map, space_to_spec, to_meta_map
+from .._codec import SpaceCodec, from_meta_map, space_to_spec, to_meta_map
+from .._errors import ContractMismatchError
+from .._jobs import EnvContract
 from .._proto.rlmesh.spaces import v1 as spaces_v1
 
 UNKNOWN_ENV_ID: Final = "UnknownEnv-v1"
@@ -82,3 +84,27 @@ def contract_differences(lane0: EnvFacts, other: EnvFacts) -> list[str]:
     if other.render_mode != lane0.render_mode:
         diffs.append(f"render_mode {other.render_mode!r} != {lane0.render_mode!r}")
     return diffs
+
+
+def agree(facts: list[EnvFacts]) -> EnvContract:
+    """What every lane serves: lane 0's facts, when every other lane agrees with them.
+
+    Raises :class:`~rlmesh_trio._errors.ContractMismatchError` naming the first lane that
+    disagrees, or the codec's error for a space rlmesh-wire-v1 cannot express.
+    """
+    lane0 = facts[0]
+    for index, other in enumerate(facts[1:], start=1):
+        diffs = contract_differences(lane0, other)
+        if diffs:
+            raise ContractMismatchError(
+                f"lane {index} disagrees with lane 0 on the env contract: {'; '.join(diffs)}"
+            )
+    return EnvContract(
+        env_id=lane0.env_id,
+        action_space=lane0.action_space,
+        observation_space=lane0.observation_space,
+        action_codec=SpaceCodec(lane0.action_space),
+        observation_codec=SpaceCodec(lane0.observation_space),
+        metadata=lane0.metadata,
+        render_mode=lane0.render_mode,
+    )

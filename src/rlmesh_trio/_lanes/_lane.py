@@ -1,16 +1,40 @@
-"""One lane's mailbox and state, and its thread incarnations."""
+"""One lane: its mailbox, its state and the transitions that change it.
+
+Every state change of a lane is one of :class:`_Lane`'s transition methods (:meth:`serve`,
+:meth:`rebuilding`, :meth:`wedged`, :meth:`dead`, :meth:`stopped`), each called with the
+lane's lock held: it checks the move against :data:`~._state.TRANSITIONS` and updates,
+together, every field that goes with the state (the refusal ``post`` raises, the
+incarnation, the attempt counter, the clock the watchdog reads). Nothing else assigns
+``state``.
+"""
 
 from __future__ import annotations
 
-import enum
+import logging
 import queue
 import threading
-from typing import Any, Final
+from collections.abc import Callable
+from time import perf_counter_ns
+from typing import TYPE_CHECKING, Any, Final
 
+import outcome
 import trio
 
-from .._errors import LaneBrokenError, LaneError
-from .._jobs import Job, ReplyFn
+from .._errors import LaneBrokenError, LaneDeadError, LaneError, LaneWedgedError
+from .._jobs import Job, LaneFault, LaneReply, Phases, ReplyFn
+from ._state import LaneState, check_transition
+
+if TYPE_CHECKING:
+    from ._contract import EnvFacts
+    from ._work import LaneWork
+
+logger = logging.getLogger("rlmesh_trio.lanes")
+
+
+LANE_THREAD_PREFIX: Final = "rlmesh-trio-lane-"
+"""Lane ``i``'s serving thread is named ``f"{LANE_THREAD_PREFIX}{i}"``. A thread the lane
+left behind is renamed ``...-<i>-retired`` (closing a faulted env) or ``...-<i>-abandoned``
+(stuck in a wedged env call)."""
 
 
 class _Stop:
@@ -26,43 +50,58 @@ _Item = tuple[int, Job, ReplyFn]
 
 _MailboxItem = _Item | _Stop
 
-
-class LaneState(enum.Enum):
-    """Where a lane is in its life (docs/supervision.md has the state machine)."""
-
-    STARTING = "starting"
-    """The first env is being built (server startup)."""
-    SERVING = "serving"
-    """An env is up and the lane takes jobs."""
-    REBUILDING = "rebuilding"
-    """The env faulted or wedged; a fresh one is being built. Jobs queue meanwhile."""
-    WEDGED = "wedged"
-    """Policy ``error``: an env call overran a deadline and has not returned. Jobs are
-    refused at once (naming the lane) until it does."""
-    DEAD = "dead"
-    """A rebuild failed; jobs are refused (fatal) until the next attempt."""
-    STOPPED = "stopped"
-    """The engine closed the lane (or it was abandoned at teardown)."""
+Execute = Callable[[Job, int], tuple[outcome.Outcome[Any], Phases, bool]]
+"""``execute(job, queue_ns) -> (outcome, phases, env_raised)`` (:meth:`LaneWork.execute`)."""
 
 
-class _Incarnation:
-    """One OS thread of a lane and the env it built (which only it ever touches)."""
+class Incarnation:
+    """One OS thread of a lane and its env: the bookkeeping, and the protocol."""
 
-    __slots__ = ("abandoned", "child", "detached", "exited", "number", "thread")
+    __slots__ = ("abandoned", "detached", "exited", "index", "number", "thread")
 
-    def __init__(self, number: int) -> None:
+    def __init__(self, index: int, number: int) -> None:
+        self.index = index
         self.number = number
         self.thread: threading.Thread | None = None
         self.detached = False
         """The lane moved on (this thread faulted or was abandoned): it takes no more jobs,
         closes its env when it gets control back, and exits."""
         self.abandoned = False
-        """Detached while still inside an env call (wedged)."""
+        """Detached while still inside an env call (wedged) and not killable."""
         self.exited = trio.Event()
         """Set on the Trio thread once the thread's last act ran."""
-        self.child: Any = None
-        """Process isolation: the :class:`~rlmesh_trio._lanes._process.ChildLane` whose env
-        this (proxy) thread drives."""
+
+    @property
+    def pid(self) -> int | None:
+        """The env's process, when it has one of its own."""
+        return None
+
+    def build(self) -> EnvFacts:
+        """The incarnation's thread: build the env; what it serves, or the factory's error."""
+        raise NotImplementedError
+
+    def executor(self, work: LaneWork) -> Execute:
+        """The incarnation's thread, after :meth:`build`: how it runs one job."""
+        raise NotImplementedError
+
+    def interrupt(self) -> bool:
+        """Any thread: stop the env call that overran. True when it was killed; False
+        when it cannot be and the thread is left behind (:attr:`abandoned`)."""
+        raise NotImplementedError
+
+    def close(self, timeout: float) -> None:
+        """The incarnation's thread, last: close the env (never raises)."""
+        raise NotImplementedError
+
+    def lost_by(self, error: BaseException) -> bool:
+        """Whether a job's ``error`` means the env is gone with its host (a process lane's
+        child died): under policy ``error`` the lane is then dead."""
+        return False
+
+
+Spawn = Callable[[int, int], Incarnation]
+"""``spawn(lane, number)``: a lane's incarnation ``number``, not started yet (the
+protocol and its two variants are in :mod:`._incarnation`)."""
 
 
 class _Lane:
@@ -91,13 +130,15 @@ class _Lane:
         "running",
         "scope",
         "since",
+        "spawn",
         "state",
         "stopping",
         "wedges",
     )
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, spawn: Spawn) -> None:
         self.index = index
+        self.spawn = spawn
         self.mailbox: queue.SimpleQueue[_MailboxItem] = queue.SimpleQueue()
         self.lock = threading.Lock()
         self.accepting = True
@@ -114,7 +155,7 @@ class _Lane:
         self.state = LaneState.STARTING
         self.refusal: LaneError | None = None
         """While set, ``post`` raises it instead of queueing (wedged, dead)."""
-        self.incarnation = _Incarnation(0)
+        self.incarnation: Incarnation = spawn(index, 0)
         self.retry: tuple[_Item, int] | None = None
         """A job the next incarnation runs first (a reset retried after a fault)."""
         self.attempt = 0
@@ -126,6 +167,137 @@ class _Lane:
         self.abandoned = 0
         """Abandoned threads of this lane still running (wedged env calls)."""
 
+    # ---- transitions (the lane lock held) --------------------------------------------
 
-def _stopped(index: int) -> LaneBrokenError:
+    def _move(self, new: LaneState) -> LaneState:
+        old = self.state
+        check_transition(self.index, old, new)
+        self.state = new
+        return old
+
+    def serve(self) -> int:
+        """-> SERVING: startup agreed, a fresh env agreed (a rebuild), or a wedged call
+        returned. The lane takes jobs again. Returns the rebuild attempts it took (0 when
+        it was no rebuild)."""
+        old = self._move(LaneState.SERVING)
+        self.refusal = None
+        self.running = True
+        if old is not LaneState.REBUILDING:
+            return 0
+        self.rebuilds += 1
+        attempt, self.attempt = self.attempt, 0
+        return attempt
+
+    def rebuilding(self) -> Incarnation:
+        """-> REBUILDING: the env faulted or wedged (from SERVING), or a failed rebuild's
+        backoff is over (from DEAD). A fresh incarnation (not started yet) takes the lane;
+        the old one, returned, is detached. Queued jobs wait for the fresh env."""
+        was = self._move(LaneState.REBUILDING)
+        self.refusal = None
+        self.attempt += 1
+        self.since = perf_counter_ns()
+        # A dead lane's incarnation gave up by itself (its thread exits on its own).
+        return self.detach() if was is LaneState.SERVING else self._next_incarnation()
+
+    def detach(self) -> Incarnation:
+        """The lane moves on from its incarnation, which stops serving (no state change
+        here: a rebuild whose factory overran gets a new, never started, incarnation
+        before it is declared dead)."""
+        old = self._next_incarnation()
+        old.detached = True
+        return old
+
+    def _next_incarnation(self) -> Incarnation:
+        old = self.incarnation
+        self.incarnation = self.spawn(self.index, old.number + 1)
+        return old
+
+    def wedged(self, refusal: LaneWedgedError, *, take: bool) -> list[_Item]:
+        """-> WEDGED (policy ``error``): refuse new jobs with ``refusal`` until the call
+        returns. ``take``: the running job and the queued ones are taken out (returned,
+        for the caller to answer), as the lane's own watchdog does."""
+        self._move(LaneState.WEDGED)
+        self.refusal = refusal
+        if not take:
+            return []
+        self.current = None
+        return self.take_queued()
+
+    def dead(self, refusal: LaneDeadError, cause: str) -> list[_Item]:
+        """-> DEAD: a rebuild failed, or a process lane was lost under ``error``. Jobs are
+        refused with ``refusal``; the queued ones are returned for the caller to answer."""
+        self._move(LaneState.DEAD)
+        self.last_cause = cause
+        self.refusal = refusal
+        return self.take_queued()
+
+    def stopped(self) -> None:
+        """-> STOPPED: the lane's supervisor is done (the engine closed)."""
+        self._move(LaneState.STOPPED)
+
+    # ---- the mailbox --------------------------------------------------------------------
+
+    def close_mailbox(self) -> bool:
+        """Under the lock: take no more jobs, and stop. Whether it was closed already."""
+        already = self.stopping
+        self.accepting = False
+        self.stopping = True
+        return already
+
+    def take_queued(self) -> list[_Item]:
+        """Under the lock: every job waiting in the mailbox (and the retry slot)."""
+        items: list[_Item] = []
+        if self.retry is not None:
+            items.append(self.retry[0])
+            self.retry = None
+        stop = False
+        while True:
+            try:
+                item = self.mailbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, _Stop):
+                stop = True
+            else:
+                items.append(item)
+        if stop:
+            self.mailbox.put(_STOP)
+        return items
+
+    def fail_pending(self) -> None:
+        """Any thread: stop taking jobs; answer the running and the queued ones as stopped.
+
+        Safe to run concurrently from the lane thread and the Trio thread (an abandoned
+        lane that later comes back): each job is taken out of ``current`` or the mailbox by
+        exactly one caller, under the lane lock or by the queue itself.
+        """
+        with self.lock:
+            self.close_mailbox()
+            current, self.current = self.current, None
+            queued = self.take_queued()
+        if current is not None:
+            answer(self.index, current, outcome.Error(stopped_error(self.index)), Phases())
+        for item in queued:
+            answer(self.index, item, outcome.Error(stopped_error(self.index)), Phases())
+        # No job can follow (``accepting`` is false); a fresh sentinel makes sure a lane
+        # thread that comes back from being abandoned finds its way out of ``get()``.
+        self.mailbox.put(_STOP)
+
+
+def stopped_error(index: int) -> LaneBrokenError:
     return LaneBrokenError(f"lane {index} stopped before answering")
+
+
+def answer(
+    index: int,
+    item: _Item,
+    result: outcome.Outcome[Any],
+    phases: Phases,
+    fault: LaneFault | None = None,
+) -> None:
+    """Hand one answer to the job's reply callback; a callback error must not kill the lane."""
+    _posted, job, reply = item
+    try:
+        reply(LaneReply(job.id, index, result, phases, fault))
+    except Exception:
+        logger.exception("lane %d: the reply callback of a %s raised", index, type(job).__name__)

@@ -7,6 +7,7 @@ answers Handshake (SPEC §6) and Shutdown (SPEC §10.1-10.2). Sans-IO, like the 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import platform
 import sys
 from collections.abc import Callable, Sequence
@@ -121,6 +122,10 @@ class Endpoint:
         self.lane_states = lane_states
         """How long a Close waits for lane jobs still running before it is answered."""
         self.ledger = ConformanceLedger(num_envs)
+        self.tokens = itertools.count(1)
+        """Job and timer tokens, unique over every session of this endpoint: the transport
+        routes a lane reply to its session by the job's id, so a late reply of an ended
+        session can never be taken for one of the next session's jobs."""
         self.peer_info = _peer_info()
         self.env_contract = core_v1.EnvContract(
             spec=core_v1.EnvSpec(

@@ -26,7 +26,6 @@ and no later request is looked at until it has been answered.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -137,7 +136,7 @@ class Session:
         self._ops: dict[int, _Op] = {}
         self._serial: _Op | None = None
         self._outstanding = 0  # lane jobs posted and not answered yet (timed-out ones too)
-        self._tokens = itertools.count(1)
+        self._tokens = endpoint.tokens  # unique over the endpoint's sessions
         self._episodes: list[Episode | None] = [None] * self._n
         self._interrupted: list[env_v1.EpisodeMetadata] = []
         self._finished = False

@@ -6,8 +6,12 @@ session; the session's actions are performed here (post lane jobs, send replies,
 timers, end). A reply is written at once (:class:`~._shim.StreamSender`) when nothing is
 queued before it and the flow-control window and the socket take it; otherwise it is
 queued for the one writer task, which sends in order, so a slow client never blocks the
-loop. Lane replies come back through a :class:`~rlmesh_trio._bridge.ReplyInbox`; the
-replies of every lane handled in one wake-up go to the socket in one write.
+loop. Lane replies come back through the server's one
+:class:`~rlmesh_trio._bridge.ReplyInbox`, routed to their Join by job id
+(:meth:`JoinCall.on_lane_reply`, then :meth:`JoinCall.flush`): the replies of every lane
+handled in one wake-up go to the socket in one write.
+
+A Join knows nothing of its server but the :class:`JoinContext` the server built once.
 
 States (:class:`JoinState`)::
 
@@ -32,7 +36,8 @@ import functools
 import logging
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import h2.exceptions
 import outcome
@@ -40,7 +45,7 @@ from grpclib.const import Status
 from grpclib.exceptions import StreamTerminatedError
 from grpclib.server import Stream
 
-from .._bridge import ReplyInbox
+from .._bridge import ToLoop, Worker
 from .._errors import (
     INTERNAL_SERVER_ERROR,
     LaneError,
@@ -48,8 +53,8 @@ from .._errors import (
     WireError,
     grpc_status,
 )
-from .._jobs import LaneReply, Phases
-from .._logging import report
+from .._jobs import Job, LaneReply, Phases
+from .._logging import RateLimit, report
 from .._proto.rlmesh.env import v1 as env_v1
 from .._session import (
     Action,
@@ -63,10 +68,18 @@ from .._session import (
     Wedged,
 )
 from .._wire import PREFIX_SIZE, decode_join_request, encode_join_response_framed
-from ._shim import RequestReader, StreamSender, find_connection, reset_if_open, send_framed
+from ._shim import (
+    Connection,
+    RequestReader,
+    StreamSender,
+    find_connection,
+    reset_if_open,
+    send_framed,
+)
 
 if TYPE_CHECKING:
-    from ._server import LoopServer
+    from .._metrics import ServerMetrics
+    from .._session import Action
 
 log = logging.getLogger("rlmesh_trio.transport")
 
@@ -85,6 +98,53 @@ BIG_MESSAGE_BYTES = 16 << 20
 _BROKEN = (ConnectionError, h2.exceptions.H2Error, StreamTerminatedError)
 
 
+class SessionLike(Protocol):
+    """What the Join driver needs from :class:`~rlmesh_trio._session.Session`."""
+
+    def on_request(self, request: env_v1.JoinRequest) -> list[Action]: ...
+
+    def on_lane_reply(self, reply: Any) -> list[Action]: ...
+
+    def on_timer(self, token: int) -> list[Action]: ...
+
+    def on_stream_end(self) -> list[Action]: ...
+
+    def on_half_close(self) -> list[Action]: ...
+
+    @property
+    def busy(self) -> bool: ...
+
+    @property
+    def backlog(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class JoinContext:
+    """What a Join needs of its server: built once by the server, shared by its Joins."""
+
+    loop: asyncio.AbstractEventLoop
+    new_session: Callable[[], SessionLike]
+    """A fresh session for a new stream."""
+    max_lanes: int
+    max_message_bytes: int
+    protocols: set[Connection]
+    """The server's live connections (to find a stream's)."""
+    post: Callable[[int, Job, JoinCall], None]
+    """Post a lane job whose reply is to be routed to this Join (raises ``LaneError``
+    when the lane refuses it)."""
+    wedged: Callable[[int, Job, float], None] | None
+    """The lane engine's ``wedged`` (None: no supervision)."""
+    report_limit: RateLimit
+    metrics: ServerMetrics | None
+    worker: Worker
+    to_loop: ToLoop
+    big_message_done: Callable[[], None]
+    activity: Callable[[JoinCall], None]
+    """After every Join event (busy tracking, the idle timer)."""
+    reading: Callable[[], bool]
+    """Whether Join streams still read requests (false once the drain is over)."""
+
+
 class JoinState(enum.Enum):
     OPEN = "open"
     NOT_READING = "not reading"
@@ -96,13 +156,12 @@ class JoinState(enum.Enum):
 class JoinCall:
     """One Join stream (loop thread only)."""
 
-    def __init__(self, server: LoopServer, stream: Stream[bytes, bytes]) -> None:
-        self.server = server
+    def __init__(self, context: JoinContext, stream: Stream[bytes, bytes]) -> None:
+        self.context = context
         self.stream = stream
-        self.loop = server.loop
+        self.loop = context.loop
         self.state = JoinState.OPEN
-        self.session = server.session_factory(server.endpoint)
-        self.inbox = ReplyInbox(server.to_loop, self._on_lane_reply, self._flush)
+        self.session = context.new_session()
         self.timers: dict[int, asyncio.TimerHandle] = {}
         self.outbox: deque[bytes] = deque()
         self.outbox_bytes = 0
@@ -117,13 +176,14 @@ class JoinCall:
         self.sender: StreamSender | None = None
         self.status = Status.OK
         self.status_message: str | None = None
-        self.metrics = server.metrics
-        self.max_lanes = server.endpoint.num_envs
+        self.metrics = context.metrics
+        self.max_lanes = context.max_lanes
 
     # -- events into the session
 
-    def _on_lane_reply(self, reply: LaneReply) -> None:
-        # No flush per reply: the inbox calls _flush once after its batch.
+    def on_lane_reply(self, reply: LaneReply) -> None:
+        """A lane answered one of this Join's jobs (the server routed it here by job id).
+        No flush per reply: the server calls :meth:`flush` once after its batch."""
         self._drive(self.session.on_lane_reply, reply, flush=False)
 
     def _on_timer(self, token: int) -> None:
@@ -139,9 +199,9 @@ class JoinCall:
             return
         self.perform(actions)
         if flush:
-            self._flush()
+            self.flush()
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
         """The replies of this loop callback go out now: in one DATA frame when the
         window and the socket take them (several lanes' replies, one h2 send and one
         socket write), else queued, in order, for the writer."""
@@ -189,7 +249,7 @@ class JoinCall:
                         action.seconds, self._on_timer, action.token
                     )
             elif isinstance(action, Report):
-                report(action, self.server.report_limit)
+                report(action, self.context.report_limit)
                 if self.metrics is not None:
                     self.metrics.report(action)
             elif isinstance(action, Done):
@@ -200,37 +260,37 @@ class JoinCall:
                 if handle is not None:
                     handle.cancel()
             elif isinstance(action, Wedged):
-                lanes = self.server.lanes
-                if lanes is not None:
-                    lanes.wedged(action.lane, action.job, action.seconds)
+                wedged = self.context.wedged
+                if wedged is not None:
+                    wedged(action.lane, action.job, action.seconds)
             elif isinstance(action, EndStream):
                 self.session_told = True
                 self.finish()
         self._update_room()
         if self.metrics is not None:
             self.metrics.depth(self.session.backlog)
-        self.server.join_activity(self)
+        self.context.activity(self)
 
     def _post(self, action: Post) -> None:
         try:
-            self.server.post(action.lane, action.job, self.inbox.put)
+            self.context.post(action.lane, action.job, self)
         except LaneError as exc:  # the lane refuses: that is the job's answer
             refusal = LaneReply(action.job.id, action.lane, outcome.Error(exc), Phases())
             self._drive(self.session.on_lane_reply, refusal, flush=False)
 
     def _queue(self, response: env_v1.JoinResponse) -> None:
         try:
-            data = encode_join_response_framed(response, self.server.max_message_bytes)
+            data = encode_join_response_framed(response, self.context.max_message_bytes)
         except RlmeshTrioError as exc:
             log.error("a JoinResponse was refused (%s); ending the stream", exc)
             code, message = grpc_status(exc)
             self.fail(Status(code), message)
             return
         if len(data) >= BIG_MESSAGE_BYTES:
-            self.server.big_message_done()
+            self.context.big_message_done()
         if self.sender is not None and not self.outbox and not self.sending:
             # The fast path: nothing queued before it, so it may overtake nothing; it is
-            # written by the _flush() that ends this loop callback.
+            # written by the flush() that ends this loop callback.
             self.direct.append(data)
             return
         self.outbox.append(data)
@@ -287,7 +347,7 @@ class JoinCall:
             return
         finally:
             if big:
-                self.server.big_message_done()
+                self.context.big_message_done()
             del data  # the request's buffer goes now, not with the next one
         self._drive(self.session.on_request, request)
         del request  # a big request's leaves must not wait here for the next one
@@ -297,16 +357,16 @@ class JoinCall:
         self.decoding = True
         self._update_room()
         lanes = self.max_lanes
-        self.server.worker.submit(
+        self.context.worker.submit(
             lambda: decode_join_request(data, max_lanes=lanes),
-            self.server.to_loop,
+            self.context.to_loop,
             functools.partial(self._decoded, big),
         )
 
     def _decoded(self, big: bool, result: outcome.Outcome[env_v1.JoinRequest]) -> None:
         self.decoding = False
         if big:  # decoded: soon, the allocator may give the buffer's pages back
-            self.server.big_message_done()
+            self.context.big_message_done()
         if self.state is not JoinState.OPEN:
             return  # stopped reading (or ended) meanwhile: the request is not read
         if isinstance(result, outcome.Error):
@@ -364,14 +424,14 @@ class JoinCall:
             self.reader.stop()
 
     def _start_reading(self) -> None:
-        connection = find_connection(self.stream, self.server.protocols)
+        connection = find_connection(self.stream, self.context.protocols)
         if connection is None:  # the connection is already gone
             self.ended.set()
             return
         self.reader = RequestReader(
             connection,
             self.stream,
-            self.server.max_message_bytes,
+            self.context.max_message_bytes,
             self._on_message,
             self._on_reader_end,
         )
@@ -384,7 +444,7 @@ class JoinCall:
             await self.stream.send_initial_metadata()
             self.sender = StreamSender(self.stream)
             writer = self.loop.create_task(self._write_loop())
-            if self.server.reading:
+            if self.context.reading():
                 self._start_reading()
             else:
                 self.state = JoinState.NOT_READING
@@ -395,7 +455,7 @@ class JoinCall:
             self._tell_session()
             if self.state is not JoinState.BROKEN:
                 self.state = JoinState.FLUSHING
-            self._flush()  # (every event already ended with one: a safeguard)
+            self.flush()  # (every event already ended with one: a safeguard)
             self.wake_writer.set()
             await writer
             if self.state is JoinState.FLUSHING:
@@ -417,7 +477,7 @@ class JoinCall:
             self.timers.clear()
             # Cancelled (client reset, disconnect, server cut): the session must know.
             self._tell_session()
-            self.server.join_activity(self)
+            self.context.activity(self)
 
     async def _write_loop(self) -> None:
         """The one writer: sends in order what could not be written at once."""
@@ -436,7 +496,7 @@ class JoinCall:
                     del data
                     if not self.outbox:
                         self._update_room()
-                        self.server.join_activity(self)
+                        self.context.activity(self)
                     elif self.outbox_bytes <= REPLY_BACKLOG_BYTES:
                         self._update_room()
                 if self.state is not JoinState.OPEN and self.state is not JoinState.NOT_READING:

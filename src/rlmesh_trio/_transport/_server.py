@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import hmac
 import logging
 import socket
@@ -32,7 +33,7 @@ from grpclib.const import Handler as MethodHandler
 from grpclib.exceptions import GRPCError
 from grpclib.server import Stream
 
-from .._bridge import ToLoop, Worker
+from .._bridge import ReplyInbox, ToLoop, Worker
 from .._errors import (
     AlreadyJoinedError,
     RlmeshTrioError,
@@ -41,7 +42,7 @@ from .._errors import (
     UnknownServiceError,
     grpc_status,
 )
-from .._jobs import Job, ReplyFn
+from .._jobs import Job, LaneReply, ReplyFn
 from .._logging import RateLimit, protect_credentials
 from .._options import Resolved
 from .._proto.rlmesh.env import v1 as env_v1
@@ -53,7 +54,7 @@ from .._wire import (
     decode_shutdown_request,
 )
 from .._wire import encode_health_response as health_response
-from ._join import OFF_LOOP_DECODE_BYTES, JoinCall
+from ._join import OFF_LOOP_DECODE_BYTES, JoinCall, JoinContext, SessionLike
 from ._reflection import V1_PATH, V1ALPHA_PATH, ReflectionServices
 from ._shim import (
     Connection,
@@ -69,7 +70,6 @@ if TYPE_CHECKING:
     from grpclib.protocol import Stream as H2Stream
 
     from .._metrics import ServerMetrics
-    from .._session import Action
 
 log = logging.getLogger("rlmesh_trio.transport")
 
@@ -116,26 +116,6 @@ class EndpointLike(Protocol):
     def shutdown(self, request: env_v1.ShutdownRequest) -> tuple[env_v1.ShutdownResponse, bool]: ...
 
 
-class SessionLike(Protocol):
-    """What the Join driver needs from :class:`~rlmesh_trio._session.Session`."""
-
-    def on_request(self, request: env_v1.JoinRequest) -> list[Action]: ...
-
-    def on_lane_reply(self, reply: Any) -> list[Action]: ...
-
-    def on_timer(self, token: int) -> list[Action]: ...
-
-    def on_stream_end(self) -> list[Action]: ...
-
-    def on_half_close(self) -> list[Action]: ...
-
-    @property
-    def busy(self) -> bool: ...
-
-    @property
-    def backlog(self) -> int: ...
-
-
 SessionFactory = Callable[[Any], SessionLike]
 PostFn = Callable[[int, Job, ReplyFn], None]
 
@@ -165,6 +145,48 @@ def _libc_trim() -> Callable[[], None] | None:
 
 
 _TRIM = _libc_trim()
+
+
+class ReplyRoutes:
+    """Lane replies of every Join: one inbox and one reply callback for every job,
+    each reply routed to the Join that posted its job, by job id (loop thread only,
+    but for the inbox's ``put``, which the lane threads call).
+
+    Job ids are unique over the endpoint's sessions (``Endpoint.tokens``), so a late
+    reply of an ended Join is never taken for one of the next Join's; a whole-vector
+    request posts one job per lane under one id, so the key is id and lane.
+    """
+
+    __slots__ = ("_inbox", "_lanes", "_post", "_reply", "_routes", "_touched")
+
+    def __init__(self, post: PostFn, lanes: int, to_loop: ToLoop) -> None:
+        self._post = post
+        self._lanes = lanes
+        self._routes: dict[int, JoinCall] = {}  # job id * lanes + lane -> its Join
+        self._touched: list[JoinCall] = []  # Joins that got replies in this batch
+        self._inbox = ReplyInbox(to_loop, self._route, self._routed)
+        self._reply: ReplyFn = self._inbox.put
+
+    def post(self, lane: int, job: Job, call: JoinCall) -> None:
+        """Post ``job`` for ``call`` (raises the lane's refusal)."""
+        self._post(lane, job, self._reply)
+        # After the post: the reply is delivered on this loop, so never before this runs.
+        self._routes[job.id * self._lanes + lane] = call
+
+    def _route(self, reply: LaneReply) -> None:
+        call = self._routes.pop(reply.job_id * self._lanes + reply.lane, None)
+        if call is None:
+            log.debug("lane reply for job %d, which no Join waits for; dropped", reply.job_id)
+            return
+        call.on_lane_reply(reply)
+        if call not in self._touched:  # one or two Joins: a short list
+            self._touched.append(call)
+
+    def _routed(self) -> None:
+        """After a batch of lane replies: each Join that got some flushes once."""
+        for call in self._touched:
+            call.flush()
+        self._touched.clear()
 
 
 class LoopServer:
@@ -346,6 +368,27 @@ class LoopServer:
             except Exception:
                 log.exception("the on_drained callback failed")
 
+    @functools.cached_property
+    def join_context(self) -> JoinContext:
+        """What every Join of this server needs of it (built once, at the first Join)."""
+        routes = ReplyRoutes(self.post, self.endpoint.num_envs, self.to_loop)
+        return JoinContext(
+            loop=self.loop,
+            new_session=functools.partial(self.session_factory, self.endpoint),
+            max_lanes=self.endpoint.num_envs,
+            max_message_bytes=self.max_message_bytes,
+            protocols=self.protocols,
+            post=routes.post,
+            wedged=self.lanes.wedged if self.lanes is not None else None,
+            report_limit=self.report_limit,
+            metrics=self.metrics,
+            worker=self.worker,
+            to_loop=self.to_loop,
+            big_message_done=self.big_message_done,
+            activity=self.join_activity,
+            reading=lambda: self.reading,
+        )
+
     # -- work off the loop, memory
 
     async def off_loop(self, fn: Callable[..., Any], data: Any, lanes: int) -> Any:
@@ -512,7 +555,7 @@ class LoopServer:
             raise ServerStoppingError() if self.closing else AlreadyJoinedError()
         if self.metrics is not None:
             self.metrics.session(admitted=True)
-        call = JoinCall(self, stream)
+        call = JoinCall(self.join_context, stream)
         self.join = call
         self._arm_idle()
         try:

@@ -1,0 +1,192 @@
+"""A lane's supervisor: one Trio task per lane that starts its incarnations, backs off
+failed rebuilds, and retires or abandons the threads the lane left behind.
+
+The supervisor never runs env code and never waits on a lane thread: it sleeps on the
+lane's wake-up channel (a thread that exits, a fault, a close, a failed rebuild each send
+one) or until the next moment it has something to do (a backoff over, a retired thread
+overdue), and it returns when the lane stopped -- within the teardown deadline the engine
+gives its (shielded) cancel scope.
+
+:class:`AbandonedLedger` counts, process-wide, the threads left behind inside an env call:
+past ``max_abandoned`` the engine is no longer healthy (health reports NOT_SERVING).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Callable
+from typing import Final
+
+import trio
+
+from ._lane import LANE_THREAD_PREFIX, Incarnation, _Lane
+from ._state import LaneState
+
+__all__ = ["REBUILD_BACKOFF", "AbandonedLedger", "Supervisor"]
+
+logger = logging.getLogger("rlmesh_trio.lanes")
+
+REBUILD_BACKOFF: Final = (0.5, 30.0)
+"""First delay and cap, in seconds, between failed rebuild attempts (doubling)."""
+
+
+def thread_name(inc: Incarnation) -> str:
+    return inc.thread.name if inc.thread is not None else "?"
+
+
+class AbandonedLedger:
+    """Lane threads abandoned in a wedged env call (or a close that never returned) and
+    still running, over all lanes. Any thread."""
+
+    def __init__(self, max_abandoned: int) -> None:
+        self.max_abandoned = max_abandoned
+        self._lock = threading.Lock()
+        self.count = 0
+
+    @property
+    def healthy(self) -> bool:
+        return self.count <= self.max_abandoned
+
+    def add(self, lane: _Lane, inc: Incarnation) -> None:
+        """``inc``'s thread is left behind: count it, rename it, say so past the cap."""
+        with self._lock:
+            self.count += 1
+            over = self.count > self.max_abandoned
+        with lane.lock:
+            lane.abandoned += 1
+        if inc.thread is not None:
+            inc.thread.name = f"{LANE_THREAD_PREFIX}{lane.index}-abandoned"
+        if over:
+            logger.error(
+                "%d lane threads are abandoned, more than the %d tolerated: health now "
+                "reports NOT_SERVING; restart this server",
+                self.count,
+                self.max_abandoned,
+            )
+
+    def returned(self, lane: _Lane, inc: Incarnation) -> None:
+        """An abandoned thread finished on its own and exited."""
+        with self._lock:
+            self.count -= 1
+        with lane.lock:
+            lane.abandoned -= 1
+        logger.info(
+            "lane %d: abandoned thread %r finished on its own and exited",
+            lane.index,
+            thread_name(inc),
+        )
+
+
+class Supervisor:
+    """The supervisors of an engine's lanes (one :meth:`run` task per lane).
+
+    ``start(lane, inc)`` starts an incarnation's thread; ``rebuilds`` is false under
+    policy ``error`` (a dead lane then stays dead).
+    """
+
+    def __init__(
+        self,
+        *,
+        start: Callable[[_Lane, Incarnation], None],
+        ledger: AbandonedLedger,
+        rebuilds: bool,
+        retire_timeout: float,
+        backoff: tuple[float, float],
+    ) -> None:
+        self._start = start
+        self._ledger = ledger
+        self._rebuilds = rebuilds
+        self._retire_timeout = retire_timeout
+        self._backoff = backoff
+
+    def rebuild_delay(self, attempt: int) -> float:
+        first, cap = self._backoff
+        return float(min(first * 2 ** max(attempt - 1, 0), cap))
+
+    async def run(self, lane: _Lane, wakeups: trio.MemoryReceiveChannel[None]) -> None:
+        """Supervise ``lane`` until it stopped; then answer what is left and mark it
+        STOPPED. The caller runs this in ``lane.scope`` (shielded, given the teardown
+        deadline)."""
+        assert lane.scope is not None
+        threads: list[Incarnation] = []  # started and not exited yet
+        retire_by: dict[int, float] = {}  # id(detached incarnation) -> abandon it then
+        retry_at = math.inf
+        with lane.scope:
+            while True:
+                now = trio.current_time()
+                for inc in list(threads):
+                    if inc.exited.is_set():
+                        threads.remove(inc)
+                        retire_by.pop(id(inc), None)
+                        if inc.abandoned:
+                            self._ledger.returned(lane, inc)
+                    elif inc.detached and not inc.abandoned:
+                        by = retire_by.setdefault(id(inc), now + self._retire_timeout)
+                        if now >= by:
+                            self._abandon_retired(lane, inc)
+                            retire_by.pop(id(inc), None)
+                current = lane.incarnation
+                if lane.stopping:
+                    if current.thread is None or current.exited.is_set():
+                        break
+                elif lane.state is LaneState.DEAD and not self._rebuilds:
+                    pass  # a lost process lane (policy error): refuses until the stop
+                elif lane.state is LaneState.DEAD:
+                    if retry_at == math.inf:
+                        retry_at = now + self.rebuild_delay(lane.attempt)
+                    elif now >= retry_at:
+                        retry_at = math.inf
+                        self._next_attempt(lane)
+                        continue
+                elif current.thread is None:
+                    self._start(lane, current)
+                    threads.append(current)
+                elif current.exited.is_set():
+                    break  # startup ended (failure or close before the decision)
+                with trio.move_on_at(min(retry_at, *retire_by.values(), math.inf)):
+                    await wakeups.receive()
+            # The lane stopped: wait (within the teardown deadline) for threads still
+            # closing a faulted env; abandoned ones are not waited for.
+            for inc in threads:
+                if not inc.abandoned:
+                    await inc.exited.wait()
+        for inc in threads:  # no child outlives the teardown; threads are left behind
+            if not inc.exited.is_set():
+                inc.interrupt()
+        if lane.scope.cancelled_caught:
+            current = lane.incarnation
+            if current.thread is not None and not current.exited.is_set():
+                logger.warning(
+                    "lane %d did not stop within the %.3g s teardown deadline; "
+                    "abandoning its thread %r",
+                    lane.index,
+                    self._retire_timeout,
+                    current.thread.name,
+                )
+        # Jobs still queued (e.g. posted while a rebuild was pending when the stop came,
+        # so no thread took them) are answered as stopped; idempotent otherwise.
+        lane.fail_pending()
+        with lane.lock:
+            lane.stopped()
+
+    def _next_attempt(self, lane: _Lane) -> None:
+        """A DEAD lane's backoff is over: try the factory again."""
+        with lane.lock:
+            if lane.stopping or lane.state is not LaneState.DEAD:
+                return
+            lane.rebuilding()
+
+    def _abandon_retired(self, lane: _Lane, old: Incarnation) -> None:
+        """A detached thread did not finish closing its env in time: count it abandoned."""
+        old.abandoned = True
+        self._ledger.add(lane, old)
+        logger.warning(
+            "lane %d: the faulted env's close() has not returned after %.3g s; "
+            "abandoning thread %r (%d abandoned lane threads in this process)",
+            lane.index,
+            self._retire_timeout,
+            thread_name(old),
+            self._ledger.count,
+        )

@@ -1,0 +1,306 @@
+"""The lane thread: one incarnation's whole life, on its own OS thread.
+
+Build the env (:meth:`Incarnation.build`, so the env is created on the thread that will
+use it), report to the engine, serve the lane's mailbox (decode, env call, encode, answer
+-- the hot path), hand over to a fresh incarnation after a fault, close the env. Nothing
+here blocks on the Trio thread: what the supervisor must know crosses with ``to_trio``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from time import perf_counter_ns
+
+import outcome
+
+from .._errors import ContractMismatchError, LaneDeadError, LaneNeedsResetError
+from .._jobs import Job, LaneFault, Phases, ResetJob, StepJob
+from ._contract import EnvFacts, contract_differences
+from ._lane import (
+    LANE_THREAD_PREFIX,
+    Execute,
+    Incarnation,
+    _Item,
+    _Lane,
+    _Stop,
+    answer,
+    stopped_error,
+)
+from ._state import LaneState
+from ._work import LaneWork, verb_of
+
+__all__ = ["LaneThreads"]
+
+logger = logging.getLogger("rlmesh_trio.lanes")
+
+
+class LaneThreads:
+    """Starts and runs the lane threads of one engine.
+
+    ``to_trio(fn, *args)`` runs ``fn`` on the Trio thread (any thread; dropped once the
+    engine's run is over); ``report(index, outcome)`` (Trio thread) receives the first
+    incarnation's facts; ``exited(lane, inc)`` (Trio thread) a thread's last act;
+    ``wake(index)`` (Trio thread) wakes the lane's supervisor; ``rebuild_delay(attempt)``
+    is the supervisor's backoff (for the log).
+
+    Startup: the first incarnations build, report, and wait on :attr:`go`; the engine
+    sets :attr:`work` and :attr:`facts0` (the contract is agreed) before setting ``go``,
+    or leaves them None (wind down).
+    """
+
+    def __init__(
+        self,
+        *,
+        rebuilds: bool,
+        truncate: bool,
+        close_timeout: float,
+        to_trio: Callable[..., None],
+        report: Callable[[int, outcome.Outcome[EnvFacts]], None],
+        exited: Callable[[_Lane, Incarnation], None],
+        wake: Callable[[int], None],
+        rebuild_delay: Callable[[int], float],
+    ) -> None:
+        self._rebuilds = rebuilds
+        self._truncate = truncate
+        self._close_timeout = close_timeout
+        self._to_trio = to_trio
+        self._report = report
+        self._exited = exited
+        self._wake = wake
+        self._rebuild_delay = rebuild_delay
+        self.go = threading.Event()
+        self.work: LaneWork | None = None
+        self.facts0: EnvFacts | None = None
+
+    def start(self, lane: _Lane, inc: Incarnation) -> None:
+        """Trio thread: start ``inc``'s thread (a fresh ``threading.Thread``, never a
+        pooled worker: a rebuilt lane gets a thread no env ever ran on)."""
+        thread = threading.Thread(
+            target=self._main,
+            args=(lane, inc),
+            name=f"{LANE_THREAD_PREFIX}{lane.index}",
+            daemon=True,
+        )
+        inc.thread = thread
+        thread.start()
+
+    def _main(self, lane: _Lane, inc: Incarnation) -> None:
+        """One incarnation's whole life: build the env, serve the mailbox, close the env."""
+        try:
+            if lane.stopping:  # closed (or startup failed elsewhere) before we built
+                return
+            try:
+                facts = inc.build()
+            except Exception as exc:
+                if inc.number == 0:
+                    self._to_trio(self._report, lane.index, outcome.Error(exc))
+                else:
+                    self.rebuild_failed(lane, inc, exc)
+                return
+            if inc.number == 0:
+                self._to_trio(self._report, lane.index, outcome.Value(facts))
+                del facts
+                self.go.wait()  # set by the engine once it decided; not a poll
+                if self.work is None:
+                    return
+            else:
+                assert self.facts0 is not None
+                diffs = contract_differences(self.facts0, facts)
+                del facts
+                if diffs:
+                    mismatch = ContractMismatchError(
+                        f"the rebuilt env disagrees with lane 0 on the env contract: "
+                        f"{'; '.join(diffs)}"
+                    )
+                    self.rebuild_failed(lane, inc, mismatch)
+                    return
+                if not self._rebuilt(lane, inc):
+                    return
+            assert self.work is not None
+            self._serve(lane, inc, inc.executor(self.work))
+        except Exception:
+            # Only an engine bug gets here (job and callback errors are caught per job):
+            # the lane stops (its jobs are answered below); the other lanes go on.
+            logger.exception("lane %d died", lane.index)
+        finally:
+            with lane.lock:
+                mine = lane.incarnation is inc and not inc.detached
+                dead = lane.state is LaneState.DEAD
+                if mine:
+                    lane.running = False
+            if mine and not dead:
+                lane.fail_pending()
+            inc.close(self._close_timeout)
+            self._to_trio(self._exited, lane, inc)
+
+    def _rebuilt(self, lane: _Lane, inc: Incarnation) -> bool:
+        """A fresh env agrees with the contract; serve (unless superseded)."""
+        with lane.lock:
+            if inc.detached or lane.stopping:
+                return False
+            attempt = lane.serve()
+            took = (perf_counter_ns() - lane.since) / 1e9
+        logger.info("lane %d rebuilt (attempt %d, %.3f s)", lane.index, attempt, took)
+        return True
+
+    def rebuild_failed(self, lane: _Lane, inc: Incarnation, exc: BaseException) -> None:
+        """Any thread: the factory raised, overran or built a disagreeing env. Refuse jobs
+        (fatal) until the supervisor's next attempt; answer the ones waiting for this one."""
+        with lane.lock:
+            if inc.detached or lane.stopping:
+                return
+            cause = f"{type(exc).__name__}: {exc}"
+            refusal = LaneDeadError(
+                f"lane {lane.index} could not be rebuilt (attempt {lane.attempt}): {cause}"
+            )
+            waiting = lane.dead(refusal, cause)
+        delay = self._rebuild_delay(lane.attempt)
+        logger.error(
+            "lane %d: rebuild attempt %d failed (%s); next attempt in %.3g s",
+            lane.index,
+            lane.attempt,
+            cause,
+            delay,
+            exc_info=(type(exc), exc, exc.__traceback__),
+        )
+        for item in waiting:
+            answer(lane.index, item, outcome.Error(refusal), Phases())
+
+    def _serve(self, lane: _Lane, inc: Incarnation, execute: Execute) -> None:
+        get = lane.mailbox.get
+        lock = lane.lock
+        index = lane.index
+        rebuilds = self._rebuilds
+        fresh = inc.number > 0  # a rebuilt env: the client has not reset it yet
+        while True:
+            retried = 0
+            item: _Item | _Stop
+            if lane.retry is not None:  # only ever set before this incarnation started
+                with lock:
+                    pending, lane.retry = lane.retry, None
+                if pending is None:
+                    continue
+                item, retried = pending
+            else:
+                item = get()
+            picked = perf_counter_ns()
+            with lock:
+                stop = lane.stopping or isinstance(item, _Stop)
+                if not stop:
+                    assert not isinstance(item, _Stop)
+                    lane.current = item
+                    lane.since = picked
+            if stop:
+                if not isinstance(item, _Stop):
+                    answer(index, item, outcome.Error(stopped_error(index)), Phases())
+                return
+            assert not isinstance(item, _Stop)
+            posted, job, _reply = item
+            if fresh and isinstance(job, StepJob):
+                self._refuse_unreset(lane, item)
+                continue
+            result, phases, faulted = execute(job, picked - posted)
+            detach = False
+            with lock:
+                taken = lane.current is not item
+                if not taken:
+                    lane.current = None
+                    if lane.state is LaneState.WEDGED:
+                        lane.serve()
+                    if faulted:
+                        lane.faults += 1
+                        if rebuilds and not lane.stopping:
+                            detach = True
+                            lane.rebuilding()
+                            if self._truncate and isinstance(job, ResetJob) and not retried:
+                                lane.retry = (item, 1)
+            if taken:
+                # The job was answered for us: the lane stopped or abandoned us, or (policy
+                # ``error``) declared the call wedged and now gets it back.
+                if inc.detached or lane.stopping:
+                    return
+                self._unwedged(lane, job)
+                continue
+            if detach:
+                assert isinstance(result, outcome.Error)
+                self._faulted(lane, item, result, phases, retry=lane.retry is not None)
+                return  # the ``finally`` of _main closes the faulted env, here
+            if isinstance(result, outcome.Error) and inc.lost_by(result.error):
+                # Policy ``error``: nothing rebuilds the lane; it refuses from now on.
+                answer(index, item, result, phases)
+                self._lost(lane, str(result.error))
+                return
+            if fresh and isinstance(job, ResetJob) and isinstance(result, outcome.Value):
+                fresh = False
+            answer(index, item, result, phases)
+            del job, result, item, _reply
+
+    def _lost(self, lane: _Lane, cause: str) -> None:
+        """Policy ``error``: the incarnation is lost (a process lane's child died): refuse
+        the lane's jobs from now on."""
+        reason = cause.split(": ", 1)[-1]
+        refusal = LaneDeadError(
+            f"lane {lane.index} is gone: {reason} (--on-lane-fault rebuild would rebuild it)"
+        )
+        with lane.lock:
+            waiting = lane.dead(refusal, reason)
+        logger.error("lane %d: %s; the lane is lost (policy error)", lane.index, reason)
+        for item in waiting:
+            answer(lane.index, item, outcome.Error(refusal), Phases())
+
+    def _faulted(
+        self,
+        lane: _Lane,
+        item: _Item,
+        result: outcome.Error,
+        phases: Phases,
+        *,
+        retry: bool,
+    ) -> None:
+        """Supervised: the env raised; answer, and hand over to a fresh env."""
+        error = result.error
+        verb = verb_of(item[1])
+        cause = f"{type(error).__name__}: {error}"
+        with lane.lock:
+            lane.last_cause = cause
+        logger.warning(
+            "lane %d: env.%s raised (%s); rebuilding the lane on a fresh thread%s",
+            lane.index,
+            verb,
+            cause,
+            " and retrying the reset there" if retry else "",
+        )
+        if not retry:
+            answer(lane.index, item, result, phases, LaneFault(lane=lane.index, error=cause))
+        threading.current_thread().name = f"{LANE_THREAD_PREFIX}{lane.index}-retired"
+        self._to_trio(self._wake, lane.index)
+
+    def _refuse_unreset(self, lane: _Lane, item: _Item) -> None:
+        """A step on a rebuilt env nobody reset yet is refused, not run."""
+        with lane.lock:
+            if lane.current is item:
+                lane.current = None
+        cause = lane.last_cause or "a fault"
+        error = LaneNeedsResetError(
+            f"step failed: lane {lane.index} was rebuilt after a fault ({cause}); "
+            "reset it before stepping"
+        )
+        fault = LaneFault(lane=lane.index, error=cause)
+        answer(lane.index, item, outcome.Error(error), Phases(), fault)
+
+    def _unwedged(self, lane: _Lane, job: Job) -> None:
+        """Policy ``error``: a call declared wedged returned after all."""
+        with lane.lock:
+            if lane.state is not LaneState.WEDGED:
+                return
+            lane.serve()
+            took = (perf_counter_ns() - lane.since) / 1e9
+        logger.warning(
+            "lane %d: the wedged env.%s returned after %.3g s; the lane serves again "
+            "(its late result was dropped)",
+            lane.index,
+            verb_of(job),
+            took,
+        )

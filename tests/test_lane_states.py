@@ -1,0 +1,125 @@
+"""The lanes' state machine: one table in the code, the same table in the docs, and
+every move checked against it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from rlmesh_trio._errors import LaneDeadError, LaneWedgedError
+from rlmesh_trio._lanes._lane import Incarnation, _Lane
+from rlmesh_trio._lanes._state import TRANSITIONS, LaneState, LaneStateError, check_transition
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "supervision.md"
+MARKER = "<!-- lane-transitions"
+
+
+def documented_transitions() -> set[tuple[LaneState, LaneState]]:
+    """The rows of the table after the marker in docs/supervision.md."""
+    lines = DOC.read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(MARKER))
+    rows: set[tuple[LaneState, LaneState]] = set()
+    body = lines[start + 1 :]
+    assert body[0].startswith("| from | to |"), body[0]
+    assert set(body[1].replace("|", "").split()) == {"---"}, body[1]
+    for line in body[2:]:
+        if not line.startswith("|"):
+            break
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        old, new = (re.fullmatch(r"`(\w+)`", cell) for cell in cells[:2])
+        assert old is not None and new is not None, line
+        pair = (LaneState(old.group(1)), LaneState(new.group(1)))
+        assert pair not in rows, f"row listed twice: {line}"
+        rows.add(pair)
+    return rows
+
+
+def test_the_documented_table_is_the_code_table() -> None:
+    documented = documented_transitions()
+    assert documented - TRANSITIONS == set(), "documented but not allowed by the code"
+    assert TRANSITIONS - documented == set(), "allowed by the code but not documented"
+
+
+def test_every_state_is_reachable_and_every_state_can_stop() -> None:
+    reached = {LaneState.STARTING} | {new for _, new in TRANSITIONS}
+    assert reached == set(LaneState)
+    for state in set(LaneState) - {LaneState.STOPPED}:
+        assert (state, LaneState.STOPPED) in TRANSITIONS
+    assert not any(old is LaneState.STOPPED for old, _ in TRANSITIONS)
+
+
+def test_a_move_outside_the_table_is_an_internal_error() -> None:
+    for old in LaneState:
+        for new in LaneState:
+            if (old, new) in TRANSITIONS:
+                check_transition(3, old, new)
+            else:
+                with pytest.raises(
+                    LaneStateError, match=f"^lane 3: no transition from {old.value} to {new.value}$"
+                ):
+                    check_transition(3, old, new)
+
+
+class _Bookkeeping(Incarnation):
+    """An incarnation that is never started (the lane's transitions only spawn them)."""
+
+    __slots__ = ()
+
+
+def _lane() -> _Lane:
+    return _Lane(0, _Bookkeeping)
+
+
+def test_transitions_move_the_fields_that_go_with_the_state() -> None:
+    lane = _lane()
+    first = lane.incarnation
+    with lane.lock:
+        assert lane.serve() == 0
+        assert (lane.state, lane.running, lane.refusal) == (LaneState.SERVING, True, None)
+        old = lane.rebuilding()  # serving -> rebuilding: the serving incarnation detaches
+        assert old is first and old.detached
+        assert lane.incarnation.number == 1 and not lane.incarnation.detached
+        assert (lane.state, lane.attempt) == (LaneState.REBUILDING, 1)
+        refusal = LaneDeadError("lane 0 could not be rebuilt (attempt 1): boom")
+        assert lane.dead(refusal, "RuntimeError: boom") == []
+        assert (lane.state, lane.refusal, lane.last_cause) == (
+            LaneState.DEAD,
+            refusal,
+            "RuntimeError: boom",
+        )
+        failed = lane.rebuilding()  # dead -> rebuilding: the failed one is not detached
+        assert not failed.detached and lane.incarnation.number == 2
+        assert (lane.refusal, lane.attempt) == (None, 2)
+        assert lane.serve() == 2  # the attempts it took; the counter starts over
+        assert (lane.attempt, lane.rebuilds) == (0, 1)
+        wedge = LaneWedgedError("lane 0 is wedged")
+        assert lane.wedged(wedge, take=False) == []
+        assert lane.refusal is wedge
+        lane.serve()
+        assert lane.refusal is None
+        lane.stopped()
+        with pytest.raises(LaneStateError):
+            lane.serve()
+    assert lane.state is LaneState.STOPPED
+
+
+def test_a_disallowed_move_changes_nothing() -> None:
+    lane = _lane()
+    with lane.lock, pytest.raises(LaneStateError, match="from starting to rebuilding"):
+        lane.rebuilding()
+    assert lane.state is LaneState.STARTING
+    assert lane.incarnation.number == 0 and lane.attempt == 0
+
+
+def test_wedged_by_the_watchdog_takes_the_running_and_the_queued_jobs() -> None:
+    lane = _lane()
+    jobs = [(0, object(), print), (1, object(), print)]
+    with lane.lock:
+        lane.serve()
+        lane.current = jobs[0]  # type: ignore[assignment]
+        lane.mailbox.put(jobs[1])  # type: ignore[arg-type]
+        taken = lane.wedged(LaneWedgedError("lane 0 is wedged"), take=True)
+    assert taken == [jobs[1]] and lane.current is None
+    assert lane.mailbox.empty()

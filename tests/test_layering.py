@@ -1,0 +1,194 @@
+"""The package layering, pinned: who may import whom inside ``rlmesh_trio``.
+
+Imports are read with ``ast`` from the source (every ``import`` statement, also those
+inside functions and under ``TYPE_CHECKING``), so a rule holds for the code, not only for
+what one run happens to import. docs/architecture.md draws the same layers.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+import rlmesh_trio
+
+ROOT = Path(rlmesh_trio.__file__).parent
+PACKAGE = "rlmesh_trio"
+
+IO_MODULES = frozenset({"trio", "asyncio", "socket", "threading", "selectors", "ssl", "uvloop"})
+"""What a sans-IO layer must not import (nor anything that owns a thread or a socket)."""
+
+NOT_THE_SERVER = frozenset({"client", "fleet", "_cli", "__main__", "__init__", "_proto"})
+"""Top-level units that are not the server's own packages (the client, the fleet, the
+command line, the package's face, the generated messages)."""
+
+
+def _module_of(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join([PACKAGE, *parts])
+
+
+def _imports(path: Path) -> Iterator[str]:
+    """Every module ``path`` imports, absolute (relative imports resolved)."""
+    module = _module_of(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                base = node.module or ""
+            else:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            yield base
+            # ``from . import _engine`` imports a module, not a name of the package
+            for alias in node.names:
+                yield f"{base}.{alias.name}"
+
+
+@cache
+def graph() -> dict[str, frozenset[str]]:
+    """Module -> the modules of this package it imports."""
+    modules = {_module_of(path): path for path in ROOT.rglob("*.py")}
+    edges: dict[str, frozenset[str]] = {}
+    for module, path in modules.items():
+        edges[module] = frozenset(name for name in _imports(path) if name in modules)
+    return edges
+
+
+@cache
+def external(module: str) -> frozenset[str]:
+    """The top-level names of the modules outside this package that ``module`` imports."""
+    path = next(p for p in ROOT.rglob("*.py") if _module_of(p) == module)
+    return frozenset(name.split(".")[0] for name in _imports(path) if name.split(".")[0] != PACKAGE)
+
+
+def unit(module: str) -> str:
+    """The top-level package or module of ``rlmesh_trio`` that ``module`` belongs to."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def crossings(source: str, targets: set[str]) -> list[str]:
+    """Imports from the unit ``source`` into any of the units ``targets``."""
+    return sorted(
+        f"{module} -> {imported}"
+        for module, imported_set in graph().items()
+        if unit(module) == source
+        for imported in imported_set
+        if unit(imported) in targets
+    )
+
+
+def test_the_reader_sees_the_imports_it_must() -> None:
+    """The rules below are only as good as the parser: check it on known imports."""
+    edges = graph()
+    # a relative import of a sibling module, resolved
+    assert "rlmesh_trio._lanes._state" in edges["rlmesh_trio._lanes._lane"]
+    # a function-level import: the CLI imports the fleet's command inside a function
+    assert any(unit(m) == "fleet" for m in edges["rlmesh_trio._cli"])
+    # ``from . import _engine`` inside a function of the package's __init__
+    assert "rlmesh_trio._lanes._engine" in edges["rlmesh_trio._lanes"]
+    assert "trio" in external("rlmesh_trio._lanes._engine")
+
+
+def test_the_session_never_imports_lanes_transport_or_bridge() -> None:
+    assert crossings("_session", {"_lanes", "_transport", "_bridge"}) == []
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the fleet's health checks still use _transport's grpclib probe; passes once "
+    "the probe moves onto the project's client (issue 18, item 3)",
+)
+def test_the_fleet_never_imports_the_transport() -> None:
+    assert crossings("fleet", {"_transport"}) == []
+
+
+@pytest.mark.parametrize("layer", ["_wire", "_codec"])
+def test_the_sans_io_layers_import_no_io(layer: str) -> None:
+    offenders = sorted(
+        f"{module}: {name}"
+        for module in graph()
+        if unit(module) == layer
+        for name in external(module) & IO_MODULES
+    )
+    assert offenders == []
+    # nor do they reach IO through the package's own IO layers
+    assert crossings(layer, {"_transport", "_lanes", "_bridge", "_serve", "client"}) == []
+
+
+def find_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Every cycle a depth-first walk of ``edges`` closes, as ``[a, b, ..., a]``."""
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append([*path[path.index(nxt) :], nxt])
+            elif nxt not in state:
+                visit(nxt)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node)
+    return cycles
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+
+
+def test_no_import_cycle_among_the_servers_packages() -> None:
+    units: dict[str, set[str]] = {}
+    for module, imported in graph().items():
+        source = unit(module)
+        if source in NOT_THE_SERVER:
+            continue
+        targets = units.setdefault(source, set())
+        targets.update(unit(m) for m in imported if unit(m) not in NOT_THE_SERVER)
+        targets.discard(source)
+    cycles = find_cycles(units)
+    assert cycles == [], " ; ".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def test_only_the_transport_package_imports_asyncio_grpclib_or_h2() -> None:
+    """STYLE 2: the wire format, the session, the lanes, the bridge and serve never
+    import the asyncio stack; the transport package holds all of it. The one exception:
+    the client's sans-IO HTTP/2 layer (``client/_grpc.py``) drives the ``h2`` state
+    machine itself, on Trio or a plain socket, and imports nothing of asyncio's."""
+    root = Path(rlmesh_trio.__file__).parent
+    banned = {"asyncio", "grpclib", "h2", "hyperframe", "hpack", "uvloop"}
+    offenders = []
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root).parts
+        if parts[0] in ("_transport", "_proto"):
+            continue
+        allowed = {"h2"} if parts == ("client", "_grpc.py") else set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            offenders += [
+                f"{path.name}: {n}"
+                for n in names
+                if n.split(".")[0] in banned and n.split(".")[0] not in allowed
+            ]
+    assert offenders == []
