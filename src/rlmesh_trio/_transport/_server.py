@@ -45,6 +45,7 @@ from .._jobs import Job, ReplyFn
 from .._logging import RateLimit
 from .._options import Resolved
 from .._proto.rlmesh.env import v1 as env_v1
+from .._tls import HANDSHAKE_TIMEOUT as TLS_HANDSHAKE_TIMEOUT
 from .._wire import (
     HEALTH_NOT_SERVING,
     HEALTH_SERVING,
@@ -227,10 +228,20 @@ class LoopServer:
     # -- lifecycle
 
     async def serve(self, sock: socket.socket, on_listening: Callable[[], None]) -> None:
+        tls = self.options.tls
         if sock.family == socket.AF_UNIX:
             server = await self.loop.create_unix_server(self._make_protocol, sock=sock)
-        else:
+        elif tls is None:
             server = await self.loop.create_server(self._make_protocol, sock=sock)
+        else:
+            # TLS (and mTLS: CERT_REQUIRED) on the loop's own SSL transport; a failed
+            # handshake closes that connection only (asyncio logs it at DEBUG).
+            server = await self.loop.create_server(
+                self._make_protocol,
+                sock=sock,
+                ssl=tls.context(),
+                ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT,
+            )
         try:
             if not self._stop_requested.is_set():
                 on_listening()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import io
 import itertools
+import ssl
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,7 @@ from gymnasium.vector.utils import batch_space, concatenate, create_empty_array,
 from .._address import TcpAddress, UnixAddress, parse_address
 from .._codec import SpaceCodec, from_meta_map, spec_to_space
 from .._errors import CodecError
+from .._tls import TlsSetting, client_context, describe_tls_error
 from .._wire._protobuf import DecodeError
 from ._errors import (
     ConnectionLostError,
@@ -42,11 +44,15 @@ __all__ = [
     "Slot",
     "Target",
     "lane_infos",
+    "tls_context",
+    "tls_failure",
 ]
 
-SERVICE = "/rlmesh.env.v1.EnvService"
+SERVICE_NAME = "rlmesh.env.v1.EnvService"
+SERVICE = f"/{SERVICE_NAME}"
 HANDSHAKE_PATH = f"{SERVICE}/Handshake"
 JOIN_PATH = f"{SERVICE}/Join"
+HEALTH_CHECK_PATH = "/grpc.health.v1.Health/Check"
 
 MAX_COMPLETED = 65536
 """Episode records kept for :meth:`Endpoint.pop_completed_episodes` (older ones drop)."""
@@ -81,6 +87,28 @@ class Target:
 
     def __str__(self) -> str:
         return f"unix://{self.path}" if self.path is not None else f"tcp://{self.authority}"
+
+
+def tls_context(target: Target, tls: TlsSetting) -> ssl.SSLContext | None:
+    """The TLS context to connect to ``target`` with (None: plaintext); TLS is for TCP
+    addresses (a unix socket is guarded by its file permissions)."""
+    context = client_context(tls)
+    if context is not None and target.path is not None:
+        raise ValueError(f"tls= is for TCP addresses, not {target} (unix sockets are plaintext)")
+    return context
+
+
+def tls_failure(target: Target, exc: BaseException) -> ConnectionLostError:
+    """A failed TLS handshake (or a TLS error right after it), said plainly."""
+    why = describe_tls_error(exc) or f"{type(exc).__name__}: {exc}"
+    return ConnectionLostError(f"TLS handshake with {target} failed: {why}")
+
+
+def check_timeouts(**timeouts: float) -> None:
+    """Every one of the connection's timeouts must be a number > 0."""
+    for name, value in timeouts.items():
+        if not value > 0:
+            raise ValueError(f"{name} must be > 0")
 
 
 def metadata(token: str | None) -> list[tuple[str, str]]:
