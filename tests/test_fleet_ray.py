@@ -248,7 +248,7 @@ def test_token_generated_beyond_loopback_unless_refused() -> None:
         token = fleet.auth_token
         assert token and len(token) >= 32
         assert [h.serving for h in fleet.health()] == [True]  # the fleet sends it
-        from rlmesh_trio._transport import probe
+        from rlmesh_trio.client import probe
 
         anonymous = probe(fleet.addresses[0], timeout=5.0)
         assert anonymous.health == "SERVING"  # health needs no token

@@ -138,7 +138,12 @@ def describe_tls_error(exc: BaseException) -> str | None:
         if isinstance(current, ssl.SSLError):
             if isinstance(current, ssl.SSLCertVerificationError):
                 return f"certificate verification failed: {current.verify_message}"
-            reason = current.reason or current.strerror or str(current)
-            return str(reason).replace("_", " ").lower()
+            reason = str(current.reason or current.strerror or current)
+            if reason == "UNEXPECTED_EOF_WHILE_READING" or isinstance(current, ssl.SSLEOFError):
+                return (
+                    "the server ended the TLS session abruptly (an mTLS server does so when "
+                    "the client presents no certificate it trusts)"
+                )
+            return reason.replace("_", " ").lower()
         current = current.__cause__ or current.__context__
     return None

@@ -207,6 +207,11 @@ class GrpcConnection:
                     else "the server closed the connection before its HTTP/2 settings "
                     "(if it serves TLS, connect with tls=...)"
                 )
+            elif self._preface is not None:
+                self.lose(
+                    "the server closed the TLS connection before its HTTP/2 settings (an "
+                    "mTLS server does so when the client presents no certificate it trusts)"
+                )
             else:
                 self.lose("the server closed the connection")
             return
