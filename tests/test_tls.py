@@ -8,9 +8,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import ssl
 import subprocess
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -427,3 +428,72 @@ async def test_the_reference_client_has_no_tls(pki: Pki) -> None:
         with pytest.raises(Exception):  # noqa: B017 - its own error type for a failed connect
             await in_thread(rlmesh.numpy.RemoteEnv, info.address, connect_timeout_seconds=2)
         assert await _a_session(info.address, tls=pki.ca) == 2
+
+
+# ---------------------------------------------------------------------------- reload
+
+
+def _copy(source: str | bytes, target: Path) -> None:
+    target.write_bytes(Path(source).read_bytes() if isinstance(source, str) else source)
+
+
+class _Said(logging.Handler):
+    """Sets a Trio event (from whichever thread logs) once a message containing
+    ``text`` is logged."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(logging.INFO)
+        self.text = text
+        self.event = trio.Event()
+        self._token = trio.lowlevel.current_trio_token()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self._token.run_sync_soon(self.event.set)
+
+    async def wait(self) -> None:
+        with trio.fail_after(WAIT):
+            await self.event.wait()
+
+
+@contextlib.contextmanager
+def _listening(text: str) -> Iterator[_Said]:
+    logger = logging.getLogger("rlmesh_trio.transport")
+    handler, level = _Said(text), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+async def test_a_renewed_certificate_is_served_without_a_restart(
+    pki: Pki, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The files are looked at every RELOAD_INTERVAL: a certificate of a new CA written
+    over the old one is served from the next handshake on (a client trusting only the
+    old CA is refused then); files that do not load leave the previous certificate."""
+    from rlmesh_trio import _tls
+
+    monkeypatch.setattr(_tls, "RELOAD_INTERVAL", 0.05)
+    cert, key = tmp_path / "live.pem", tmp_path / "live.key"
+    _copy(pki.cert, cert)
+    _copy(pki.key, key)
+    renewed = trustme.CA()
+    renewed_ca = str(tmp_path / "renewed-ca.pem")
+    renewed.cert_pem.write_to_path(renewed_ca)
+    issued = renewed.issue_cert("127.0.0.1")
+    async with serving(ServeOptions(tls_cert_file=str(cert), tls_key_file=str(key))) as info:
+        assert await _a_session(info.address, tls=pki.ca) == 2
+        with _listening("the TLS files changed but cannot be used") as said:
+            _copy(issued.private_key_pem.bytes(), key)  # the new key, the old certificate
+            await said.wait()
+        assert await _a_session(info.address, tls=pki.ca) == 2  # the previous one stays
+        with _listening("certificate reloaded") as said:
+            _copy(b"".join(b.bytes() for b in issued.cert_chain_pems), cert)
+            await said.wait()
+        assert await _a_session(info.address, tls=renewed_ca) == 2
+        with pytest.raises(ConnectionLostError, match="certificate verification failed"):
+            await _a_session(info.address, tls=pki.ca)

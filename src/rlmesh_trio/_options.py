@@ -82,7 +82,9 @@ class ServeOptions:
     other lanes nothing, and pure-Python envs use every core; the factory must pickle).
     ``tls_cert_file`` / ``tls_key_file``: serve TLS (both or neither; PEM; ALPN ``h2``,
     TLS >= 1.2) -- on TCP addresses only. ``tls_client_ca_file``: mTLS -- a client must
-    present a certificate signed by this CA (PEM) or the TLS handshake fails.
+    present a certificate signed by this CA (PEM) or the TLS handshake fails. The three
+    files are looked at every 10 s while serving: renewed ones are used from the next
+    handshake on.
     """
 
     allow_remote_shutdown: bool = False
@@ -172,8 +174,7 @@ class TlsFiles:
     client_ca_file: str | None = None
 
     def context(self) -> ssl.SSLContext:
-        """A fresh server context from the files (read now: a renewed certificate is
-        picked up by a server started afterwards)."""
+        """A fresh server context from the files, read now."""
         from ._tls import server_context
 
         return server_context(self.cert_file, self.key_file, self.client_ca_file)

@@ -12,11 +12,14 @@ import os
 import ssl
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Union
 
 __all__ = [
     "ALPN",
     "HANDSHAKE_TIMEOUT",
+    "RELOAD_INTERVAL",
+    "ReloadingServerContext",
     "TlsSetting",
     "check_alpn",
     "client_context",
@@ -29,6 +32,10 @@ ALPN = "h2"
 
 HANDSHAKE_TIMEOUT = 10.0
 """Seconds the server gives a client to finish the TLS handshake."""
+
+RELOAD_INTERVAL = 10.0
+"""Seconds between two looks at the server's TLS files (a renewed certificate is served
+from the next handshake on)."""
 
 _lock = threading.Lock()
 _configured: weakref.WeakSet[ssl.SSLContext] = weakref.WeakSet()
@@ -81,6 +88,77 @@ def server_context(
         context.verify_mode = ssl.CERT_REQUIRED
     context.set_alpn_protocols([ALPN])
     return context
+
+
+_Stamp = tuple[tuple[int, int, int] | None, ...]
+
+
+def _stamp(paths: tuple[str, ...]) -> _Stamp:
+    """What changes when a file is rewritten or a symlink swapped (a Secret update)."""
+    out: list[tuple[int, int, int] | None] = []
+    for path in paths:
+        try:
+            st = os.stat(path)
+        except OSError:
+            out.append(None)
+        else:
+            out.append((st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
+class ReloadingServerContext:
+    """The server's context, and a newer one once the files change (:meth:`check`).
+
+    The listening socket keeps :attr:`context`; its SNI callback (called for every
+    handshake, with or without a server name) moves the connection to the newest
+    context, so a renewed certificate (or client CA) is used from the next handshake
+    on. Connections already open keep theirs. Files that no longer load are reported
+    and the previous context stays.
+    """
+
+    def __init__(
+        self,
+        cert_file: str,
+        key_file: str,
+        client_ca_file: str | None = None,
+        *,
+        on_problem: Callable[[str], None] | None = None,
+        on_reload: Callable[[], None] | None = None,
+    ) -> None:
+        self._files = (cert_file, key_file, client_ca_file)
+        self._paths = tuple(p for p in self._files if p is not None)
+        self._stamp = _stamp(self._paths)
+        self.context = server_context(cert_file, key_file, client_ca_file)
+        self.current = self.context
+        self.reloads = 0
+        self._on_problem = on_problem
+        self._on_reload = on_reload
+        self.context.sni_callback = self._pick
+
+    def _pick(self, connection: ssl.SSLObject, _name: str | None, _ctx: ssl.SSLContext) -> None:
+        if self.current is not self.context:
+            connection.context = self.current
+
+    def check(self) -> bool:
+        """Reload if the files changed since the last look; True when it did."""
+        stamp = _stamp(self._paths)
+        if stamp == self._stamp:
+            return False
+        self._stamp = stamp
+        cert, key, ca = self._files
+        assert cert is not None and key is not None
+        try:
+            fresh = server_context(cert, key, ca)
+        except ValueError as exc:
+            if self._on_problem is not None:
+                self._on_problem(str(exc))
+            return False
+        fresh.sni_callback = None
+        self.current = fresh
+        self.reloads += 1
+        if self._on_reload is not None:
+            self._on_reload()
+        return True
 
 
 def client_context(tls: TlsSetting) -> ssl.SSLContext | None:
