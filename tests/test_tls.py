@@ -497,3 +497,23 @@ async def test_a_renewed_certificate_is_served_without_a_restart(
         assert await _a_session(info.address, tls=renewed_ca) == 2
         with pytest.raises(ConnectionLostError, match="certificate verification failed"):
             await _a_session(info.address, tls=pki.ca)
+
+
+def test_fleet_cli_checks_its_tls_flags_before_starting_ray(
+    pki: Pki, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rlmesh_trio._cli import main
+
+    base = ["fleet", "--env", "CartPole-v1", "--endpoints", "1"]
+    assert main([*base, "--tls-ca-file", pki.ca]) == 2
+    assert "need --tls-cert-file and --tls-key-file" in capsys.readouterr().err
+    served = [*base, "--tls-cert-file", pki.cert, "--tls-key-file", pki.key]
+    assert main([*served, "--tls-client-ca-file", pki.ca]) == 2
+    assert "the probes need a client certificate" in capsys.readouterr().err
+    assert main([*served, "--tls-client-cert-file", pki.client_cert]) == 2
+    assert "go together" in capsys.readouterr().err
+    assert (
+        main([*served, "--tls-client-cert-file", pki.cert, "--tls-client-key-file", pki.client_key])
+        == 2
+    )
+    assert "--tls-client-key-file: cannot load them" in capsys.readouterr().err

@@ -401,7 +401,7 @@ def _probe_command(args: argparse.Namespace) -> int:
     try:
         parse_address(args.address)
         tls = client_tls_from_args(args)
-    except (ValueError, _UsageError) as exc:
+    except ValueError as exc:
         print(f"{PROG} probe: error: {exc}", file=sys.stderr)
         return 2
     token = args.auth_token or os.environ.get("RLMESH_TRIO_AUTH_TOKEN") or None
@@ -449,21 +449,16 @@ def add_client_tls_arguments(parser: argparse.ArgumentParser) -> None:
 
 def client_tls_from_args(args: argparse.Namespace) -> ssl.SSLContext | None:
     """The client context the TLS flags ask for (None: plaintext); ValueError if unusable."""
-    from ._tls import client_context
+    from ._tls import client_context_from_files
 
-    cert, key = args.tls_cert_file, args.tls_key_file
-    if (cert is None) != (key is None):
-        raise _UsageError("--tls-cert-file and --tls-key-file go together")
-    if not (args.tls or args.tls_ca_file or cert):
+    if not (args.tls or args.tls_ca_file or args.tls_cert_file or args.tls_key_file):
         return None
-    context = client_context(args.tls_ca_file or True)
-    assert context is not None
-    if cert is not None:
-        try:
-            context.load_cert_chain(cert, key)
-        except (OSError, ssl.SSLError) as exc:
-            raise ValueError(f"--tls-cert-file {cert!r} / --tls-key-file {key!r}: {exc}") from None
-    return context
+    return client_context_from_files(
+        args.tls_ca_file,
+        args.tls_cert_file,
+        args.tls_key_file,
+        flags="--tls-cert-file and --tls-key-file",
+    )
 
 
 def _fail(what: str, exc: BaseException, debug: bool) -> int:

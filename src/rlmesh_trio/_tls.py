@@ -23,6 +23,7 @@ __all__ = [
     "TlsSetting",
     "check_alpn",
     "client_context",
+    "client_context_from_files",
     "describe_tls_error",
     "server_context",
 ]
@@ -194,6 +195,24 @@ def client_context(tls: TlsSetting) -> ssl.SSLContext | None:
                 context.minimum_version = ssl.TLSVersion.TLSv1_2
             context.set_alpn_protocols([ALPN])
             _configured.add(context)
+    return context
+
+
+def client_context_from_files(
+    ca_file: str | None, cert_file: str | None, key_file: str | None, *, flags: str
+) -> ssl.SSLContext:
+    """A client context trusting ``ca_file`` (None: the system's CAs), presenting
+    ``cert_file`` / ``key_file`` when given (mTLS); ``ValueError`` naming ``flags``
+    (the command line's) when the certificate cannot be loaded."""
+    if (cert_file is None) != (key_file is None):
+        raise ValueError(f"{flags} go together")
+    context = client_context(ca_file or True)
+    assert context is not None
+    if cert_file is not None:
+        try:
+            context.load_cert_chain(cert_file, key_file)
+        except OSError as exc:  # ssl.SSLError too
+            raise ValueError(f"{flags}: cannot load them: {exc}") from None
     return context
 
 

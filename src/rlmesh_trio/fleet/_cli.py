@@ -273,28 +273,23 @@ def fleet_command(args: argparse.Namespace) -> int:
 
 def _probe_tls(args: argparse.Namespace) -> Any:
     """The supervisor's client TLS context when the endpoints serve TLS (else None)."""
-    from .._tls import client_context
+    from .._tls import client_context_from_files
 
-    client = (args.tls_client_cert_file, args.tls_client_key_file)
-    if (client[0] is None) != (client[1] is None):
-        raise ValueError("--tls-client-cert-file and --tls-client-key-file go together")
     if args.tls_cert_file is None and args.tls_key_file is None:
-        if args.tls_ca_file or client[0] or args.tls_client_ca_file:
+        if args.tls_ca_file or args.tls_client_cert_file or args.tls_client_ca_file:
             raise ValueError("the TLS client flags need --tls-cert-file and --tls-key-file")
         return None
-    context = client_context(args.tls_ca_file or True)
-    if client[0] is not None:
-        assert context is not None
-        try:
-            context.load_cert_chain(client[0], client[1])
-        except OSError as exc:  # ssl.SSLError too
-            raise ValueError(f"--tls-client-cert-file / --tls-client-key-file: {exc}") from None
-    elif args.tls_client_ca_file:
+    if args.tls_client_ca_file and not args.tls_client_cert_file:
         raise ValueError(
             "with --tls-client-ca-file (mTLS) the probes need a client certificate: "
             "--tls-client-cert-file and --tls-client-key-file"
         )
-    return context
+    return client_context_from_files(
+        args.tls_ca_file,
+        args.tls_client_cert_file,
+        args.tls_client_key_file,
+        flags="--tls-client-cert-file and --tls-client-key-file",
+    )
 
 
 def _report(fleet: Any, as_json: bool) -> None:
