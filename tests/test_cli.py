@@ -154,6 +154,12 @@ def test_unix_transport_addresses(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert _cli._resolve_address(args) == "tcp://127.0.0.1:0"
 
 
+def test_a_non_ascii_token_is_a_startup_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--env", "CartPole-v1", "--auth-token", "café"]) in (1, 2)
+    err = capsys.readouterr().err
+    assert "visible ASCII" in err and "café" not in err
+
+
 def test_startup_failures_exit_1_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--env", "NoSuchEnv-v9"]) == 1
     err = capsys.readouterr().err.strip().splitlines()

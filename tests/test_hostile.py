@@ -287,3 +287,77 @@ def test_http2_protocol_errors_get_goaway_and_close(servers: ServerPool, peer: s
         got = goaway_after(int(other.address.rsplit(":", 1)[1]), payload, join=join)
         assert expected is not None, name
         assert got == expected, name
+
+
+LYING_PREFIX = bytes.fromhex("000fffffff")
+"""A gRPC message prefix announcing 268,435,455 bytes (under the 256 MiB + limit of
+neither server: it must not matter), followed by nothing."""
+
+
+def hold_lying_prefixes(port: int, paths: list[str], pid: int) -> float:
+    """Open one stream per path on one connection, each sending only
+    :data:`LYING_PREFIX`; the server's RSS growth (MiB) while they are held."""
+    import hpack
+    from hyperframe.frame import DataFrame
+
+    baseline = rss_mib(pid)
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    try:
+        encoder = hpack.Encoder()
+        data = PREFACE + SettingsFrame(0).serialize()
+        for index, path in enumerate(paths):
+            stream_id = 1 + 2 * index
+            headers = [(k, path if k == ":path" else v) for k, v in JOIN_HEADERS]
+            data += HeadersFrame(
+                stream_id, encoder.encode(headers), flags=["END_HEADERS"]
+            ).serialize()
+            data += DataFrame(stream_id, LYING_PREFIX).serialize()
+        sock.sendall(data)
+        time.sleep(1.5)  # the server has read every prefix (nothing else can come)
+        grown = rss_mib(pid) - baseline
+    finally:
+        sock.close()
+    return grown
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
+@skip_without_ours
+def test_a_lying_length_prefix_allocates_nothing(servers: ServerPool) -> None:
+    """Issue 17, finding 2: 5 bytes made the server allocate 256 MiB, resident (six
+    streams: 55 -> 1,594 MiB), on the health path too. The reference: +0.3 MiB."""
+    paths = [
+        "/grpc.health.v1.Health/Check",
+        "/grpc.health.v1.Health/Check",
+        wire.HANDSHAKE,
+        wire.HANDSHAKE,
+        wire.SHUTDOWN,
+        wire.JOIN,
+    ]
+    ref = servers.fresh("ref", config(1))
+    ours = servers.fresh("ours", config(1))
+    try:
+        reference = hold_lying_prefixes(int(ref.address.rsplit(":", 1)[1]), paths, ref.pid)
+        grown = hold_lying_prefixes(int(ours.address.rsplit(":", 1)[1]), paths, ours.pid)
+        assert reference < 32, reference
+        assert grown < 32, grown  # before: ~1,500
+        wire.run(_reset_once(ours.address))  # and it serves on
+    finally:
+        ref.stop()
+        ours.stop()
+
+
+@skip_without_ours
+def test_the_health_request_is_bounded_to_a_few_kib(servers: ServerPool) -> None:
+    """The health check needs no token: anyone may send it, so what it reads is small
+    (RESOURCE_EXHAUSTED past 4 KiB, refused on the prefix, before the body)."""
+    server = servers.get("ours", config(1))
+
+    async def check(payload: bytes) -> wire.UnaryResult:
+        async with wire.WireClient(server.address) as client:
+            return await client.unary("/grpc.health.v1.Health/Check", payload)
+
+    small = wire.run(check(field(1, b"rlmesh.env.v1.EnvService")))
+    assert small.end.status == 0
+    big = wire.run(check(field(1, b"x" * 5000)))
+    assert big.end.status == 8, big.end  # RESOURCE_EXHAUSTED
+    assert "the limit is: 4096 bytes" in big.end.message

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import re
+import time
 import urllib.request
 from typing import Any
 
@@ -145,3 +146,75 @@ def test_the_metrics_address_must_be_tcp() -> None:
 
     with pytest.raises(ValueError, match="metrics_address"):
         resolve(ServeOptions(metrics_address="unix:///tmp/m.sock"))
+
+
+def _open_idle(address: str, count: int) -> list[Any]:
+    import socket
+
+    host, port = address[len("tcp://") :].rsplit(":", 1)
+    return [socket.create_connection((host, int(port)), timeout=5) for _ in range(count)]
+
+
+def _threads() -> int:
+    import threading
+
+    return threading.active_count()
+
+
+@pytest.mark.timeout(120)
+async def test_a_flood_of_idle_metrics_connections_holds_no_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 17, finding 5: 1,000 slow connections held 1,008 threads and, with the fd
+    limit reached, starved the gRPC side. Now: at most METRICS_MAX_CONNECTIONS are
+    served at once (the rest closed on accept), each idle one dropped after the socket
+    timeout, and the gRPC side answers throughout."""
+    from rlmesh_trio import _metrics
+
+    monkeypatch.setattr(_metrics, "METRICS_SOCKET_TIMEOUT", 1.0)
+    options = ServeOptions(metrics_address="tcp://127.0.0.1:0")
+    async with trio.open_nursery() as nursery:
+        info = await nursery.start(
+            functools.partial(serve_env, envs.make_cartpole, num_envs=1, options=options)
+        )
+        assert info.metrics_address is not None
+        baseline = _threads()
+        idle = await trio.to_thread.run_sync(_open_idle, info.metrics_address, 300)
+        try:
+            await trio.sleep(0.5)  # let the server accept them all (a bound, not a wait)
+            assert _threads() <= baseline + _metrics.METRICS_MAX_CONNECTIONS + 2
+
+            async def handshake() -> None:
+                async with wire.WireClient(info.address) as client:
+                    await client.handshake()
+
+            await trio.to_thread.run_sync(asyncio.run, handshake())  # gRPC unaffected
+
+            def closed_by_server(sock: Any) -> bool:
+                sock.settimeout(10)
+                try:
+                    return sock.recv(1) == b""
+                except OSError:
+                    return True
+
+            # Every idle connection is closed by the server: at once past the bound,
+            # after the socket timeout within it.
+            results = await trio.to_thread.run_sync(
+                lambda: [closed_by_server(sock) for sock in idle]
+            )
+            assert all(results)
+        finally:
+            for sock in idle:
+                sock.close()
+        samples = await trio.to_thread.run_sync(scrape, info.metrics_address)
+        assert samples['rlmesh_trio_lane_steps_total{lane="0"}'] == 0
+
+        def threads_back_to(count: int) -> int:
+            # Handler threads exit on their own: no event tells when, so poll (bounded).
+            deadline = time.monotonic() + 30
+            while _threads() > count and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return _threads()
+
+        assert await trio.to_thread.run_sync(threads_back_to, baseline + 1) <= baseline + 1
+        nursery.cancel_scope.cancel()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import re
 import struct
 import threading
@@ -404,3 +405,50 @@ def test_event_loop_option_resolves_to_an_installed_loop(monkeypatch: pytest.Mon
     monkeypatch.setattr(importlib.util, "find_spec", real)
     if real("uvloop") is not None:
         assert resolve(ServeOptions()).event_loop == "uvloop"
+
+
+@pytest.mark.parametrize(
+    ("address", "loopback"),
+    [
+        ("tcp://127.0.0.1:1", True),
+        ("tcp://127.8.9.10:1", True),
+        ("tcp://[::1]:1", True),
+        ("tcp://localhost:1", True),
+        ("unix:///tmp/x.sock", True),
+        ("tcp://0.0.0.0:1", False),
+        ("tcp://[::]:1", False),
+        ("tcp://10.1.2.3:1", False),
+        ("tcp://envs.example.org:1", False),
+    ],
+)
+def test_what_counts_as_loopback(address: str, loopback: bool) -> None:
+    from rlmesh_trio._address import is_loopback, parse_address
+
+    assert is_loopback(parse_address(address)) is loopback
+
+
+@pytest.mark.parametrize(
+    ("options", "warned"), [(ServeOptions(), True), (ServeOptions(auth_token="t0k"), False)]
+)
+async def test_serving_beyond_loopback_without_a_token_warns_once(
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    options: ServeOptions,
+    warned: bool,
+) -> None:
+    """Issue 17, finding 6: ``--address 0.0.0.0:...`` with no token did not even warn.
+    (Tests bind loopback only: the address is taken as reachable from elsewhere.)"""
+    from rlmesh_trio import _serve
+
+    monkeypatch.setattr(_serve, "is_loopback", lambda address: False)
+    caplog.set_level(logging.WARNING, logger="rlmesh_trio")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(
+            functools.partial(serve_env, envs.make_cartpole, num_envs=1, options=options)
+        )
+        nursery.cancel_scope.cancel()
+    warnings = [r for r in caplog.records if "beyond loopback" in r.getMessage()]
+    assert len(warnings) == (1 if warned else 0)
+    if warned:
+        assert warnings[0].levelno == logging.WARNING
+        assert "--auth-token" in warnings[0].getMessage()

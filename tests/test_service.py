@@ -823,6 +823,20 @@ def test_bad_options_are_refused() -> None:
             resolve(options)
 
 
+@pytest.mark.parametrize(
+    ("token", "where"),
+    [("café", "character 4 is U+00E9"), ("a b", "character 2 is U+0020"), ("x\ty", "U+0009")],
+)
+def test_a_token_no_client_can_present_is_refused_at_startup(token: str, where: str) -> None:
+    """Issue 17, finding 3: a non-ASCII token was accepted and could never be presented
+    (a header value is bytes; the error names the position, never the token)."""
+    with pytest.raises(ValueError, match="visible ASCII") as info:
+        resolve(ServeOptions(auth_token=token))
+    assert where in str(info.value)
+    assert token not in str(info.value)
+    assert resolve(ServeOptions(auth_token="A-z_0.9~+/=:!")).auth_token == "A-z_0.9~+/=:!"
+
+
 async def test_handshake_request_shape_from_core() -> None:
     """A Handshake without peer info or editions is still compatible (SPEC §6.3)."""
     bare = env_v1.HandshakeRequest(

@@ -517,3 +517,23 @@ def test_fleet_cli_checks_its_tls_flags_before_starting_ray(
         == 2
     )
     assert "--tls-client-key-file: cannot load them" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("kind", "warned"), [("tls", True), ("mtls", False)])
+async def test_beyond_loopback_mtls_counts_as_knowing_the_client(
+    pki: Pki,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    kind: str,
+    warned: bool,
+) -> None:
+    """TLS alone encrypts but does not say who the client is: only mTLS (or a token)
+    silences the beyond-loopback warning."""
+    from rlmesh_trio import _serve
+
+    monkeypatch.setattr(_serve, "is_loopback", lambda address: False)
+    caplog.set_level(logging.WARNING, logger="rlmesh_trio")
+    async with serving(pki.mtls() if kind == "mtls" else pki.server()):
+        pass
+    warnings = [r for r in caplog.records if "beyond loopback" in r.getMessage()]
+    assert len(warnings) == (1 if warned else 0)

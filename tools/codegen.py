@@ -2,6 +2,10 @@
 
 Usage: python tools/codegen.py [--check]
 
+betterproto2 classes are generated for ``proto/rlmesh/``; every file under ``proto/``
+(``grpc/health/v1`` too) goes into ``descriptors.binpb``, a serialized
+``FileDescriptorSet`` that server reflection (``--reflection``) answers from.
+
 The generated tree is committed. ``--check`` regenerates into a temporary folder and
 fails (exit 1) when it differs from what is committed, naming the files that drifted.
 """
@@ -21,8 +25,26 @@ OUT = ROOT / "src" / "rlmesh_trio" / "_proto"
 HEADER = "# Generated from proto/ by `nox -s codegen` (betterproto2-compiler) -- do not edit.\n"
 
 
+DESCRIPTORS = "descriptors.binpb"
+
+
 def generate(dest: Path) -> None:
-    protos = sorted(str(p.relative_to(PROTO)) for p in PROTO.rglob("*.proto"))
+    protos = sorted(str(p.relative_to(PROTO)) for p in (PROTO / "rlmesh").rglob("*.proto"))
+    every = sorted(str(p.relative_to(PROTO)) for p in PROTO.rglob("*.proto"))
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            f"-I{PROTO}",
+            f"--descriptor_set_out={dest / DESCRIPTORS}",
+            "--include_imports",
+            *every,
+        ],
+        check=True,
+        cwd=PROTO,
+        stdout=subprocess.DEVNULL,
+    )
     subprocess.run(
         [
             sys.executable,

@@ -208,3 +208,17 @@ def _unix_socket_alive(path: str) -> bool:
         return True
     finally:
         probe.close()
+
+
+def is_loopback(address: Address) -> bool:
+    """Whether only this machine can reach ``address``: a unix socket, a loopback IP or
+    ``localhost``. A wildcard (``0.0.0.0``, ``::``), any other IP and any other host
+    name count as reachable from elsewhere."""
+    if isinstance(address, UnixAddress):
+        return True
+    if address.host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address.host).is_loopback
+    except ValueError:
+        return False

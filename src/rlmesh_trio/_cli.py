@@ -189,6 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="accept the Shutdown RPC (also: RLMESH_ALLOW_REMOTE_SHUTDOWN=1)",
     )
     serve.add_argument(
+        "--reflection",
+        action="store_true",
+        help="serve gRPC server reflection (grpc.reflection.v1 and v1alpha) for tools like "
+        "grpcurl; needs the reflection extra (protobuf); under --auth-token it needs the token",
+    )
+    serve.add_argument(
         "--idle-timeout-seconds",
         type=_seconds(minimum_exclusive=True),
         metavar="S",
@@ -586,6 +592,7 @@ def _configure(args: argparse.Namespace, address: str) -> _Config:
         tls_cert_file=args.tls_cert_file,
         tls_key_file=args.tls_key_file,
         tls_client_ca_file=args.tls_client_ca_file,
+        reflection=args.reflection,
     )
     return _Config(
         make_env=make_env,

@@ -2,7 +2,8 @@
 
 Each server has its own :class:`~prometheus_client.CollectorRegistry` (two servers in one
 process do not mix their numbers) and, when an address is given, its own HTTP endpoint
-(prometheus-client's WSGI server, on a daemon thread). docs/metrics.md lists every metric.
+(prometheus-client's WSGI app on a bounded threading server: at most 16 connections at
+once, each with a socket timeout). docs/metrics.md lists every metric.
 
 Hot-path cost: per-lane children are bound once, so a step costs a few counter
 increments and two histogram observations on the transport thread.
@@ -14,6 +15,8 @@ for metrics without it is a clear startup error.
 from __future__ import annotations
 
 import platform
+import socket
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -238,19 +241,98 @@ class _LaneCollector:
         yield from (rebuilds, wedges, abandoned, state)
 
 
+METRICS_MAX_CONNECTIONS = 16
+"""Scrapes served at once; a connection beyond them is closed as soon as it is accepted,
+so a flood of connections holds neither threads nor file descriptors (which the gRPC
+listener shares)."""
+
+METRICS_SOCKET_TIMEOUT = 10.0
+"""Seconds a metrics connection may sit idle (a slow or half-open client) before it is
+dropped; a scrape of a server's metrics is a few KiB and takes milliseconds."""
+
+
+def _bounded_server_class() -> type[Any]:
+    """A threading WSGI server (the kind prometheus-client's own ``start_http_server``
+    runs) with a bound on concurrent connections."""
+    from socketserver import ThreadingMixIn
+    from wsgiref.simple_server import WSGIServer
+
+    class BoundedWSGIServer(ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+        block_on_close = False
+        allow_reuse_address = True
+        max_connections = METRICS_MAX_CONNECTIONS
+        request_queue_size = 128  # accepted and closed fast; socketserver's 5 drops SYNs
+
+        def server_activate(self) -> None:
+            self._slots = threading.BoundedSemaphore(self.max_connections)
+            self.refused = 0
+            super().server_activate()
+
+        def process_request(self, request: Any, client_address: Any) -> None:
+            if not self._slots.acquire(blocking=False):
+                self.refused += 1
+                self.shutdown_request(request)  # closed at once: no thread, no fd kept
+                return
+            try:
+                super().process_request(request, client_address)
+            except BaseException:
+                self._slots.release()
+                raise
+
+        def process_request_thread(self, request: Any, client_address: Any) -> None:
+            try:
+                super().process_request_thread(request, client_address)
+            finally:
+                self._slots.release()
+
+        def handle_error(self, request: Any, client_address: Any) -> None:
+            pass  # a client that timed out or went away: nothing to report
+
+    return BoundedWSGIServer
+
+
+def _quiet_handler_class() -> type[Any]:
+    from wsgiref.simple_server import WSGIRequestHandler
+
+    class QuietHandler(WSGIRequestHandler):
+        timeout = METRICS_SOCKET_TIMEOUT  # socket timeout of every connection
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # one line per scrape is noise
+
+    return QuietHandler
+
+
 def start_http(metrics: ServerMetrics, address: str) -> tuple[Any, Any, str]:
     """Serve ``metrics`` over HTTP at ``address`` (``tcp://host:port``; port 0 picks one).
 
-    Returns the WSGI server, its daemon thread and the bound address. Stop it with
-    ``server.shutdown()`` then ``server.server_close()``.
+    prometheus-client's WSGI app, on a threading server of at most
+    :data:`METRICS_MAX_CONNECTIONS` connections, each with a
+    :data:`METRICS_SOCKET_TIMEOUT` socket timeout. Returns the server, its daemon
+    thread and the bound address. Stop it with ``server.shutdown()`` then
+    ``server.server_close()``.
     """
     parsed = parse_address(address)
     if not isinstance(parsed, TcpAddress):
         raise ValueError(f"the metrics address must be tcp://host:port, got {address!r}")
+    from wsgiref.simple_server import make_server
+
     prom = _prometheus()
-    server, thread = prom.start_http_server(
-        parsed.port, addr=parsed.host, registry=metrics.registry
+    server_class = _bounded_server_class()
+    infos = socket.getaddrinfo(
+        parsed.host, parsed.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )
+    server_class.address_family = infos[0][0]
+    server = make_server(
+        parsed.host,
+        parsed.port,
+        prom.make_wsgi_app(metrics.registry),
+        server_class,
+        handler_class=_quiet_handler_class(),
+    )
+    thread = threading.Thread(target=server.serve_forever, name="rlmesh-trio-metrics", daemon=True)
+    thread.start()
     host, port = server.server_address[:2]
     shown = f"[{host}]" if ":" in host else host
     return server, thread, f"tcp://{shown}:{port}"

@@ -85,6 +85,9 @@ class ServeOptions:
     present a certificate signed by this CA (PEM) or the TLS handshake fails. The three
     files are looked at every 10 s while serving: renewed ones are used from the next
     handshake on.
+    ``reflection``: serve gRPC server reflection (``grpc.reflection.v1`` and ``v1alpha``),
+    so that tools like grpcurl can list and describe the services; needs the
+    ``reflection`` extra (protobuf). Off by default; under a token it needs the token.
     """
 
     allow_remote_shutdown: bool = False
@@ -104,6 +107,7 @@ class ServeOptions:
     tls_cert_file: str | os.PathLike[str] | None = None
     tls_key_file: str | os.PathLike[str] | None = None
     tls_client_ca_file: str | os.PathLike[str] | None = None
+    reflection: bool = False
 
     def remote_shutdown_allowed(self, environ: Mapping[str, str] = os.environ) -> bool:
         """The option, or the environment variable (which can only enable it)."""
@@ -151,6 +155,7 @@ class Resolved:
     lane_timeout: float | None = None
     max_abandoned_lanes: int = DEFAULT_MAX_ABANDONED_LANES
     lane_isolation: LaneIsolation = "thread"
+    reflection: bool = False
     tls: TlsFiles | None = None
     """The server's certificate, key and (mTLS) client CA; None: plaintext."""
 
@@ -252,6 +257,8 @@ def resolve(options: ServeOptions, environ: Mapping[str, str] = os.environ) -> R
         token = environ.get(AUTH_TOKEN_ENV) or None
     if token is not None and (not isinstance(token, str) or not token.strip()):
         raise ValueError("auth_token must be a non-empty string or None")
+    if token is not None:
+        check_token(token)
     metrics = options.metrics_address
     if metrics is not None:
         from ._address import TcpAddress, parse_address
@@ -305,4 +312,19 @@ def resolve(options: ServeOptions, environ: Mapping[str, str] = os.environ) -> R
         max_abandoned_lanes=cap,
         lane_isolation=options.lane_isolation,
         tls=tls,
+        reflection=bool(options.reflection),
     )
+
+
+def check_token(token: str) -> None:
+    """A bearer token must be visible ASCII (``!`` to ``~``): it travels as an HTTP/2
+    header value, where a client cannot present anything else byte for byte.
+
+    The error names the position of the first character refused, never the token.
+    """
+    for position, char in enumerate(token):
+        if not "!" <= char <= "~":
+            raise ValueError(
+                f"auth_token must be visible ASCII characters ('!' to '~', no spaces): "
+                f"character {position + 1} is U+{ord(char):04X}"
+            )

@@ -17,7 +17,7 @@ from typing import Any
 import gymnasium as gym
 import trio
 
-from ._address import DEFAULT_ADDRESS, Listener, UnixAddress, bind, parse_address
+from ._address import DEFAULT_ADDRESS, Listener, UnixAddress, bind, is_loopback, parse_address
 from ._lanes import LaneEngine
 from ._metrics import ServerMetrics, start_http
 from ._options import STOP_SLACK, Resolved, ServeOptions, resolve
@@ -220,6 +220,16 @@ async def _serve(
                 info.address,
                 " (mTLS)" if info.mtls else " (TLS)" if info.tls else "",
             )
+            anonymous = options.auth_token is None and not options.mtls
+            if anonymous and not is_loopback(listener.address):
+                log.warning(
+                    "serving on %s, beyond loopback, with no auth token: anyone who can "
+                    "reach this port can drive the envs. Set --auth-token "
+                    "(ServeOptions.auth_token) or mTLS (--tls-client-ca-file), and TLS so "
+                    "that neither the token nor the observations cross the network in "
+                    "clear (docs/operations.md, 'Running beyond loopback')",
+                    info.address,
+                )
             task_status.started(info)
     if startup_error is not None:
         raise startup_error

@@ -346,6 +346,27 @@ class WireClient:
         reply = stream.pop_message()
         return UnaryResult(stream.end(), reply, stream.headers or [], stream.trailers or [])
 
+    async def stream_call(
+        self,
+        method: str,
+        payloads: Sequence[bytes],
+        *,
+        extra_headers: Sequence[tuple[str, str]] = (),
+    ) -> tuple[CallEnd, list[bytes]]:
+        """A client-streaming or bidi call: send every payload (END_STREAM on the last),
+        then wait for the call to end; its status and every message it sent back."""
+        stream = self._open(method, extra_headers)
+        for index, payload in enumerate(payloads):
+            await self._send(stream, payload, end=index == len(payloads) - 1)
+        if not payloads:
+            self._conn.end_stream(stream.id)
+            self._flush()
+        await self._wait(stream, lambda: False, None)
+        replies = []
+        while (reply := stream.pop_message()) is not None:
+            replies.append(reply)
+        return stream.end(), replies
+
     async def handshake(
         self, request: env_v1.HandshakeRequest | None = None
     ) -> env_v1.HandshakeResponse:

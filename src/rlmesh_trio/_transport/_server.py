@@ -43,7 +43,7 @@ from .._errors import (
     grpc_status,
 )
 from .._jobs import Job, ReplyFn
-from .._logging import RateLimit
+from .._logging import RateLimit, protect_credentials
 from .._options import Resolved
 from .._proto.rlmesh.env import v1 as env_v1
 from .._tls import HANDSHAKE_TIMEOUT as TLS_HANDSHAKE_TIMEOUT
@@ -57,6 +57,7 @@ from .._wire import (
 )
 from .._wire import encode_health_response as health_response
 from ._join import OFF_LOOP_DECODE_BYTES, JoinCall
+from ._reflection import V1_PATH, V1ALPHA_PATH, ReflectionServices
 from ._shim import (
     Connection,
     Dispatcher,
@@ -80,6 +81,10 @@ HANDSHAKE_PATH = f"/{SERVICE_NAME}/Handshake"
 JOIN_PATH = f"/{SERVICE_NAME}/Join"
 SHUTDOWN_PATH = f"/{SERVICE_NAME}/Shutdown"
 HEALTH_CHECK_PATH = "/grpc.health.v1.Health/Check"
+
+HEALTH_MAX_BYTES = 4096
+"""The largest HealthCheckRequest read (a service name of a few KiB); a bigger one is
+RESOURCE_EXHAUSTED before its body is buffered. The health check needs no token."""
 
 GOAWAY_GAP = 0.05
 """Seconds between the two GOAWAY frames of a stop (like the reference: first with
@@ -207,9 +212,8 @@ class LoopServer:
         self.worker = Worker("rlmesh-trio-decode")
         self.report_limit = RateLimit(clock=loop.time)  # rejected-request warnings
         token = options.auth_token
-        self._expected_authorization = (
-            None if token is None else f"Bearer {token}".encode("utf-8", "surrogateescape")
-        )
+        protect_credentials(token)  # hpack's DEBUG lines would print the header
+        self._expected_authorization = None if token is None else f"Bearer {token}".encode("ascii")
         self.codec = RawCodec()
         self.config, self.h2_config = server_config()
         unary = Cardinality.UNARY_UNARY
@@ -228,6 +232,12 @@ class LoopServer:
                 self._mapped(self._unknown), Cardinality.STREAM_STREAM, bytes, bytes
             ),
         )
+        if options.reflection:
+            reflection = ReflectionServices()  # RuntimeError without protobuf: at startup
+            for path, handler in ((V1_PATH, reflection.v1), (V1ALPHA_PATH, reflection.v1alpha)):
+                self.mapping[path] = MethodHandler(
+                    self._mapped(handler), Cardinality.STREAM_STREAM, bytes, bytes
+                )
 
     # -- lifecycle
 
@@ -475,7 +485,8 @@ class LoopServer:
         expected = self._expected_authorization
         if expected is None or path == HEALTH_CHECK_PATH:
             return True
-        given = (authorization or "").encode("utf-8", "surrogateescape")
+        # Header values arrive decoded as latin-1: this gives back the bytes sent.
+        given = (authorization or "").encode("latin-1")
         return hmac.compare_digest(given, expected)
 
     async def refuse(self, stream: H2Stream, error: Exception, release: Callable[[], Any]) -> None:
@@ -485,16 +496,18 @@ class LoopServer:
 
     # -- handlers
 
-    async def _read_unary(self, stream: Stream[bytes, bytes]) -> bytes | bytearray:
-        data = await read_message(stream, self.max_message_bytes)
+    async def _read_unary(
+        self, stream: Stream[bytes, bytes], limit: int | None = None
+    ) -> bytes | bytearray:
+        data = await read_message(stream, self.max_message_bytes if limit is None else limit)
         if data is None:
             raise GRPCError(Status.INTERNAL, "missing request message")
         return data
 
     async def _decode_unary(
-        self, stream: Stream[bytes, bytes], decode: Callable[[Any], Any]
+        self, stream: Stream[bytes, bytes], decode: Callable[[Any], Any], limit: int | None = None
     ) -> Any:
-        data = await self._read_unary(stream)
+        data = await self._read_unary(stream, limit)
         if len(data) > OFF_LOOP_DECODE_BYTES:
             return await self.off_loop(lambda d, max_lanes: decode(d), data, 0)
         return decode(data)
@@ -514,7 +527,8 @@ class LoopServer:
             self.request_stop("remote shutdown accepted")
 
     async def _health_check(self, stream: Stream[bytes, bytes]) -> None:
-        service = await self._decode_unary(stream, decode_health_request)
+        # Bounded to a few KiB: the health check needs no token, so it is anyone's.
+        service = await self._decode_unary(stream, decode_health_request, HEALTH_MAX_BYTES)
         if service not in ("", SERVICE_NAME):
             raise UnknownServiceError(service)
         unhealthy = self.closing or (self.lanes is not None and not self.lanes.healthy)

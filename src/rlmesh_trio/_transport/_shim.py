@@ -25,6 +25,12 @@ grpclib is pinned (0.4.9); each use below is covered by the transport tests:
   an already framed message with grpclib's h2-level ``Stream.send_data`` (its flow
   control and write-ready waits), so a big reply is not framed, and copied, again.
 
+* Server reflection (:mod:`._reflection`) uses grpclib's servicers, built with their
+  underscored constructor arguments (``_service_names``, ``_pool``: the public
+  ``ServerReflection.extend`` names services from servicer objects, which ours are
+  not), the v1alpha one from ``grpclib.reflection._deprecated``
+  (:func:`reflection_servicers`).
+
 h2 cannot send a GOAWAY and keep serving the open streams (its state machine closes the
 connection), so the GOAWAY frames of a graceful stop are written next to it with
 hyperframe.
@@ -57,6 +63,7 @@ from hyperframe.frame import GoAwayFrame
 
 from .._errors import CompressedRequestError, FrameError, UnauthenticatedError, WireError
 from .._wire import PREFIX_SIZE, parse_prefix
+from ._headers import HEADER_ENCODING, Verdict, check_request_headers, for_dispatch
 
 if TYPE_CHECKING:
     from grpclib.protocol import Stream as H2Stream
@@ -72,8 +79,9 @@ WINDOW_UPDATE only once half the 4 MiB window is consumed anyway); a stream's en
 pause and a detach acknowledge what is left."""
 
 SMALL_MESSAGE = 1 << 20
-"""Messages up to this size are read in one piece; bigger ones into one preallocated
-buffer, chunk by chunk (no list of chunks and no join: peak memory is one copy)."""
+"""Messages up to this size are read in one piece; bigger ones are appended to one
+buffer chunk by chunk as they arrive (no list of chunks and no join: peak memory is one
+copy, and never more than what has arrived)."""
 
 
 class Admission(Protocol):
@@ -120,7 +128,7 @@ def server_config() -> tuple[Configuration, h2.config.H2Configuration]:
     """grpclib's server configuration, and the h2 settings grpclib's Server uses."""
     h2_config = h2.config.H2Configuration(
         client_side=False,
-        header_encoding="ascii",
+        header_encoding=HEADER_ENCODING,  # total: a non-ASCII byte cannot fail to decode
         validate_inbound_headers=False,
         validate_outbound_headers=False,
         normalize_inbound_headers=False,
@@ -141,6 +149,10 @@ def _header(headers: list[tuple[str, str]], name: str) -> str | None:
     return None
 
 
+def _count(headers: list[tuple[str, str]], name: str) -> int:
+    return sum(1 for key, _ in headers if key == name)
+
+
 class Dispatcher(GrpclibHandler):
     """One per connection: grpclib's request dispatcher, with our admission checks."""
 
@@ -148,6 +160,8 @@ class Dispatcher(GrpclibHandler):
         super().__init__(mapping, codec, None, _DispatchServerEvents())
         self._admission = admission
         self.last_stream_id = 0
+        # Set by the connection: a header block that is a connection error (GOAWAY).
+        self.on_connection_error: Callable[[], None] | None = None
 
     def accept(
         self, stream: H2Stream, headers: list[tuple[str, str]], release_stream: Callable[[], Any]
@@ -157,11 +171,26 @@ class Dispatcher(GrpclibHandler):
             stream.reset_nowait(ErrorCodes.REFUSED_STREAM)
             release_stream()
             return
+        verdict, repeated = check_request_headers(headers)
+        if verdict is not Verdict.OK:
+            # The reference's answers to a malformed header block (see _headers.py).
+            log.debug("malformed request headers: %s", verdict.value)
+            if verdict is Verdict.RESET_STREAM:
+                stream.reset_nowait(ErrorCodes.PROTOCOL_ERROR)
+            elif self.on_connection_error is not None:
+                self.on_connection_error()
+            release_stream()
+            return
         if stream.id is not None:
             self.last_stream_id = max(self.last_stream_id, stream.id)
+        # With a token, a repeated authorization is refused: which one would count?
+        ambiguous = repeated and _count(headers, "authorization") > 1
+        headers = for_dispatch(headers, repeated)
         error: Exception | None = None
-        if not self._admission.authorized(
-            _header(headers, ":path"), _header(headers, "authorization")
+        # Pseudo-headers are unique here: this :path is the one grpclib dispatches on.
+        path = _header(headers, ":path")
+        if not self._admission.authorized(path, _header(headers, "authorization")) or (
+            ambiguous and not self._admission.authorized(path, None)
         ):
             error = UnauthenticatedError()
         else:
@@ -223,6 +252,8 @@ class Connection(H2Protocol):
         self._registry = registry
         self._transport: asyncio.Transport | None = None
         self.readers: dict[int, RequestReader] = {}  # stream id -> its direct reader
+        self._malformed = False  # a header block was a connection error
+        dispatcher.on_connection_error = self._on_malformed_headers
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -247,6 +278,10 @@ class Connection(H2Protocol):
         except h2.exceptions.ProtocolError as exc:
             self._protocol_error(exc, frame_size=self._header_announces_too_much(exc))
             return
+        except Exception as exc:  # never asyncio's "Fatal error on transport"
+            log.debug("unreadable HTTP/2 input; GOAWAY and close", exc_info=True)
+            self._goaway_and_close(ErrorCodes.PROTOCOL_ERROR, exc)
+            return
         self.connection.flush()
         readers = self.readers
         for event in events:
@@ -263,8 +298,23 @@ class Connection(H2Protocol):
                     if reader is not None:
                         reader.end()
             self.processor.process(event)
+            if self._malformed:
+                self._goaway_and_close(ErrorCodes.PROTOCOL_ERROR, None)
+                return
         self.connection.flush()
         self._check_partial_frame()
+
+    def _on_malformed_headers(self) -> None:
+        self._malformed = True
+
+    def _goaway_and_close(self, code: ErrorCodes, exc: Exception | None) -> None:
+        """GOAWAY(``code``) naming the last stream dispatched, then close (the
+        reference's answer to a header field HTTP cannot carry)."""
+        with contextlib.suppress(Exception):
+            self.connection._connection.close_connection(
+                error_code=code, last_stream_id=self.dispatcher.last_stream_id
+            )
+        self._protocol_error(exc or h2.exceptions.ProtocolError("malformed header block"))
 
     def _header_announces_too_much(self, exc: Exception) -> bool:
         """h2 refused a frame header it could not parse (say, a SETTINGS type on a
@@ -339,8 +389,8 @@ async def read_message(stream: Stream[Any, Any], limit: int) -> bytes | bytearra
     """Read one length-prefixed message; None when the client half-closed.
 
     The prefix is read first, so an over-size message is refused before its body is
-    buffered (:class:`~rlmesh_trio._errors.MessageTooLarge`); a big body is copied into
-    one ``bytearray`` as it arrives. Raises :class:`~rlmesh_trio._errors.FrameError` for a
+    buffered (:class:`~rlmesh_trio._errors.MessageTooLarge`); a big body is appended to
+    one ``bytearray`` as it arrives (no buffer is ever sized from the declared length). Raises :class:`~rlmesh_trio._errors.FrameError` for a
     truncated or compressed message.
     """
     raw = h2_stream(stream)
@@ -354,20 +404,29 @@ async def read_message(stream: Stream[Any, Any], limit: int) -> bytes | bytearra
             if len(data) != length:
                 raise FrameError("truncated message")
             return data
-        buffer = bytearray(length)
-        view = memoryview(buffer)
-        pos = 0
-        while pos < length:
-            chunk = await raw.recv_data(min(CHUNK, length - pos))
+        # Grown as the body arrives, never sized from the prefix: a prefix that lies
+        # about its length costs nothing until the bytes themselves come.
+        buffer = bytearray()
+        while len(buffer) < length:
+            chunk = await raw.recv_data(min(CHUNK, length - len(buffer)))
             if not chunk:
                 raise FrameError("truncated message")
-            view[pos : pos + len(chunk)] = chunk
-            pos += len(chunk)
+            buffer += chunk
             del chunk
-        view.release()
         return buffer
     except AssertionError as exc:  # grpclib's Buffer: EOF inside a message
         raise FrameError("truncated message") from exc
+
+
+def reflection_servicers(service_names: tuple[str, ...], pool: Any) -> tuple[Any, Any]:
+    """grpclib's reflection servicers (v1, v1alpha) answering from ``pool``."""
+    from grpclib.reflection._deprecated import ServerReflection as V1Alpha
+    from grpclib.reflection.service import ServerReflection as V1
+
+    return (
+        V1(_service_names=service_names, _pool=pool),
+        V1Alpha(_service_names=service_names, _pool=pool),
+    )
 
 
 async def send_framed(stream: Stream[Any, Any], payload: bytes) -> None:
@@ -492,8 +551,7 @@ class RequestReader:
         self._length = -1  # body length, -1 while reading the prefix
         self._small: list[bytes | memoryview] = []
         self._small_size = 0
-        self._big: bytearray | None = None
-        self._big_view: memoryview | None = None
+        self._big: bytearray | None = None  # a big body so far, grown as it arrives
         self._pos = 0
 
     # -- control
@@ -580,9 +638,6 @@ class RequestReader:
         self.buffered = 0
         self._small.clear()
         self._big = None
-        if self._big_view is not None:
-            self._big_view.release()
-            self._big_view = None
         self._ack(ack)
 
     def _report_end(self, error: WireError | None) -> None:
@@ -667,8 +722,9 @@ class RequestReader:
         self._length = length
         self._pos = 0
         if length > SMALL_MESSAGE:
-            self._big = bytearray(length)
-            self._big_view = memoryview(self._big)
+            # Not bytearray(length): the prefix's length is a claim, and a claim of
+            # 256 MiB in 5 bytes must not allocate it. The body grows as it arrives.
+            self._big = bytearray()
 
     def _take_body(
         self, data: bytes | memoryview
@@ -676,8 +732,8 @@ class RequestReader:
         need = self._length - self._pos
         piece = data if len(data) <= need else memoryview(data)[:need]
         taken = len(piece)
-        if self._big_view is not None:
-            self._big_view[self._pos : self._pos + taken] = piece
+        if self._big is not None:
+            self._big += piece
         else:
             self._small.append(bytes(piece) if isinstance(piece, memoryview) else piece)
         self._pos += taken
@@ -690,9 +746,7 @@ class RequestReader:
         self._length = -1
         if self._big is not None:
             message: bytes | bytearray = self._big
-            assert self._big_view is not None
-            self._big_view.release()
-            self._big = self._big_view = None
+            self._big = None
             return message
         message = b"".join(self._small)
         self._small.clear()

@@ -22,6 +22,7 @@ from gymnasium.vector.utils import batch_space, concatenate, create_empty_array,
 from .._address import TcpAddress, UnixAddress, parse_address
 from .._codec import SpaceCodec, from_meta_map, spec_to_space
 from .._errors import CodecError
+from .._logging import protect_credentials
 from .._tls import TlsSetting, client_context, describe_tls_error
 from .._wire._protobuf import DecodeError
 from ._errors import (
@@ -116,6 +117,7 @@ def metadata(token: str | None) -> list[tuple[str, str]]:
         return []
     if not isinstance(token, str) or not token or any(c in token for c in "\r\n\x00"):
         raise ValueError("token must be a non-empty string without line breaks")
+    protect_credentials(token)  # hpack's DEBUG lines would print the header
     return [("authorization", f"Bearer {token}")]
 
 

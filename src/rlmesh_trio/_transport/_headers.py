@@ -1,0 +1,149 @@
+"""What a request's header block may hold, decided as the reference's HTTP/2 stack does.
+
+h2 runs with ``validate_inbound_headers=False`` (its checks turn a malformed request
+into a *connection* error, where the reference resets only the stream), so the request
+header block is checked here, once per stream, before admission and dispatch. The
+answers were taken from rlmesh 0.1.0's server on the wire (``tests/test_headers.py``
+compares them case by case):
+
+* a field the HPACK layer cannot represent as an HTTP field -- an empty name, a name
+  with anything but lowercase token characters (an uppercase letter, a space, a
+  non-ASCII byte), a value with a control character other than tab (NUL, CR, LF,
+  DEL), an unknown pseudo-header -- is a **connection** error: GOAWAY(PROTOCOL_ERROR)
+  and close;
+* a *malformed request* -- a repeated pseudo-header, a pseudo-header after a regular
+  field, a response pseudo-header (``:status``), a connection-specific field, ``te``
+  other than ``trailers``, a missing ``:method``, ``:scheme`` or ``:path``, an empty
+  ``:path`` -- is a **stream** error: RST_STREAM(PROTOCOL_ERROR), nothing dispatched;
+* anything else is served: non-ASCII (obs-text) bytes in a value included, and of a
+  repeated regular field the first one counts (``grpc-timeout``, ``grpc-encoding``).
+  The reference does not look at ``:method``, ``content-type`` or ``te``, and ignores a
+  ``grpc-timeout`` it cannot parse; grpclib would answer 405, 415, 400 or UNKNOWN, so
+  :func:`for_dispatch` gives grpclib the fields it insists on.
+
+Header values reach us decoded as latin-1 (h2's ``header_encoding``), which maps every
+byte to one character: nothing a peer sends can fail to decode, and the bytes are
+recovered exactly with ``.encode("latin-1")``.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+
+__all__ = ["HEADER_ENCODING", "Verdict", "check_request_headers", "for_dispatch"]
+
+HEADER_ENCODING = "latin-1"
+"""h2's ``header_encoding`` for inbound headers: total (every byte decodes)."""
+
+REQUEST_PSEUDO = frozenset({":method", ":scheme", ":path", ":authority"})
+
+CONNECTION_SPECIFIC = frozenset(
+    {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade"}
+)
+
+_BAD_NAME = re.compile(r"[^!#$%&'*+\-.^_`|~0-9a-z]")
+"""A character outside RFC 9110's token, or an uppercase letter (HTTP/2 is lowercase)."""
+
+_BAD_VALUE = re.compile(r"[^\t\x20-\x7e\x80-\xff]")
+"""A control character but tab (obs-text, 0x80-0xFF, is allowed)."""
+
+
+class Verdict(enum.Enum):
+    """What becomes of a request header block."""
+
+    OK = "ok"
+    RESET_STREAM = "reset-stream"  # RST_STREAM(PROTOCOL_ERROR)
+    CLOSE_CONNECTION = "close-connection"  # GOAWAY(PROTOCOL_ERROR), close
+
+
+def check_request_headers(headers: list[tuple[str, str]]) -> tuple[Verdict, bool]:
+    """The verdict on a request header block, and whether a regular field repeats.
+
+    ``headers`` are as h2 decoded them (see :data:`HEADER_ENCODING`), in wire order.
+    """
+    malformed = False
+    repeated = False
+    seen_regular = False
+    pseudo: set[str] = set()
+    regular: set[str] = set()
+    for name, value in headers:
+        if _BAD_VALUE.search(value) is not None:
+            return Verdict.CLOSE_CONNECTION, repeated
+        if name.startswith(":"):
+            if name not in REQUEST_PSEUDO:
+                if name != ":status":
+                    return Verdict.CLOSE_CONNECTION, repeated
+                malformed = True
+            elif seen_regular or name in pseudo:
+                malformed = True
+            pseudo.add(name)
+            continue
+        if not name or _BAD_NAME.search(name) is not None:
+            return Verdict.CLOSE_CONNECTION, repeated
+        seen_regular = True
+        if name in regular:
+            repeated = True
+        regular.add(name)
+        if name in CONNECTION_SPECIFIC or (name == "te" and value != "trailers"):
+            malformed = True
+    if not malformed:
+        for name in (":method", ":scheme", ":path"):
+            if name not in pseudo:
+                malformed = True
+        if not malformed and not _first(headers, ":path"):
+            malformed = True
+    return (Verdict.RESET_STREAM if malformed else Verdict.OK), repeated
+
+
+_TIMEOUT = re.compile(r"\d{1,8}[HMSmun]")
+"""A ``grpc-timeout`` value as the gRPC spec (and the reference) parses it."""
+
+
+def for_dispatch(headers: list[tuple[str, str]], repeated: bool) -> list[tuple[str, str]]:
+    """``headers`` (checked :attr:`Verdict.OK`) as grpclib should see them: the first
+    field of each repeated name (what the reference reads; grpclib reads the last),
+    ``:method POST``, a gRPC ``content-type``, ``te: trailers``, no unparseable
+    ``grpc-timeout``. The list is returned as it is when nothing needs changing (the
+    0.1.0 clients' headers, SPEC 1.4)."""
+    method = content_type = te = timeout = None
+    for name, value in headers:
+        if name == ":method":
+            method = value
+        elif name == "content-type" and content_type is None:
+            content_type = value
+        elif name == "te" and te is None:
+            te = value
+        elif name == "grpc-timeout" and timeout is None:
+            timeout = value
+    grpc_type = content_type is not None and (
+        content_type == "application/grpc" or content_type == "application/grpc+proto"
+    )
+    good_timeout = timeout is None or _TIMEOUT.fullmatch(timeout) is not None
+    if not repeated and method == "POST" and grpc_type and te is not None and good_timeout:
+        return headers
+    seen: set[str] = set()
+    kept: list[tuple[str, str]] = []
+    for name, value in headers:
+        if name in seen:
+            continue
+        seen.add(name)
+        if name == ":method":
+            value = "POST"
+        elif name == "content-type" and not grpc_type:
+            value = "application/grpc"
+        elif name == "grpc-timeout" and not good_timeout:
+            continue
+        kept.append((name, value))
+    if content_type is None:
+        kept.append(("content-type", "application/grpc"))
+    if te is None:
+        kept.append(("te", "trailers"))
+    return kept
+
+
+def _first(headers: list[tuple[str, str]], name: str) -> str | None:
+    for key, value in headers:
+        if key == name:
+            return value
+    return None
