@@ -131,9 +131,15 @@ def test_dockerfile_default_command_parses() -> None:
     assert parse_address(args.address) == TcpAddress("0.0.0.0", _container_port())
 
 
-def _local_args(token: str | None, ready_fd: int) -> tuple[list[str], dict[str, str]]:
-    """The container's exact arguments, bound to loopback port 0 instead."""
-    args = list(_container()["args"])
+def _local_args(
+    token: str | None,
+    ready_fd: int,
+    container: dict[str, Any] | None = None,
+    files: dict[str, str] | None = None,
+) -> tuple[list[str], dict[str, str]]:
+    """The container's exact arguments, bound to loopback port 0 instead (and the
+    mounted ``files`` replaced by local ones)."""
+    args = [(files or {}).get(a, a) for a in (container or _container())["args"]]
     args[args.index("--address") + 1] = "127.0.0.1:0"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS_DIR), env.get("PYTHONPATH")) if p)
@@ -145,12 +151,18 @@ def _local_args(token: str | None, ready_fd: int) -> tuple[list[str], dict[str, 
 
 @pytest.fixture
 def pod(tmp_path: Path) -> Iterator[Any]:
-    """Start the container's command locally; yields ``start(token) -> address``."""
+    """Start the container's command locally; yields ``start(token) -> address``
+    (``container=`` another container spec, ``files=`` mounted paths to replace); the
+    i-th pod's output is in ``pod-<i>.log`` under ``tmp_path``."""
     procs: list[subprocess.Popen[bytes]] = []
 
-    def start(token: str | None) -> str:
+    def start(
+        token: str | None,
+        container: dict[str, Any] | None = None,
+        files: dict[str, str] | None = None,
+    ) -> str:
         read_fd, write_fd = os.pipe()
-        args, env = _local_args(token, write_fd)
+        args, env = _local_args(token, write_fd, container, files)
         log_path = tmp_path / f"pod-{len(procs)}.log"
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
@@ -312,7 +324,7 @@ def test_overlay_serves_tls_from_the_mounted_secret_and_probes_with_exec(name: s
 
 
 @pytest.mark.parametrize("name", sorted(OVERLAYS))
-def test_overlay_command_lines_run_locally(name: str, tmp_path: Path, pki: Any) -> None:
+def test_overlay_command_lines_run_locally(name: str, tmp_path: Path, pki: Any, pod: Any) -> None:
     """The overlay's server arguments and exec probe commands, run here with the test
     CA's files in place of the Secret's: the probes pass, and under mTLS a probe without
     the client certificate fails."""
@@ -324,54 +336,32 @@ def test_overlay_command_lines_run_locally(name: str, tmp_path: Path, pki: Any) 
         f"{MOUNT}/probe.key": pki.client_key,
     }
     container = _overlay_container(name)
-    args = [files.get(a, a) for a in container["args"]]
-    args[args.index("--address") + 1] = "127.0.0.1:0"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS_DIR), env.get("PYTHONPATH")) if p)
-    env.pop("RLMESH_TRIO_AUTH_TOKEN", None)
-    read_fd, write_fd = os.pipe()
-    log_path = tmp_path / "pod.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "rlmesh_trio", *args, "--ready-fd", str(write_fd)],
-            pass_fds=(write_fd,),
-            stdout=log,
-            stderr=subprocess.STDOUT,
+    address = pod(None, container=container, files=files)
+    port = parse_address(address).port  # type: ignore[union-attr]
+    said = (tmp_path / "pod-0.log").read_text()  # the status line precedes the ready fd
+    assert ("(mTLS)" if name == "mtls" else "(TLS)") in said, said
+    env = _local_args(None, 0)[1]
+
+    def run(command: list[str]) -> subprocess.CompletedProcess[bytes]:
+        local = [files.get(a, a).replace(":50051", f":{port}") for a in command[1:]]
+        return subprocess.run(
+            [sys.executable, "-m", "rlmesh_trio", *local],
+            capture_output=True,
             env=env,
             cwd=ROOT,
+            timeout=60,
         )
-    os.close(write_fd)
-    try:
-        with os.fdopen(read_fd, "rb") as ready:
-            address = _read_address(ready, proc, 60.0)
-        port = parse_address(address).port  # type: ignore[union-attr]
 
-        def run(command: list[str]) -> subprocess.CompletedProcess[bytes]:
-            local = [files.get(a, a).replace(":50051", f":{port}") for a in command[1:]]
-            return subprocess.run(
-                [sys.executable, "-m", "rlmesh_trio", *local],
-                capture_output=True,
-                env=env,
-                cwd=ROOT,
-                timeout=60,
-            )
-
-        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
-            done = run(container[kind]["exec"]["command"])
-            assert done.returncode == 0, (kind, done.stdout, done.stderr)
-            assert b"SERVING" in done.stdout and b"CartPole-v1" in done.stdout
-        plaintext = run(["rlmesh-trio", "probe", f"localhost:{port}", "--timeout", "3"])
-        assert plaintext.returncode == 1 and b"TLS" in plaintext.stdout
-        if name == "mtls":
-            command = container["readinessProbe"]["exec"]["command"]
-            bare = [*command[: command.index("--tls-cert-file")], "--timeout", "3"]
-            refused = run(bare)
-            assert refused.returncode == 1 and b"certificate" in refused.stdout
-    finally:
-        proc.terminate()
-        proc.wait(30)
-    said = log_path.read_text()
-    assert ("(mTLS)" if name == "mtls" else "(TLS)") in said
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        done = run(container[kind]["exec"]["command"])
+        assert done.returncode == 0, (kind, done.stdout, done.stderr)
+        assert b"SERVING" in done.stdout and b"CartPole-v1" in done.stdout
+    plaintext = run(["rlmesh-trio", "probe", f"localhost:{port}", "--timeout", "3"])
+    assert plaintext.returncode == 1 and b"TLS" in plaintext.stdout
+    if name == "mtls":
+        command = container["readinessProbe"]["exec"]["command"]
+        refused = run([*command[: command.index("--tls-cert-file")], "--timeout", "3"])
+        assert refused.returncode == 1 and b"certificate" in refused.stdout
 
 
 def test_dockerfile_health_check_is_a_probe_of_the_serve_port() -> None:
