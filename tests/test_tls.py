@@ -537,3 +537,19 @@ async def test_beyond_loopback_mtls_counts_as_knowing_the_client(
         pass
     warnings = [r for r in caplog.records if "beyond loopback" in r.getMessage()]
     assert len(warnings) == (1 if warned else 0)
+
+
+def test_a_reset_tls_session_before_any_frame_reads_as_a_refusal() -> None:
+    """A busy mTLS server's refusal can arrive as a TCP reset instead of an EOF: before
+    the server's first HTTP/2 frame, on TLS, both read as the refusal they are."""
+    from rlmesh_trio.client._core import transport_failure
+    from rlmesh_trio.client._grpc import GrpcConnection
+
+    reset = trio.BrokenResourceError("socket connection broken")
+    reset.__cause__ = ConnectionResetError(104, "Connection reset by peer")
+    secure = GrpcConnection("localhost:1", [], tls=True)
+    assert "ended the TLS session abruptly" in transport_failure(secure, reset, "lost")
+    plain = GrpcConnection("localhost:1", [])
+    assert transport_failure(plain, reset, "lost").startswith("lost: BrokenResourceError(")
+    eof = ssl.SSLEOFError(8, "EOF occurred in violation of protocol")
+    assert "abruptly" in transport_failure(plain, eof, "lost")

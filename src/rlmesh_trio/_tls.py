@@ -225,6 +225,12 @@ def check_alpn(selected: str | None, where: str) -> None:
         )
 
 
+ABRUPT_END = (
+    "the server ended the TLS session abruptly (an mTLS server does so when the client "
+    "presents no certificate it trusts)"
+)
+
+
 def describe_tls_error(exc: BaseException) -> str | None:
     """The :class:`ssl.SSLError` behind ``exc`` (itself, its cause or context), in words;
     None when there is none."""
@@ -237,10 +243,7 @@ def describe_tls_error(exc: BaseException) -> str | None:
                 return f"certificate verification failed: {current.verify_message}"
             reason = str(current.reason or current.strerror or current)
             if reason == "UNEXPECTED_EOF_WHILE_READING" or isinstance(current, ssl.SSLEOFError):
-                return (
-                    "the server ended the TLS session abruptly (an mTLS server does so when "
-                    "the client presents no certificate it trusts)"
-                )
+                return ABRUPT_END
             return reason.replace("_", " ").lower()
         current = current.__cause__ or current.__context__
     return None

@@ -12,7 +12,7 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 
-from .._tls import TlsSetting, check_alpn, describe_tls_error
+from .._tls import TlsSetting, check_alpn
 from ._core import (
     HANDSHAKE_PATH,
     JOIN_PATH,
@@ -26,6 +26,7 @@ from ._core import (
     result_of,
     tls_context,
     tls_failure,
+    transport_failure,
 )
 from ._errors import ConnectionLostError, EndpointClosedError, EndpointError
 from ._grpc import Call, GrpcConnection
@@ -111,8 +112,7 @@ class BlockingConnection:
             self._lose_to(exc, "connection lost while writing")
 
     def _lose_to(self, exc: OSError, what: str) -> None:
-        why = describe_tls_error(exc)
-        self.conn.lose(f"{what}: TLS: {why}" if why is not None else f"{what}: {exc!r}")
+        self.conn.lose(transport_failure(self.conn, exc, what))
 
     def pump(self, done: Callable[[], bool], deadline: float | None, what: str) -> None:
         """Read until ``done()`` holds; PING after ``ping_interval`` s of silence and

@@ -23,7 +23,7 @@ from .._address import TcpAddress, UnixAddress, parse_address
 from .._codec import SpaceCodec, from_meta_map, spec_to_space
 from .._errors import CodecError
 from .._logging import protect_credentials
-from .._tls import TlsSetting, client_context, describe_tls_error
+from .._tls import ABRUPT_END, TlsSetting, client_context, describe_tls_error
 from .._wire._protobuf import DecodeError
 from ._errors import (
     ConnectionLostError,
@@ -47,6 +47,7 @@ __all__ = [
     "lane_infos",
     "tls_context",
     "tls_failure",
+    "transport_failure",
 ]
 
 SERVICE_NAME = "rlmesh.env.v1.EnvService"
@@ -99,9 +100,25 @@ def tls_context(target: Target, tls: TlsSetting) -> ssl.SSLContext | None:
     return context
 
 
+def transport_failure(conn: GrpcConnection, exc: BaseException, what: str) -> str:
+    """Why the connection broke, in words: a TLS error said as such, and a TLS session
+    that ended (reset or EOF) before the server's first HTTP/2 frame said to be what it
+    almost always is (an mTLS server closes a refused client without a TLS alert)."""
+    why = describe_tls_error(exc)
+    if why is None and conn.tls and not conn.heard_from_server:
+        why = ABRUPT_END
+    return f"{what}: TLS: {why}" if why is not None else f"{what}: {exc!r}"
+
+
 def tls_failure(target: Target, exc: BaseException) -> ConnectionLostError:
     """A failed TLS handshake (or a TLS error right after it), said plainly."""
-    why = describe_tls_error(exc) or f"{type(exc).__name__}: {exc}"
+    why = describe_tls_error(exc)
+    if why is None:
+        cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
+        why = (
+            f"{type(cause).__name__}: {cause} (the server broke off the handshake: it does "
+            "not serve TLS here, or refused this client's certificate)"
+        )
     return ConnectionLostError(f"TLS handshake with {target} failed: {why}")
 
 

@@ -19,7 +19,7 @@ import gymnasium as gym
 import numpy as np
 import trio
 
-from .._tls import TlsSetting, check_alpn, describe_tls_error
+from .._tls import TlsSetting, check_alpn
 from ._core import (
     HANDSHAKE_PATH,
     JOIN_PATH,
@@ -40,6 +40,7 @@ from ._core import (
     timeout_of,
     tls_context,
     tls_failure,
+    transport_failure,
 )
 from ._errors import ConnectionLostError, EndpointClosedError, EndpointError
 from ._grpc import GrpcConnection
@@ -356,12 +357,7 @@ class Endpoint:
             if scope.cancelled_caught:
                 self._lose(f"the server did not read for {WRITE_TIMEOUT:g} s")
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            why = describe_tls_error(exc)
-            self._lose(
-                f"connection lost while writing: TLS: {why}"
-                if why
-                else f"connection lost while writing: {exc!r}"
-            )
+            self._lose(transport_failure(self._conn, exc, "connection lost while writing"))
         finally:
             self._sending = False
 
@@ -425,8 +421,7 @@ class Endpoint:
                 self._after_receive()
                 await self._flush()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            why = describe_tls_error(exc)
-            self._lose(f"connection lost: TLS: {why}" if why else f"connection lost: {exc!r}")
+            self._lose(transport_failure(self._conn, exc, "connection lost"))
         finally:
             if self._conn.lost is None:
                 self._lose("the connection was closed")

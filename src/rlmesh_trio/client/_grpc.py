@@ -112,6 +112,16 @@ class GrpcConnection:
 
     # ---- output ------------------------------------------------------------------------
 
+    @property
+    def tls(self) -> bool:
+        """The driver runs this connection inside a TLS session."""
+        return self._tls
+
+    @property
+    def heard_from_server(self) -> bool:
+        """The server's first frame (SETTINGS) has arrived."""
+        return self._preface is None
+
     def data_to_send(self) -> bytes:
         return self._h2.data_to_send()
 
