@@ -241,7 +241,7 @@ def describe_tls_error(exc: BaseException) -> str | None:
         if isinstance(current, ssl.SSLError):
             if isinstance(current, ssl.SSLCertVerificationError):
                 return f"certificate verification failed: {current.verify_message}"
-            reason = str(current.reason or current.strerror or current)
+            reason = str(getattr(current, "reason", None) or current.strerror or current)
             if reason == "UNEXPECTED_EOF_WHILE_READING" or isinstance(current, ssl.SSLEOFError):
                 return ABRUPT_END
             return reason.replace("_", " ").lower()
