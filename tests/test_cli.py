@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import select
 import signal
@@ -532,3 +533,36 @@ def test_probe_the_reference_server() -> None:
         server.stop()
     assert code == 0, out
     assert "no health service" in out and "CartPole-v1" in out
+
+
+def test_a_native_crash_on_a_thread_lane_is_not_silent(
+    procs: list[subprocess.Popen[bytes]],
+) -> None:
+    """Issue 19, finding 3: a segfault on a thread lane killed the server with nothing on
+    stderr after the serving line. Now: faulthandler's dump of every thread, then one
+    line naming --lane-isolation process."""
+    proc, address = start_serving(procs, "--entrypoint", "support.crashy:make_crashy")
+
+    async def crash() -> None:
+        async with wire.WireClient(address) as client, client.join() as join:
+            await join.call(wire.reset(seeds=[1]))
+            await join.send(wire.step([wire.i64([1])]))  # SEGFAULT
+            await join.recv(timeout=BOUND)
+
+    with contextlib.suppress(Exception):
+        wire.run(crash())
+    _, err = proc.communicate(timeout=BOUND)
+    text = err.decode()
+    assert proc.returncode == -signal.SIGSEGV, text
+    assert "Fatal Python error: Segmentation fault" in text
+    assert "crashy.py" in text  # the env's own line, in the lane thread's stack
+    last = text.strip().splitlines()[-1]
+    assert "--lane-isolation process" in last, text
+
+
+def test_a_normal_stop_says_nothing_of_crashes(procs: list[subprocess.Popen[bytes]]) -> None:
+    proc, _ = start_serving(procs, "--entrypoint", "support.crashy:make_crashy")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=BOUND)
+    assert proc.returncode == 0
+    assert "--lane-isolation" not in err.decode()

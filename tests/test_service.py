@@ -481,6 +481,9 @@ class FakeSession:
         self.ended.set()
         return [self._reply("stream-end")]
 
+    def on_half_close(self) -> list[Action]:
+        return [*self.on_stream_end(), EndStream()]
+
     @property
     def busy(self) -> bool:
         return self.pending > 0

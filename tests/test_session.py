@@ -938,3 +938,42 @@ def test_a_close_waits_for_lane_jobs_at_most_close_timeout() -> None:
     assert report.message == (
         "close waited 0.5 s for env calls still running on lanes 0; answering it without them"
     )
+
+
+# ----------------------------------------------------------------- half-close
+
+
+def test_half_close_answers_what_was_read_then_ends() -> None:
+    h = Harness(2)
+    h.request(request_id="r", reset=env_v1.ResetRequest(seeds=[1, 2]))
+    for lane, job in h.take():
+        h.answer(lane, job, reset_result())
+    h.request(request_id="a", step=env_v1.StepRequest(action=action(0), env_indices=[0]))
+    h.request(request_id="b", step=env_v1.StepRequest(action=action(1), env_indices=[1]))
+    assert h.session.on_half_close() == []  # two lane steps still running
+    (first, second) = h.take()
+    actions = h.answer(*first, step_result())
+    assert [r.request_id for r in sends(actions)] == ["a"]
+    assert not any(isinstance(a, EndStream) for a in actions)
+    actions = h.answer(*second, step_result())
+    assert [r.request_id for r in sends(actions)] == ["b"]
+    assert isinstance(actions[-1], EndStream)  # then the trailers
+    assert h.session.finished
+
+
+def test_half_close_with_nothing_in_flight_ends_at_once() -> None:
+    h = Harness(1)
+    assert isinstance(h.session.on_half_close()[-1], EndStream)
+    assert h.session.on_request(env_v1.JoinRequest(request_id="late")) == []
+
+
+def test_half_close_does_not_wait_for_a_timed_out_env_call() -> None:
+    """A request answered TIMEOUT counts as answered: the stream ends although its env
+    call still runs (every wait is bounded)."""
+    h = Harness(1)
+    actions = h.request(request_id="slow", reset=env_v1.ResetRequest(timeout_ms=100))
+    (timer,) = [a for a in actions if isinstance(a, StartTimer)]
+    assert h.session.on_half_close() == []
+    actions = h.session.on_timer(timer.token)
+    assert error_of([a for a in actions if not isinstance(a, EndStream)])[0] == Code.TIMEOUT
+    assert isinstance(actions[-1], EndStream)

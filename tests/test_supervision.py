@@ -474,6 +474,30 @@ async def test_a_rebuild_whose_factory_fails_answers_a_clear_fatal_error(mode: s
     assert obs(out["other"]).tolist() == [1.0, 1.0]  # the other lane is untouched
 
 
+async def test_a_dead_lane_does_not_flood_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 19, finding 6: every refusal of a dead lane wrote an ERROR with the factory's
+    traceback (13 MB in 60 s from one client). A refusal runs no env code: it goes through
+    the rate-limited requests logger, without a traceback; the fault itself is logged."""
+    ctl = Controller()
+    caplog.set_level(logging.INFO)
+
+    async def client(address: str) -> list[Any]:
+        async with wire.WireClient(address) as c, c.join() as j:
+            await j.call(wire.reset(seeds=[1, 2]))
+            ctl.fail_builds = 1_000
+            await j.call(wire.step(acts(RAISE), env_indices=[1]))
+            return [await j.call(wire.reset(env_indices=[1])) for _ in range(200)]
+
+    async with served(ctl, on_lane_fault="rebuild") as address:
+        replies = await on_wire(client(address))
+    assert all(error(r)[0] == Code.INTERNAL for r in replies)
+    env_errors = [r for r in caplog.records if r.name == "rlmesh_trio.env"]
+    assert len(env_errors) == 1  # the step's own fault, with its traceback
+    refusals = [r for r in caplog.records if "refused by its lane" in r.getMessage()]
+    assert 1 <= len(refusals) <= 20  # a burst, then held back (and counted)
+    assert all(r.exc_info is None and r.levelno == logging.WARNING for r in refusals)
+
+
 # ------------------------------------------------------------------- engine level
 
 

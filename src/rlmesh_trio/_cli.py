@@ -32,6 +32,7 @@ from typing import Any, NoReturn
 import trio
 
 from ._address import DEFAULT_ADDRESS, parse_address
+from ._crash import CrashWitness
 from ._lanes import UNKNOWN_ENV_ID
 from ._logging import JsonFormatter
 from ._logging import configure as configure_logging
@@ -395,10 +396,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = _configure(args, address)
     except Exception as exc:
         return _fail("cannot load the environment", exc, debug)
+    witness = CrashWitness(PROG, args.lane_isolation)  # a native crash is not silent
     try:
         return trio.run(_run, config)
     except Exception as exc:
         return _fail("cannot serve", exc, debug)
+    finally:
+        witness.dismiss()
 
 
 def _probe_command(args: argparse.Namespace) -> int:

@@ -2,9 +2,10 @@
 
 * :func:`report` turns a session's :class:`~rlmesh_trio._session.Report` into a log
   record: an env failure at ERROR on ``rlmesh_trio.env`` (lane, request kind, request id,
-  the env's traceback), every one of them; a rejected or timed-out request at WARNING on
-  ``rlmesh_trio.requests``, through a :class:`RateLimit` so that a client looping on a bad
-  request cannot flood the log (what was held back is counted in the next line).
+  the env's traceback), every one of them; a rejected or timed-out request, and a job a
+  lane refused (dead, wedged: no env code ran), at WARNING on ``rlmesh_trio.requests``,
+  through a :class:`RateLimit` so that a client looping on a bad request or a dead lane
+  cannot flood the log (what was held back is counted in the next line).
 * :func:`configure` sets up the CLI's logging: our loggers at the chosen level, third
   party ones (hpack, h2, grpclib, asyncio) at WARNING unless ``--log-level debug`` asks
   for everything; text or one JSON object per line.
@@ -74,6 +75,9 @@ class RateLimit:
         return held
 
 
+_OUTCOME = {"timeout": "timed out", "refused": "refused by its lane"}
+
+
 def report(item: Report, limit: RateLimit) -> None:
     """Log one session report (see the module docstring)."""
     lanes = ",".join(str(lane) for lane in item.lanes) or "-"
@@ -98,7 +102,7 @@ def report(item: Report, limit: RateLimit) -> None:
         "%s request %r %s: %s %s%s",
         item.verb,
         item.request_id,
-        "timed out" if item.kind == "timeout" else "rejected",
+        _OUTCOME.get(item.kind, "rejected"),
         item.code.name,
         item.message,
         suffix,

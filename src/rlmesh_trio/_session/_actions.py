@@ -28,7 +28,9 @@ class Report:
     ``kind`` is ``"fault"`` for an env failure (``error`` is the exception, with its
     traceback), ``"truncated"`` for an env failure answered as a truncation (policy
     ``truncate``; ``error`` as for a fault), ``"rejected"`` for a request refused as
-    invalid or unsupported, or ``"timeout"`` for a request whose deadline expired.
+    invalid or unsupported, ``"refused"`` for a job a lane did not take (it is dead,
+    wedged or stopped: no env code ran, so there is no traceback to show), or
+    ``"timeout"`` for a request whose deadline expired.
     """
 
     kind: str

@@ -7,7 +7,10 @@ events and performs the actions it returns, in order:
 - ``session.on_request(request)`` -- a JoinRequest was decoded;
 - ``session.on_lane_reply(reply)`` -- a lane answered a job (``reply.job_id`` names it);
 - ``session.on_timer(token)`` -- a :class:`StartTimer` expired;
-- ``session.on_stream_end()`` -- the client half-closed, cancelled or vanished.
+- ``session.on_half_close()`` -- the client sent its last request (END_STREAM): every
+  request read is still answered, then the session ends the stream (:class:`EndStream`);
+- ``session.on_stream_end()`` -- the stream ended: cancelled, vanished, or after any
+  other end.
 
 Actions: :class:`Post` (queue this job on that lane; if the lane refuses it, feed the
 refusal back as a lane reply), :class:`Send`, :class:`Report` (for the log and the
@@ -34,7 +37,7 @@ import betterproto2
 import outcome
 
 from .._codec import Candidate, from_meta_map, to_meta_map
-from .._errors import ActionError, env_error
+from .._errors import ActionError, LaneClosedError, LaneDeadError, LaneWedgedError, env_error
 from .._jobs import (
     Job,
     LaneFault,
@@ -138,6 +141,7 @@ class Session:
         self._episodes: list[Episode | None] = [None] * self._n
         self._interrupted: list[env_v1.EpisodeMetadata] = []
         self._finished = False
+        self._half_closed = False  # no more requests will come: end once all are answered
         self._truncate = endpoint.on_lane_fault == "truncate"
         # Policy ``truncate``: each lane's last observation, for a faulted step's answer.
         self._last_obs: list[list[bytes] | None] = [None] * self._n
@@ -170,9 +174,35 @@ class Session:
     def on_lane_reply(self, reply: LaneReply) -> list[Action]:
         actions = self._deliver(reply.job_id, reply)
         actions.extend(self._pump())
+        if self._half_closed:
+            actions.extend(self._end_if_answered())
         return actions
 
+    def on_half_close(self) -> list[Action]:
+        """The client half-closed: answer what was read, then end the stream (what the
+        reference does: queued and in-flight requests are answered, then the trailers).
+        Episodes are dropped at that end as on any end without Close (SPEC 7.9)."""
+        if self._finished:
+            return []
+        self._half_closed = True
+        return self._end_if_answered()
+
+    def _end_if_answered(self) -> list[Action]:
+        """EndStream once no request waits and every dispatched one has its reply (a
+        timed-out one was answered; its env call may still run, as after a Close)."""
+        if self._finished or self._pending:
+            return []
+        if any(not op.timed_out for op in self._ops.values()):
+            return []
+        return self._end()
+
     def on_timer(self, token: int) -> list[Action]:
+        actions = self._on_timer(token)
+        if self._half_closed:
+            actions.extend(self._end_if_answered())
+        return actions
+
+    def _on_timer(self, token: int) -> list[Action]:
         if self._finished:
             return []
         op = self._ops.get(token)
@@ -592,7 +622,12 @@ class Session:
             if isinstance(reply.outcome, outcome.Error):
                 error = reply.outcome.error
                 code, message, recoverable = env_error(op.verb, error)
-                kind = "rejected" if code == Code.INVALID_ACTION else "fault"
+                if code == Code.INVALID_ACTION:
+                    kind = "rejected"
+                elif isinstance(error, (LaneDeadError, LaneWedgedError, LaneClosedError)):
+                    kind = "refused"  # the lane took no job: no env code ran
+                else:
+                    kind = "fault"
                 actions: list[Action] = [
                     self._error(op.request_id, op.started_ns, code, message, recoverable),
                     Report(kind, op.verb, op.request_id, (reply.lane,), code, message, error),

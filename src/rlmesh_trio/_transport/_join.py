@@ -333,10 +333,16 @@ class JoinCall:
         self.ended.set()
 
     def _on_reader_end(self, error: WireError | None) -> None:
-        """The client half-closed (None) or sent an unreadable message."""
+        """The client half-closed (None) or sent an unreadable message.
+
+        A half-close is the end of the requests, not of the call: what is queued or in
+        flight is still answered, then the session ends the stream (as the reference).
+        """
         if error is not None:
             log.warning("unreadable JoinRequest (%s); ending the Join stream", error)
-        self.ended.set()
+            self.ended.set()
+            return
+        self._drive(self.session.on_half_close)
 
     # -- the stream
 
