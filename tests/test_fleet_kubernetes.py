@@ -22,15 +22,19 @@ import numpy as np
 import pytest
 import rlmesh
 import rlmesh.numpy
+import test_tls
 from support.refserver import ROOT, TESTS_DIR, _read_address
 
 from rlmesh_trio._address import TcpAddress, parse_address
 from rlmesh_trio._cli import build_parser
 from rlmesh_trio._options import stop_bound
-from rlmesh_trio._transport import SERVICE_NAME, probe
+from rlmesh_trio._transport import SERVICE_NAME
+from rlmesh_trio.client import probe
 from rlmesh_trio.fleet import Fleet
 
 yaml = pytest.importorskip("yaml")
+
+pki = test_tls.pki  # the fixture: a throwaway CA and certificates (trustme)
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -127,9 +131,15 @@ def test_dockerfile_default_command_parses() -> None:
     assert parse_address(args.address) == TcpAddress("0.0.0.0", _container_port())
 
 
-def _local_args(token: str | None, ready_fd: int) -> tuple[list[str], dict[str, str]]:
-    """The container's exact arguments, bound to loopback port 0 instead."""
-    args = list(_container()["args"])
+def _local_args(
+    token: str | None,
+    ready_fd: int,
+    container: dict[str, Any] | None = None,
+    files: dict[str, str] | None = None,
+) -> tuple[list[str], dict[str, str]]:
+    """The container's exact arguments, bound to loopback port 0 instead (and the
+    mounted ``files`` replaced by local ones)."""
+    args = [(files or {}).get(a, a) for a in (container or _container())["args"]]
     args[args.index("--address") + 1] = "127.0.0.1:0"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS_DIR), env.get("PYTHONPATH")) if p)
@@ -141,12 +151,18 @@ def _local_args(token: str | None, ready_fd: int) -> tuple[list[str], dict[str, 
 
 @pytest.fixture
 def pod(tmp_path: Path) -> Iterator[Any]:
-    """Start the container's command locally; yields ``start(token) -> address``."""
+    """Start the container's command locally; yields ``start(token) -> address``
+    (``container=`` another container spec, ``files=`` mounted paths to replace); the
+    i-th pod's output is in ``pod-<i>.log`` under ``tmp_path``."""
     procs: list[subprocess.Popen[bytes]] = []
 
-    def start(token: str | None) -> str:
+    def start(
+        token: str | None,
+        container: dict[str, Any] | None = None,
+        files: dict[str, str] | None = None,
+    ) -> str:
         read_fd, write_fd = os.pipe()
-        args, env = _local_args(token, write_fd)
+        args, env = _local_args(token, write_fd, container, files)
         log_path = tmp_path / f"pod-{len(procs)}.log"
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
@@ -199,3 +215,161 @@ def test_pod_command_without_the_secret_is_driven_by_fleet_from_addresses(pod: A
         result = fleet.run(model, seeds=list(range(10)))
     assert [e.seed for e in result.episodes] == list(range(10))
     assert result.discarded == 6  # 10 seeds on 8 lanes: the second round filled up
+
+
+# ---------------------------------------------------------------------------- TLS overlays
+
+OVERLAYS = {"tls": ROOT / "deploy" / "kubernetes-tls", "mtls": ROOT / "deploy" / "kubernetes-mtls"}
+MOUNT = "/etc/rlmesh-trio/tls"
+
+
+def _patch(doc: Any, ops: list[dict[str, Any]]) -> Any:
+    """RFC 6902 ``add`` / ``replace`` (all the overlays use), applied to a copy."""
+    import copy
+
+    doc = copy.deepcopy(doc)
+    for op in ops:
+        *parents, last = [
+            p.replace("~1", "/").replace("~0", "~") for p in op["path"][1:].split("/")
+        ]
+        node = doc
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        assert op["op"] in ("add", "replace"), op
+        if isinstance(node, list):
+            if last == "-":
+                node.append(op["value"])
+            elif op["op"] == "add":
+                node.insert(int(last), op["value"])
+            else:
+                node[int(last)] = op["value"]
+        else:
+            assert op["op"] == "add" or last in node, op  # replace needs the member
+            node[last] = op["value"]
+    return doc
+
+
+def _overlay(name: str) -> dict[str, Any]:
+    """The StatefulSet an overlay renders: its bases' with every patch applied in order."""
+    root = OVERLAYS[name]
+    kustomization = yaml.safe_load((root / "kustomization.yaml").read_text())
+    (base,) = kustomization["resources"]
+    base_dir = (root / base).resolve()
+    if base_dir == DEPLOY.resolve():
+        statefulset = DOCS["StatefulSet/rlmesh-envs"]
+    else:
+        statefulset = _overlay(next(k for k, v in OVERLAYS.items() if v.resolve() == base_dir))
+    for patch in kustomization["patches"]:
+        assert patch["target"] == {"kind": "StatefulSet", "name": "rlmesh-envs"}
+        statefulset = _patch(statefulset, yaml.safe_load((root / patch["path"]).read_text()))
+    return statefulset  # type: ignore[no-any-return]
+
+
+def _overlay_container(name: str) -> dict[str, Any]:
+    (container,) = _overlay(name)["spec"]["template"]["spec"]["containers"]
+    return container  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("name", sorted(OVERLAYS))
+def test_kubectl_renders_the_overlay_as_the_test_does(name: str) -> None:
+    import shutil
+
+    if shutil.which("kubectl") is None:
+        pytest.skip("no kubectl here to render the kustomization")
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(OVERLAYS[name])],
+        capture_output=True,
+        check=True,
+        timeout=60,
+    ).stdout.decode()
+    rendered = {d["kind"]: d for d in yaml.safe_load_all(out) if d}
+    assert rendered["StatefulSet"]["spec"] == _overlay(name)["spec"]
+    assert {"Service", "PodDisruptionBudget", "NetworkPolicy"} <= rendered.keys()
+    assert "Secret" not in rendered  # the Secret is the operator's (secret.example.yaml)
+
+
+@pytest.mark.parametrize("name", sorted(OVERLAYS))
+def test_overlay_serves_tls_from_the_mounted_secret_and_probes_with_exec(name: str) -> None:
+    spec = _overlay(name)["spec"]["template"]["spec"]
+    container = _overlay_container(name)
+    ((volume,),) = [spec["volumes"]]
+    assert volume["secret"]["secretName"] == "rlmesh-envs-tls"
+    assert volume["secret"]["defaultMode"] & 0o007 == 0  # the key: not world-readable
+    (mount,) = container["volumeMounts"]
+    assert mount == {"name": volume["name"], "mountPath": MOUNT, "readOnly": True}
+    assert spec["securityContext"]["fsGroup"] == 65534  # the Dockerfile's USER
+    args = build_parser().parse_args(container["args"])
+    assert args.tls_cert_file == f"{MOUNT}/tls.crt" and args.tls_key_file == f"{MOUNT}/tls.key"
+    assert args.tls_client_ca_file == (f"{MOUNT}/ca.crt" if name == "mtls" else None)
+    example = yaml.safe_load((OVERLAYS["tls"] / "secret.example.yaml").read_text())
+    keys = {"tls.crt", "tls.key", "ca.crt"}
+    assert example["metadata"]["name"] == "rlmesh-envs-tls" and set(example["stringData"]) == keys
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        probe_spec = container[kind]
+        assert set(probe_spec) & {"grpc", "httpGet", "exec", "tcpSocket"} == {"exec"}, kind
+        command = probe_spec["exec"]["command"]
+        assert command[:2] == ["rlmesh-trio", "probe"], kind
+        probe_args = build_parser().parse_args(command[1:])
+        target = parse_address(probe_args.address)
+        assert isinstance(target, TcpAddress) and target.host == "localhost"
+        assert target.port == _container_port()
+        assert probe_args.tls_ca_file == f"{MOUNT}/ca.crt"
+        if name == "mtls":
+            assert probe_args.tls_cert_file == f"{MOUNT}/probe.crt"
+            assert probe_args.tls_key_file == f"{MOUNT}/probe.key"
+        else:
+            assert probe_args.tls_cert_file is None
+        # The probe's own calls (3 steps x --timeout) fit in the kubelet's timeout.
+        assert probe_spec["timeoutSeconds"] >= 3 * probe_args.timeout, kind
+
+
+@pytest.mark.parametrize("name", sorted(OVERLAYS))
+def test_overlay_command_lines_run_locally(name: str, tmp_path: Path, pki: Any, pod: Any) -> None:
+    """The overlay's server arguments and exec probe commands, run here with the test
+    CA's files in place of the Secret's: the probes pass, and under mTLS a probe without
+    the client certificate fails."""
+    files = {
+        f"{MOUNT}/tls.crt": pki.cert,
+        f"{MOUNT}/tls.key": pki.key,
+        f"{MOUNT}/ca.crt": pki.ca,
+        f"{MOUNT}/probe.crt": pki.client_cert,
+        f"{MOUNT}/probe.key": pki.client_key,
+    }
+    container = _overlay_container(name)
+    address = pod(None, container=container, files=files)
+    port = parse_address(address).port  # type: ignore[union-attr]
+    said = (tmp_path / "pod-0.log").read_text()  # the status line precedes the ready fd
+    assert ("(mTLS)" if name == "mtls" else "(TLS)") in said, said
+    env = _local_args(None, 0)[1]
+
+    def run(command: list[str]) -> subprocess.CompletedProcess[bytes]:
+        local = [files.get(a, a).replace(":50051", f":{port}") for a in command[1:]]
+        return subprocess.run(
+            [sys.executable, "-m", "rlmesh_trio", *local],
+            capture_output=True,
+            env=env,
+            cwd=ROOT,
+            timeout=60,
+        )
+
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        done = run(container[kind]["exec"]["command"])
+        assert done.returncode == 0, (kind, done.stdout, done.stderr)
+        assert b"SERVING" in done.stdout and b"CartPole-v1" in done.stdout
+    plaintext = run(["rlmesh-trio", "probe", f"localhost:{port}", "--timeout", "3"])
+    assert plaintext.returncode == 1 and b"TLS" in plaintext.stdout
+    if name == "mtls":
+        command = container["readinessProbe"]["exec"]["command"]
+        refused = run([*command[: command.index("--tls-cert-file")], "--timeout", "3"])
+        assert refused.returncode == 1 and b"certificate" in refused.stdout
+
+
+def test_dockerfile_health_check_is_a_probe_of_the_serve_port() -> None:
+    text = (DEPLOY / "Dockerfile").read_text().replace("\\\n", " ")
+    (line,) = [line for line in text.splitlines() if line.startswith("HEALTHCHECK ")]
+    import json
+
+    command = json.loads(line[line.index("CMD ") + 4 :])
+    assert command[:2] == ["rlmesh-trio", "probe"]
+    args = build_parser().parse_args(command[1:])
+    assert parse_address(args.address) == TcpAddress("127.0.0.1", _container_port())

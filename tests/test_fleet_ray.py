@@ -248,13 +248,68 @@ def test_token_generated_beyond_loopback_unless_refused() -> None:
         token = fleet.auth_token
         assert token and len(token) >= 32
         assert [h.serving for h in fleet.health()] == [True]  # the fleet sends it
-        from rlmesh_trio._transport import probe
+        from rlmesh_trio.client import probe
 
         anonymous = probe(fleet.addresses[0], timeout=5.0)
         assert anonymous.health == "SERVING"  # health needs no token
         assert not anonymous.serving and "UNAUTHENTICATED" in (anonymous.error or "")
         with pytest.raises(Exception, match="token"):
             fleet.run(MODEL, seeds=[0])
+
+
+def test_a_launched_fleet_serves_mtls_from_files_shipped_to_the_actors(
+    tmp_path: Path,
+) -> None:
+    import trustme
+
+    from rlmesh_trio.client import VectorEnv, probe
+
+    ca = trustme.CA()
+    server, client = ca.issue_cert("127.0.0.1", "localhost"), ca.issue_cert("probe@test")
+    paths = {}
+    for name, blob in (
+        ("ca", ca.cert_pem),
+        ("cert", server.cert_chain_pems[0]),
+        ("key", server.private_key_pem),
+        ("client", client.cert_chain_pems[0]),
+        ("client_key", client.private_key_pem),
+    ):
+        paths[name] = str(tmp_path / f"{name}.pem")
+        blob.write_to_path(paths[name])
+    import ssl
+
+    context = ssl.create_default_context(cafile=paths["ca"])
+    context.load_cert_chain(paths["client"], paths["client_key"])
+    with pytest.raises(ValueError, match="give tls= too"):
+        launch(
+            "CartPole-v1",
+            endpoints=1,
+            lanes=1,
+            bind="127.0.0.1",
+            tls_cert_file=paths["cert"],
+            tls_key_file=paths["key"],
+            **FAST,
+        )
+    with launch(
+        "CartPole-v1",
+        endpoints=1,
+        lanes=2,
+        bind="127.0.0.1",
+        tls=context,
+        tls_cert_file=paths["cert"],
+        tls_key_file=paths["key"],
+        tls_client_ca_file=paths["ca"],
+        **FAST,
+    ) as fleet:
+        assert [h.serving for h in fleet.health()] == [True]  # the supervisor's probes too
+        assert fleet.stats().failed_probes == 0
+        address = fleet.addresses[0]
+        assert not probe(address, tls=paths["ca"], timeout=5.0).serving  # no client cert
+        env = VectorEnv(address, tls=fleet.tls)
+        try:
+            assert env.reset(seed=0)[0].shape == (2, 4)
+        finally:
+            env.close()
 
 
 def _wait_cpus_free(expected: float, timeout: float = 60.0) -> float:

@@ -104,11 +104,6 @@ def test_the_session_never_imports_lanes_transport_or_bridge() -> None:
     assert crossings("_session", {"_lanes", "_transport", "_bridge"}) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the fleet's health checks still use _transport's grpclib probe; passes once "
-    "the probe moves onto the project's client (issue 18, item 3)",
-)
 def test_the_fleet_never_imports_the_transport() -> None:
     assert crossings("fleet", {"_transport"}) == []
 

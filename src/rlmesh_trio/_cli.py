@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import signal
+import ssl
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -250,6 +251,20 @@ def build_parser() -> argparse.ArgumentParser:
         "(also: RLMESH_TRIO_AUTH_TOKEN, which keeps it off the command line); never logged",
     )
     serve.add_argument(
+        "--tls-cert-file",
+        metavar="FILE",
+        help="serve TLS with this certificate chain (PEM; with --tls-key-file; TCP only)",
+    )
+    serve.add_argument(
+        "--tls-key-file", metavar="FILE", help="the private key of --tls-cert-file (PEM)"
+    )
+    serve.add_argument(
+        "--tls-client-ca-file",
+        metavar="FILE",
+        help="mTLS: refuse, in the TLS handshake, every client without a certificate "
+        "signed by this CA (PEM)",
+    )
+    serve.add_argument(
         "--event-loop",
         choices=("auto", "uvloop", "asyncio"),
         default="auto",
@@ -312,6 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TOKEN",
         help="bearer token of the endpoint (also: RLMESH_TRIO_AUTH_TOKEN)",
     )
+    add_client_tls_arguments(probe)
     _add_fleet(commands)
     return parser
 
@@ -390,54 +406,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _probe_command(args: argparse.Namespace) -> int:
-    from ._codec import spec_to_space
-    from ._transport import probe
+    from .client import probe
 
     try:
         parse_address(args.address)
+        tls = client_tls_from_args(args)
     except ValueError as exc:
         print(f"{PROG} probe: error: {exc}", file=sys.stderr)
         return 2
     token = args.auth_token or os.environ.get("RLMESH_TRIO_AUTH_TOKEN") or None
-    result = probe(args.address, timeout=args.timeout, token=token)
-    report: dict[str, Any] = {
-        "address": result.address,
-        "serving": result.serving,
-        "health": result.health,
-    }
-    if result.error is not None:
-        report["error"] = result.error
-    response = result.handshake
-    if response is not None and response.base is not None:
-        base = response.base
-        peer = base.peer_info
-        report["compatible"] = base.compatible
-        report["edition"] = base.preferred_workflow_edition
-        report["editions"] = list(base.supported_workflow_editions)
-        report["capabilities"] = dict(base.capabilities)
-        if peer is not None:
-            report["server"] = peer.extra.get("rlmesh.server.implementation") or (
-                f"{peer.component} {peer.package_version}"
-            )
-            report["platform"] = f"{peer.language} {peer.language_version}, {peer.os} {peer.arch}"
-            states = peer.extra.get("rlmesh_trio.lane_states")
-            if states:
-                report["lanes"] = {str(i): state for i, state in enumerate(states.split(","))}
-    contract = None if response is None else response.env_contract
-    if contract is not None and contract.spec is not None:
-        spec = contract.spec
-        report["env_id"] = spec.id
-        report["num_envs"] = contract.num_envs
-        report["render_mode"] = contract.render_mode or None
-        report["autoreset_mode"] = contract.autoreset_mode.name
-        for key, space in (
-            ("observation_space", spec.observation_space),
-            ("action_space", spec.action_space),
-        ):
-            try:
-                report[key] = repr(spec_to_space(space)) if space is not None else None
-            except Exception as exc:  # a space this build cannot show: say so, not fail
-                report[key] = f"<{type(exc).__name__}: {exc}>"
+    try:
+        result = probe(args.address, timeout=args.timeout, token=token, tls=tls)
+    except ValueError as exc:  # e.g. --tls with a unix:// address
+        print(f"{PROG} probe: error: {exc}", file=sys.stderr)
+        return 2
+    report = result.report()
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -452,6 +435,40 @@ def _probe_command(args: argparse.Namespace) -> int:
                 shown = ", ".join(str(v) for v in value)
             print(f"{key + ':':<{width}} {shown}")
     return 0 if result.serving else 1
+
+
+def add_client_tls_arguments(parser: argparse.ArgumentParser) -> None:
+    """A client's TLS flags (``probe``, ``fleet``): system trust, a CA, a client cert."""
+    parser.add_argument(
+        "--tls", action="store_true", help="connect with TLS, trusting the system's CAs"
+    )
+    parser.add_argument(
+        "--tls-ca-file",
+        metavar="FILE",
+        help="connect with TLS, trusting this CA (PEM) instead of the system's",
+    )
+    parser.add_argument(
+        "--tls-cert-file",
+        metavar="FILE",
+        help="mTLS: present this client certificate (PEM; with --tls-key-file)",
+    )
+    parser.add_argument(
+        "--tls-key-file", metavar="FILE", help="the private key of --tls-cert-file (PEM)"
+    )
+
+
+def client_tls_from_args(args: argparse.Namespace) -> ssl.SSLContext | None:
+    """The client context the TLS flags ask for (None: plaintext); ValueError if unusable."""
+    from ._tls import client_context_from_files
+
+    if not (args.tls or args.tls_ca_file or args.tls_cert_file or args.tls_key_file):
+        return None
+    return client_context_from_files(
+        args.tls_ca_file,
+        args.tls_cert_file,
+        args.tls_key_file,
+        flags="--tls-cert-file and --tls-key-file",
+    )
 
 
 def _fail(what: str, exc: BaseException, debug: bool) -> int:
@@ -576,6 +593,9 @@ def _configure(args: argparse.Namespace, address: str) -> _Config:
         lane_timeout_seconds=args.lane_timeout_seconds,
         max_abandoned_lanes=args.max_abandoned_lanes,
         lane_isolation=args.lane_isolation,
+        tls_cert_file=args.tls_cert_file,
+        tls_key_file=args.tls_key_file,
+        tls_client_ca_file=args.tls_client_ca_file,
         reflection=args.reflection,
     )
     return _Config(
@@ -632,7 +652,11 @@ async def _run(config: _Config) -> int:
                     name = info.env_id
                     if name == UNKNOWN_ENV_ID:  # no gymnasium spec: name what was served
                         name = f"{config.label} (no env spec, served as {UNKNOWN_ENV_ID})"
-                    _say(config, f"serving {name} x{info.num_envs} {lanes} on {info.address}")
+                    secure = " (mTLS)" if info.mtls else " (TLS)" if info.tls else ""
+                    _say(
+                        config,
+                        f"serving {name} x{info.num_envs} {lanes} on {info.address}{secure}",
+                    )
                     if info.metrics_address is not None:
                         _say(config, f"metrics on http{info.metrics_address[3:]}/metrics")
                     if config.ready_fd is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import ssl
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -80,6 +81,11 @@ class ServeOptions:
     ``lane_isolation``: ``thread`` (each env on a thread of the server) or ``process``
     (each env in a child process of its own: a segfault or a GIL-holding env costs the
     other lanes nothing, and pure-Python envs use every core; the factory must pickle).
+    ``tls_cert_file`` / ``tls_key_file``: serve TLS (both or neither; PEM; ALPN ``h2``,
+    TLS >= 1.2) -- on TCP addresses only. ``tls_client_ca_file``: mTLS -- a client must
+    present a certificate signed by this CA (PEM) or the TLS handshake fails. The three
+    files are looked at every 10 s while serving: renewed ones are used from the next
+    handshake on.
     ``reflection``: serve gRPC server reflection (``grpc.reflection.v1`` and ``v1alpha``),
     so that tools like grpcurl can list and describe the services; needs the
     ``reflection`` extra (protobuf). Off by default; under a token it needs the token.
@@ -99,6 +105,9 @@ class ServeOptions:
     lane_timeout_seconds: float | None = None
     max_abandoned_lanes: int = DEFAULT_MAX_ABANDONED_LANES
     lane_isolation: LaneIsolation = "thread"
+    tls_cert_file: str | os.PathLike[str] | None = None
+    tls_key_file: str | os.PathLike[str] | None = None
+    tls_client_ca_file: str | os.PathLike[str] | None = None
     reflection: bool = False
 
     def remote_shutdown_allowed(self, environ: Mapping[str, str] = os.environ) -> bool:
@@ -148,11 +157,56 @@ class Resolved:
     max_abandoned_lanes: int = DEFAULT_MAX_ABANDONED_LANES
     lane_isolation: LaneIsolation = "thread"
     reflection: bool = False
+    tls: TlsFiles | None = None
+    """The server's certificate, key and (mTLS) client CA; None: plaintext."""
+
+    @property
+    def mtls(self) -> bool:
+        """Clients must present a certificate signed by the configured client CA."""
+        return self.tls is not None and self.tls.client_ca_file is not None
 
     @property
     def stop_bound(self) -> float:
         """See :func:`stop_bound`."""
         return stop_bound(self.drain_timeout, self.close_timeout)
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """The server's TLS files, as absolute paths, checked loadable by :func:`resolve`."""
+
+    cert_file: str
+    key_file: str
+    client_ca_file: str | None = None
+
+    def context(self) -> ssl.SSLContext:
+        """A fresh server context from the files, read now."""
+        from ._tls import server_context
+
+        return server_context(self.cert_file, self.key_file, self.client_ca_file)
+
+
+def tls_files(options: ServeOptions) -> TlsFiles | None:
+    """``options``' TLS files, checked (both or neither, readable, loadable), or None.
+    Raises ``ValueError`` naming the file or field at fault."""
+    cert, key, ca = options.tls_cert_file, options.tls_key_file, options.tls_client_ca_file
+    if cert is None and key is None:
+        if ca is not None:
+            raise ValueError(
+                "tls_client_ca_file needs tls_cert_file and tls_key_file (mTLS is TLS first)"
+            )
+        return None
+    if cert is None or key is None:
+        given, missing = ("tls_cert_file", "tls_key_file")[:: 1 if key is None else -1]
+        raise ValueError(f"{given} needs {missing} too (TLS takes both, or neither)")
+    from ._tls import server_context
+
+    server_context(cert, key, ca)  # raises ValueError naming the file that cannot be used
+    return TlsFiles(
+        os.path.abspath(os.fspath(cert)),
+        os.path.abspath(os.fspath(key)),
+        None if ca is None else os.path.abspath(os.fspath(ca)),
+    )
 
 
 def stop_bound(drain_timeout: float, close_timeout: float) -> float:
@@ -237,6 +291,7 @@ def resolve(options: ServeOptions, environ: Mapping[str, str] = os.environ) -> R
     cap = options.max_abandoned_lanes
     if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
         raise ValueError(f"max_abandoned_lanes must be an int >= 0, got {cap!r}")
+    tls = tls_files(options)
     drain, close, idle = (
         options.drain_timeout_seconds,
         options.close_timeout_seconds,
@@ -259,6 +314,7 @@ def resolve(options: ServeOptions, environ: Mapping[str, str] = os.environ) -> R
         else float(options.lane_timeout_seconds),
         max_abandoned_lanes=cap,
         lane_isolation=options.lane_isolation,
+        tls=tls,
         reflection=bool(options.reflection),
     )
 

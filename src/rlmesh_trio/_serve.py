@@ -17,7 +17,7 @@ from typing import Any
 import gymnasium as gym
 import trio
 
-from ._address import DEFAULT_ADDRESS, Listener, bind, is_loopback, parse_address
+from ._address import DEFAULT_ADDRESS, Listener, UnixAddress, bind, is_loopback, parse_address
 from ._lanes import LaneEngine
 from ._metrics import ServerMetrics, start_http
 from ._options import STOP_SLACK, Resolved, ServeOptions, resolve
@@ -39,6 +39,10 @@ class ServerInfo:
     """The served env's id (``env.spec.id``, or ``UnknownEnv-v1``)."""
     metrics_address: str | None = None
     """Where Prometheus metrics are served (``tcp://host:port``), when asked for."""
+    tls: bool = False
+    """The endpoint serves TLS: clients connect to ``address`` with ``tls=...``."""
+    mtls: bool = False
+    """Clients must present a certificate signed by the configured client CA."""
 
 
 async def serve_env(
@@ -88,6 +92,11 @@ async def serve_env(
     """
     resolved = resolve(ServeOptions() if options is None else options)
     parsed = parse_address(address)
+    if resolved.tls is not None and isinstance(parsed, UnixAddress):
+        raise ValueError(
+            f"TLS is served on TCP addresses only, not {address!r}: a unix socket is "
+            "guarded by its file permissions (serve it without TLS, or TLS on tcp://)"
+        )
     factory = LaneEngine.factory(make_env, **dict(env_kwargs or {}))
     engine = LaneEngine(factory, num_envs, resolved)
     listener = bind(parsed)
@@ -192,15 +201,24 @@ async def _serve(
                 num_envs=engine.num_envs,
                 env_id=engine.contract.env_id,
                 metrics_address=metrics_address,
+                tls=options.tls is not None,
+                mtls=options.mtls,
             )
-            log.info("serving %s x%d lanes on %s", info.env_id, info.num_envs, info.address)
-            if not is_loopback(listener.address) and options.auth_token is None:
+            log.info(
+                "serving %s x%d lanes on %s%s",
+                info.env_id,
+                info.num_envs,
+                info.address,
+                " (mTLS)" if info.mtls else " (TLS)" if info.tls else "",
+            )
+            anonymous = options.auth_token is None and not options.mtls
+            if anonymous and not is_loopback(listener.address):
                 log.warning(
                     "serving on %s, beyond loopback, with no auth token: anyone who can "
                     "reach this port can drive the envs. Set --auth-token "
-                    "(ServeOptions.auth_token), and TLS so that neither the token nor the "
-                    "observations cross the network in clear (docs/operations.md, "
-                    "'Running beyond loopback')",
+                    "(ServeOptions.auth_token) or mTLS (--tls-client-ca-file), and TLS so "
+                    "that neither the token nor the observations cross the network in "
+                    "clear (docs/operations.md, 'Running beyond loopback')",
                     info.address,
                 )
             task_status.started(info)

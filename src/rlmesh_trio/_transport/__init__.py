@@ -1,15 +1,16 @@
-"""The gRPC transport: the only package that imports asyncio, grpclib or h2.
+"""The gRPC server transport: the only package that imports asyncio or grpclib (the
+client speaks h2 on Trio itself).
 
 * :mod:`._service` -- :class:`TransportService`, the Trio task owning the loop thread;
 * :mod:`._server` -- the loop side: method table, the one error-to-status mapping,
   health, idle timer, stop phases;
 * :mod:`._join` -- the Join driver (explicit states, back-pressure);
-* :mod:`._shim` -- every use of a grpclib private;
-* :mod:`._probe` -- the client side of ``rlmesh-trio probe``.
+* :mod:`._shim` -- every use of a grpclib private.
+
+``rlmesh-trio probe`` and the fleets' health checks are a client's job:
+:func:`rlmesh_trio.client.probe`.
 """
 
-from ._probe import ProbeResult as ProbeResult
-from ._probe import probe as probe
 from ._server import HANDSHAKE_PATH as HANDSHAKE_PATH
 from ._server import HEALTH_CHECK_PATH as HEALTH_CHECK_PATH
 from ._server import JOIN_PATH as JOIN_PATH

@@ -33,6 +33,7 @@ from grpclib.const import Handler as MethodHandler
 from grpclib.exceptions import GRPCError
 from grpclib.server import Stream
 
+from .. import _tls
 from .._bridge import ReplyInbox, ToLoop, Worker
 from .._errors import (
     AlreadyJoinedError,
@@ -46,6 +47,8 @@ from .._jobs import Job, LaneReply, ReplyFn
 from .._logging import RateLimit, protect_credentials
 from .._options import Resolved
 from .._proto.rlmesh.env import v1 as env_v1
+from .._tls import HANDSHAKE_TIMEOUT as TLS_HANDSHAKE_TIMEOUT
+from .._tls import ReloadingServerContext
 from .._wire import (
     HEALTH_NOT_SERVING,
     HEALTH_SERVING,
@@ -228,6 +231,8 @@ class LoopServer:
         self._unary_calls = 0
         self._idle_handle: asyncio.TimerHandle | None = None
         self._trim_handle: asyncio.TimerHandle | None = None
+        self._tls: ReloadingServerContext | None = None
+        self._tls_handle: asyncio.TimerHandle | None = None
         self.worker = Worker("rlmesh-trio-decode")
         self.report_limit = RateLimit(clock=loop.time)  # rejected-request warnings
         token = options.auth_token
@@ -261,10 +266,32 @@ class LoopServer:
     # -- lifecycle
 
     async def serve(self, sock: socket.socket, on_listening: Callable[[], None]) -> None:
+        tls = self.options.tls
         if sock.family == socket.AF_UNIX:
             server = await self.loop.create_unix_server(self._make_protocol, sock=sock)
-        else:
+        elif tls is None:
             server = await self.loop.create_server(self._make_protocol, sock=sock)
+        else:
+            # TLS (and mTLS: CERT_REQUIRED) on the loop's own SSL transport; a failed
+            # handshake closes that connection only (asyncio logs it at DEBUG).
+            self._tls = ReloadingServerContext(
+                tls.cert_file,
+                tls.key_file,
+                tls.client_ca_file,
+                on_problem=lambda why: log.warning(
+                    "the TLS files changed but cannot be used (%s): serving the previous "
+                    "certificate",
+                    why,
+                ),
+                on_reload=lambda: log.info("TLS files changed: certificate reloaded"),
+            )
+            server = await self.loop.create_server(
+                self._make_protocol,
+                sock=sock,
+                ssl=self._tls.context,
+                ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT,
+            )
+            self._watch_tls()
         try:
             if not self._stop_requested.is_set():
                 on_listening()
@@ -272,6 +299,13 @@ class LoopServer:
             await self._stop_requested.wait()
         finally:
             await self._stop(server)
+
+    def _watch_tls(self) -> None:
+        """Look at the TLS files every :data:`~rlmesh_trio._tls.RELOAD_INTERVAL` s."""
+        if self._tls is None or self.closing:
+            return
+        self._tls.check()
+        self._tls_handle = self.loop.call_later(_tls.RELOAD_INTERVAL, self._watch_tls)
 
     def _make_protocol(self) -> Connection:
         return Connection(
@@ -310,6 +344,8 @@ class LoopServer:
 
         self.closing = True
         self._cancel_idle()
+        if self._tls_handle is not None:
+            self._tls_handle.cancel()
         server.close()
         for proto in list(self.protocols):
             proto.send_goaway(_MAX_STREAM_ID)

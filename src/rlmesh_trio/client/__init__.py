@@ -6,10 +6,12 @@
 * :class:`VectorEnv` — a synchronous ``gymnasium.vector.VectorEnv`` over an endpoint,
   with gymnasium's autoreset modes done client-side.
 * :class:`Env` — a synchronous ``gymnasium.Env`` over a one-lane endpoint.
+* :func:`probe` — health, handshake and contract of an endpoint, as a
+  :class:`ProbeResult` (what ``rlmesh-trio probe`` prints).
 
 Errors are one family rooted at :class:`EndpointError` (``code``, ``is_recoverable``,
 ``message``). Works against rlmesh-trio and rlmesh 0.1.0's server, over TCP and unix
-sockets.
+sockets, plaintext or TLS (``tls=``: True, a CA file, or an ``ssl.SSLContext``).
 """
 
 from ._core import Contract as Contract
@@ -25,6 +27,8 @@ from ._errors import RpcError as RpcError
 from ._gym import Env as Env
 from ._gym import VectorEnv as VectorEnv
 from ._messages import Episode as Episode
+from ._probe import ProbeResult as ProbeResult
+from ._probe import probe as probe
 
 __all__ = [
     "ConnectionLostError",
@@ -37,7 +41,9 @@ __all__ = [
     "Episode",
     "ErrorCode",
     "HandshakeError",
+    "ProbeResult",
     "RpcError",
     "VectorEnv",
     "open_endpoint",
+    "probe",
 ]

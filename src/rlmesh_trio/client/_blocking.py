@@ -10,8 +10,9 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from .._tls import TlsSetting, check_alpn
 from ._core import (
     HANDSHAKE_PATH,
     JOIN_PATH,
@@ -19,62 +20,47 @@ from ._core import (
     Slot,
     Target,
     call_failure,
+    check_timeouts,
     contract_from_handshake,
     metadata,
     result_of,
+    tls_context,
+    tls_failure,
+    transport_failure,
 )
 from ._errors import ConnectionLostError, EndpointClosedError, EndpointError
 from ._grpc import Call, GrpcConnection
 from ._messages import Episode, Reply, close_request, configure_request, handshake_request
 
-__all__ = ["BlockingEndpoint"]
+__all__ = ["BlockingConnection", "BlockingEndpoint", "unary_result"]
 
 _READ_SIZE = 256 * 1024
 _QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)
 
 
-class BlockingEndpoint:
-    """One joined endpoint driven synchronously."""
+class BlockingConnection:
+    """One HTTP/2 connection driven synchronously: connect (TCP or unix; TLS when asked),
+    write what h2 has, read until a condition holds (keep-alive PINGs while waiting),
+    unary calls. ``after`` runs after every read (the endpoint routes Join replies)."""
 
     def __init__(
         self,
-        address: str,
+        target: Target,
         *,
         token: str | None,
+        tls: TlsSetting,
         connect_timeout: float,
         ping_interval: float,
         ping_timeout: float,
-        close_timeout: float,
     ) -> None:
-        for name, value in (
-            ("connect_timeout", connect_timeout),
-            ("ping_interval", ping_interval),
-            ("ping_timeout", ping_timeout),
-            ("close_timeout", close_timeout),
-        ):
-            if not value > 0:
-                raise ValueError(f"{name} must be > 0")
-        self.target = Target.parse(address)
+        self.target = target
+        self._tls = tls_context(target, tls)
         self._ping_interval = ping_interval
         self._ping_timeout = ping_timeout
-        self._close_timeout = close_timeout
-        self._conn = GrpcConnection(self.target.authority, metadata(token))
-        self._sock: socket.socket | None = None
-        self._closed: list[Episode] | None = None
+        self.conn = GrpcConnection(target.authority, metadata(token), tls=self._tls is not None)
+        self.after: Callable[[], None] = _noop
         self._quickack = False
-        deadline = time.monotonic() + connect_timeout
-        try:
-            self._sock = self._connect(connect_timeout)
-            self._flush(deadline)
-            contract = contract_from_handshake(
-                self._unary(HANDSHAKE_PATH, handshake_request(), deadline)
-            )
-            join = self._conn.open(JOIN_PATH)
-            self.state = JoinState(self._conn, join, contract)
-            self.roundtrip([configure_request], ["configure"], deadline=deadline)
-        except BaseException:
-            self._teardown()
-            raise
+        self.sock: socket.socket | None = self._connect(connect_timeout)
 
     def _connect(self, timeout: float) -> socket.socket:
         target = self.target
@@ -93,32 +79,51 @@ class BlockingEndpoint:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 self._quickack = _QUICKACK is not None
         except OSError as exc:
-            raise ConnectionLostError(f"cannot connect to {target}: {exc}") from None
-        return sock
+            raise ConnectionLostError(f"cannot connect to {target}: {exc}") from exc
+        if self._tls is None:
+            return sock
+        try:
+            # The socket's timeout (connect_timeout) bounds the handshake too.
+            secure = self._tls.wrap_socket(sock, server_hostname=target.host)
+        except (OSError, ValueError) as exc:
+            sock.close()
+            if isinstance(exc, TimeoutError):
+                raise ConnectionLostError(
+                    f"TLS handshake with {target}: no answer within {timeout:g} s"
+                ) from None
+            raise tls_failure(target, exc) from None
+        try:
+            check_alpn(secure.selected_alpn_protocol(), str(target))
+        except ConnectionError as exc:
+            secure.close()
+            raise ConnectionLostError(str(exc)) from None
+        return secure
 
-    # ---- I/O --------------------------------------------------------------------------
-
-    def _flush(self, deadline: float | None = None) -> None:
-        data = self._conn.data_to_send()
-        if not data or self._sock is None:
+    def flush(self, deadline: float | None = None) -> None:
+        data = self.conn.data_to_send()
+        if not data or self.sock is None:
             return
         try:
-            self._sock.settimeout(
+            self.sock.settimeout(
                 60.0 if deadline is None else max(0.001, deadline - time.monotonic())
             )
-            self._sock.sendall(data)
+            self.sock.sendall(data)
         except OSError as exc:
-            self._conn.lose(f"connection lost while writing: {exc!r}")
+            self._lose_to(exc, "connection lost while writing")
 
-    def _pump(self, done: object, deadline: float | None, what: str) -> None:
+    def _lose_to(self, exc: OSError, what: str) -> None:
+        self.conn.lose(transport_failure(self.conn, exc, what))
+
+    def pump(self, done: Callable[[], bool], deadline: float | None, what: str) -> None:
         """Read until ``done()`` holds; PING after ``ping_interval`` s of silence and
         give up if the PING is not answered in time, or at ``deadline``."""
-        sock = self._sock
-        assert sock is not None and callable(done)
+        sock = self.sock
+        assert sock is not None
+        conn = self.conn
         ping_deadline: float | None = None
-        acked = self._conn.pings_acked
+        acked = conn.pings_acked
         while not done():
-            if self._conn.lost is not None:
+            if conn.lost is not None:
                 return
             now = time.monotonic()
             if deadline is not None and now >= deadline:
@@ -131,44 +136,102 @@ class BlockingEndpoint:
                 data = sock.recv(_READ_SIZE)
             except TimeoutError:
                 if ping_deadline is not None and time.monotonic() >= ping_deadline:
-                    self._conn.lose(
-                        f"no answer to a keep-alive PING within {self._ping_timeout:g} s"
-                    )
-                    self._after()
+                    conn.lose(f"no answer to a keep-alive PING within {self._ping_timeout:g} s")
+                    self.after()
                     return
                 if ping_deadline is None and (deadline is None or time.monotonic() < deadline):
-                    acked = self._conn.pings_acked
-                    self._conn.ping(b"rlt-ping")
+                    acked = conn.pings_acked
+                    conn.ping(b"rlt-ping")
                     ping_deadline = time.monotonic() + self._ping_timeout
-                    self._flush()
+                    self.flush()
                 continue
             except OSError as exc:
-                self._conn.lose(f"connection lost: {exc!r}")
-                self._after()
+                self._lose_to(exc, "connection lost")
+                self.after()
                 return
             if data and self._quickack:  # see _endpoint._quickack
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.IPPROTO_TCP, _QUICKACK, 1)  # type: ignore[arg-type]
-            self._conn.receive(data)
-            if self._conn.pings_acked > acked:
+            conn.receive(data)
+            if conn.pings_acked > acked:
                 ping_deadline = None
-            self._after()
-            self._flush()
+            self.after()
+            self.flush()
 
-    def _after(self) -> None:
-        state = getattr(self, "state", None)
-        if state is not None:
-            state.process()
+    def unary(self, path: str, payload: bytes, deadline: float) -> Call:
+        """One unary call, answered (or ended) by ``deadline``; the ended :class:`Call`."""
+        call: Call = self.conn.open(path)
+        self.conn.send(call, payload, end=True)
+        self.flush(deadline)
+        self.pump(lambda: call.ended, deadline, path.rsplit("/", 1)[-1])
+        self.conn.forget(call)
+        return call
 
-    def _unary(self, path: str, payload: bytes, deadline: float) -> bytes | None:
-        call: Call = self._conn.open(path)
-        self._conn.send(call, payload, end=True)
-        self._flush(deadline)
-        self._pump(lambda: call.ended, deadline, path.rsplit("/", 1)[-1])
-        self._conn.forget(call)
-        if call.status == 0 and call.messages:
-            return call.messages[0]
-        raise call_failure(call, f"{path.rsplit('/', 1)[-1]} failed")
+    def close(self) -> None:
+        """GOAWAY (bounded to 1 s) and close the socket. Idempotent."""
+        sock, self.sock = self.sock, None
+        if sock is None:
+            return
+        self.conn.close()
+        with contextlib.suppress(OSError):
+            sock.settimeout(1.0)
+            sock.sendall(self.conn.data_to_send())
+        with contextlib.suppress(OSError):
+            sock.close()
+
+
+def unary_result(call: Call) -> bytes | None:
+    """The reply of an OK unary call; raises what ended it otherwise."""
+    if call.status == 0 and call.messages:
+        return call.messages[0]
+    raise call_failure(call, f"{call.path.rsplit('/', 1)[-1]} failed")
+
+
+class BlockingEndpoint:
+    """One joined endpoint driven synchronously."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None,
+        tls: TlsSetting = None,
+        connect_timeout: float,
+        ping_interval: float,
+        ping_timeout: float,
+        close_timeout: float,
+    ) -> None:
+        check_timeouts(
+            connect_timeout=connect_timeout,
+            ping_interval=ping_interval,
+            ping_timeout=ping_timeout,
+            close_timeout=close_timeout,
+        )
+        self.target = Target.parse(address)
+        self._close_timeout = close_timeout
+        self._closed: list[Episode] | None = None
+        deadline = time.monotonic() + connect_timeout
+        self._link = BlockingConnection(
+            self.target,
+            token=token,
+            tls=tls,
+            connect_timeout=connect_timeout,
+            ping_interval=ping_interval,
+            ping_timeout=ping_timeout,
+        )
+        self._conn = self._link.conn
+        try:
+            self._link.flush(deadline)
+            contract = contract_from_handshake(
+                unary_result(self._link.unary(HANDSHAKE_PATH, handshake_request(), deadline))
+            )
+            join = self._conn.open(JOIN_PATH)
+            self.state = JoinState(self._conn, join, contract)
+            self._link.after = self.state.process
+            self.roundtrip([configure_request], ["configure"], deadline=deadline)
+        except BaseException:
+            self._link.close()
+            raise
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -188,8 +251,8 @@ class BlockingEndpoint:
             rid = state.next_id()
             assert callable(build)
             slots.append((rid, state.submit(build(rid), rid, _noop)))
-        self._flush()
-        self._pump(
+        self._link.flush()
+        self._link.pump(
             lambda: all(s.reply is not None or s.error is not None for _, s in slots),
             deadline,
             "request",
@@ -225,20 +288,12 @@ class BlockingEndpoint:
         if state is not None:
             state.closing = True
             state.fail(EndpointClosedError())
-        self._teardown()
+        self._link.close()
         self._closed = episodes
         return episodes
 
     def _teardown(self) -> None:
-        sock, self._sock = self._sock, None
-        if sock is None:
-            return
-        self._conn.close()
-        with contextlib.suppress(OSError):
-            sock.settimeout(1.0)
-            sock.sendall(self._conn.data_to_send())
-        with contextlib.suppress(OSError):
-            sock.close()
+        self._link.close()
 
 
 def _noop() -> None:

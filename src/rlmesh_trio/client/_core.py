@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import io
 import itertools
+import ssl
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,7 @@ from .._address import TcpAddress, UnixAddress, parse_address
 from .._codec import SpaceCodec, from_meta_map, spec_to_space
 from .._errors import CodecError
 from .._logging import protect_credentials
+from .._tls import ABRUPT_END, TlsSetting, client_context, describe_tls_error
 from .._wire._protobuf import DecodeError
 from ._errors import (
     ConnectionLostError,
@@ -43,11 +45,16 @@ __all__ = [
     "Slot",
     "Target",
     "lane_infos",
+    "tls_context",
+    "tls_failure",
+    "transport_failure",
 ]
 
-SERVICE = "/rlmesh.env.v1.EnvService"
+SERVICE_NAME = "rlmesh.env.v1.EnvService"
+SERVICE = f"/{SERVICE_NAME}"
 HANDSHAKE_PATH = f"{SERVICE}/Handshake"
 JOIN_PATH = f"{SERVICE}/Join"
+HEALTH_CHECK_PATH = "/grpc.health.v1.Health/Check"
 
 MAX_COMPLETED = 65536
 """Episode records kept for :meth:`Endpoint.pop_completed_episodes` (older ones drop)."""
@@ -82,6 +89,44 @@ class Target:
 
     def __str__(self) -> str:
         return f"unix://{self.path}" if self.path is not None else f"tcp://{self.authority}"
+
+
+def tls_context(target: Target, tls: TlsSetting) -> ssl.SSLContext | None:
+    """The TLS context to connect to ``target`` with (None: plaintext); TLS is for TCP
+    addresses (a unix socket is guarded by its file permissions)."""
+    context = client_context(tls)
+    if context is not None and target.path is not None:
+        raise ValueError(f"tls= is for TCP addresses, not {target} (unix sockets are plaintext)")
+    return context
+
+
+def transport_failure(conn: GrpcConnection, exc: BaseException, what: str) -> str:
+    """Why the connection broke, in words: a TLS error said as such, and a TLS session
+    that ended (reset or EOF) before the server's first HTTP/2 frame said to be what it
+    almost always is (an mTLS server closes a refused client without a TLS alert)."""
+    why = describe_tls_error(exc)
+    if why is None and conn.tls and not conn.heard_from_server:
+        why = ABRUPT_END
+    return f"{what}: TLS: {why}" if why is not None else f"{what}: {exc!r}"
+
+
+def tls_failure(target: Target, exc: BaseException) -> ConnectionLostError:
+    """A failed TLS handshake (or a TLS error right after it), said plainly."""
+    why = describe_tls_error(exc)
+    if why is None:
+        cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
+        why = (
+            f"{type(cause).__name__}: {cause} (the server broke off the handshake: it does "
+            "not serve TLS here, or refused this client's certificate)"
+        )
+    return ConnectionLostError(f"TLS handshake with {target} failed: {why}")
+
+
+def check_timeouts(**timeouts: float) -> None:
+    """Every one of the connection's timeouts must be a number > 0."""
+    for name, value in timeouts.items():
+        if not value > 0:
+            raise ValueError(f"{name} must be > 0")
 
 
 def metadata(token: str | None) -> list[tuple[str, str]]:

@@ -46,12 +46,14 @@ class Call:
         "id",
         "lost",
         "messages",
+        "path",
         "status",
         "status_message",
     )
 
-    def __init__(self, stream_id: int) -> None:
+    def __init__(self, stream_id: int, path: str = "") -> None:
         self.id = stream_id
+        self.path = path
         self.headers: dict[str, str] | None = None
         self.messages: collections.deque[bytes] = collections.deque()
         self.status: int | None = None
@@ -78,10 +80,15 @@ class Call:
 
 
 class GrpcConnection:
-    """The client side of one h2c (prior knowledge) connection carrying gRPC calls."""
+    """The client side of one HTTP/2 connection carrying gRPC calls: h2c (prior
+    knowledge) or, with ``tls``, h2 inside a TLS session the driver set up (ALPN ``h2``)."""
 
-    def __init__(self, authority: str, metadata: list[tuple[str, str]]) -> None:
+    def __init__(
+        self, authority: str, metadata: list[tuple[str, str]], *, tls: bool = False
+    ) -> None:
         self._authority = authority
+        self._scheme = "https" if tls else "http"
+        self._tls = tls
         self._metadata = metadata
         self._h2 = _GracefulH2Connection(
             h2.config.H2Configuration(client_side=True, header_encoding="utf-8")
@@ -105,6 +112,16 @@ class GrpcConnection:
 
     # ---- output ------------------------------------------------------------------------
 
+    @property
+    def tls(self) -> bool:
+        """The driver runs this connection inside a TLS session."""
+        return self._tls
+
+    @property
+    def heard_from_server(self) -> bool:
+        """The server's first frame (SETTINGS) has arrived."""
+        return self._preface is None
+
     def data_to_send(self) -> bytes:
         return self._h2.data_to_send()
 
@@ -114,7 +131,7 @@ class GrpcConnection:
         stream_id = self._h2.get_next_available_stream_id()
         headers = [
             (":method", "POST"),
-            (":scheme", "http"),
+            (":scheme", self._scheme),
             (":path", path),
             (":authority", self._authority),
             ("te", "trailers"),
@@ -123,7 +140,7 @@ class GrpcConnection:
             *self._metadata,
         ]
         self._h2.send_headers(stream_id, headers)
-        call = self._calls[stream_id] = Call(stream_id)
+        call = self._calls[stream_id] = Call(stream_id, path)
         return call
 
     def send(self, call: Call, message: bytes, *, end: bool = False) -> None:
@@ -191,7 +208,22 @@ class GrpcConnection:
         if self.lost is not None:
             return
         if not data:
-            self.lose("the server closed the connection")
+            if self._preface is not None and not self._tls:
+                tls_record = len(self._preface) >= 2 and self._preface[0] in (0x15, 0x16)
+                self.lose(
+                    "the server speaks TLS and this connection is plaintext: connect with "
+                    "tls=True, a CA file or an ssl.SSLContext"
+                    if tls_record and self._preface[1] == 0x03
+                    else "the server closed the connection before its HTTP/2 settings "
+                    "(if it serves TLS, connect with tls=...)"
+                )
+            elif self._preface is not None:
+                self.lose(
+                    "the server closed the TLS connection before its HTTP/2 settings (an "
+                    "mTLS server does so when the client presents no certificate it trusts)"
+                )
+            else:
+                self.lose("the server closed the connection")
             return
         if self._preface is not None:
             # A server's first frame is SETTINGS (RFC 9113 §3.4); h2 would buffer a bogus
@@ -202,10 +234,17 @@ class GrpcConnection:
                 return
             head, data, self._preface = bytes(self._preface[:9]), bytes(self._preface), None
             if head[3] != 0x04:
-                self.lose(
-                    "HTTP/2 protocol error from the server: it does not speak HTTP/2 "
-                    f"(prior knowledge, no TLS): its first bytes are {head!r}"
-                )
+                if not self._tls and head[0] in (0x15, 0x16) and head[1] == 0x03:
+                    self.lose(  # a TLS record (alert or handshake): a TLS server
+                        "the server speaks TLS and this connection is plaintext: "
+                        "connect with tls=True, a CA file or an ssl.SSLContext"
+                    )
+                else:
+                    self.lose(
+                        "HTTP/2 protocol error from the server: it does not speak HTTP/2 "
+                        f"(prior knowledge{' over TLS' if self._tls else ', no TLS'}): "
+                        f"its first bytes are {head!r}"
+                    )
                 return
         try:
             events = self._h2.receive_data(data)

@@ -17,6 +17,7 @@ import numpy as np
 from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
+from .._tls import TlsSetting
 from ._blocking import BlockingEndpoint
 from ._core import JoinState, check_options, decode_frame, lane_infos, step_arrays, timeout_of
 from ._endpoint import (
@@ -34,6 +35,7 @@ __all__ = ["Env", "VectorEnv"]
 def _open(
     address: str,
     token: str | None,
+    tls: TlsSetting,
     connect_timeout: float,
     ping_interval: float,
     ping_timeout: float,
@@ -42,6 +44,7 @@ def _open(
     return BlockingEndpoint(
         address,
         token=token,
+        tls=tls,
         connect_timeout=connect_timeout,
         ping_interval=ping_interval,
         ping_timeout=ping_timeout,
@@ -57,7 +60,8 @@ class VectorEnv(gym.vector.VectorEnv):
     ``reset(options={"reset_mask": mask})``). The endpoint must be a lane endpoint
     (autoreset DISABLED on the server, the ``subset_step`` capability when it has more
     than one lane). ``request_timeout_ms`` is sent with every reset and step (the
-    server answers TIMEOUT past it); ``token`` as ``authorization: Bearer``.
+    server answers TIMEOUT past it); ``token`` as ``authorization: Bearer``; ``tls`` as
+    :func:`~rlmesh_trio.client.open_endpoint` takes it (True, a CA file, an SSLContext).
     Infos are what the wire carries (numpy arrays in an env's info arrive as lists).
     """
 
@@ -67,6 +71,7 @@ class VectorEnv(gym.vector.VectorEnv):
         *,
         autoreset_mode: str | AutoresetMode = AutoresetMode.NEXT_STEP,
         token: str | None = None,
+        tls: TlsSetting = None,
         request_timeout_ms: int | None = None,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         ping_interval: float = DEFAULT_PING_INTERVAL,
@@ -80,7 +85,7 @@ class VectorEnv(gym.vector.VectorEnv):
         )
         self._timeout_ms = timeout_of(request_timeout_ms)
         self._ep = _open(
-            address, token, connect_timeout, ping_interval, ping_timeout, close_timeout
+            address, token, tls, connect_timeout, ping_interval, ping_timeout, close_timeout
         )
         self._state: JoinState = self._ep.state
         contract = self._state.contract
@@ -349,6 +354,7 @@ class Env(gym.Env):
     ``reset(seed=...)`` also seeds the adapter's own ``np_random`` (as ``gymnasium.Env``
     does), the env's own randomness lives on the server. ``render()`` returns the
     server's frame as an ``(H, W, 3)`` array (``render_mode`` from the contract).
+    ``token`` and ``tls`` as :class:`VectorEnv` takes them.
     """
 
     def __init__(
@@ -356,6 +362,7 @@ class Env(gym.Env):
         address: str,
         *,
         token: str | None = None,
+        tls: TlsSetting = None,
         request_timeout_ms: int | None = None,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         ping_interval: float = DEFAULT_PING_INTERVAL,
@@ -364,7 +371,7 @@ class Env(gym.Env):
     ) -> None:
         self._timeout_ms = timeout_of(request_timeout_ms)
         self._ep = _open(
-            address, token, connect_timeout, ping_interval, ping_timeout, close_timeout
+            address, token, tls, connect_timeout, ping_interval, ping_timeout, close_timeout
         )
         self._state: JoinState = self._ep.state
         contract = self._state.contract

@@ -113,6 +113,29 @@ def add_fleet_parser(
         help="serve without a token even beyond loopback (rlmesh 0.1.0 clients send none; "
         "only on a network you trust)",
     )
+    tls = fleet.add_argument_group(
+        "TLS",
+        "the endpoints serve TLS (as 'rlmesh-trio serve'); the supervisor's probes "
+        "connect with --tls-ca-file (and a client certificate under mTLS)",
+    )
+    tls.add_argument("--tls-cert-file", metavar="FILE", help="the endpoints' certificate (PEM)")
+    tls.add_argument("--tls-key-file", metavar="FILE", help="its private key (PEM)")
+    tls.add_argument(
+        "--tls-client-ca-file",
+        metavar="FILE",
+        help="mTLS: the endpoints refuse clients without a certificate signed by this CA",
+    )
+    tls.add_argument(
+        "--tls-ca-file",
+        metavar="FILE",
+        help="the CA the probes trust (default with TLS: the system's)",
+    )
+    tls.add_argument(
+        "--tls-client-cert-file",
+        metavar="FILE",
+        help="mTLS: the certificate the probes present (PEM; with --tls-client-key-file)",
+    )
+    tls.add_argument("--tls-client-key-file", metavar="FILE", help="its private key (PEM)")
     fleet.add_argument(
         "--ready-fd",
         type=fd,
@@ -144,6 +167,10 @@ def fleet_command(args: argparse.Namespace) -> int:
             os.fstat(args.ready_fd)
         except OSError as exc:
             return _usage(f"--ready-fd {args.ready_fd}: {exc.strerror}")
+    try:
+        probe_tls = _probe_tls(args)
+    except ValueError as exc:
+        return _usage(str(exc))
     try:
         import ray
 
@@ -192,6 +219,10 @@ def fleet_command(args: argparse.Namespace) -> int:
             bind=args.bind,
             auth_token=token,
             require_auth=False if args.no_auth else (True if token or beyond else None),
+            tls=probe_tls,
+            tls_cert_file=args.tls_cert_file,
+            tls_key_file=args.tls_key_file,
+            tls_client_ca_file=args.tls_client_ca_file,
         )
     except KeyboardInterrupt:  # Ctrl-C while launching: launch() removed what it made
         print(f"{PROG}: interrupted while launching", file=sys.stderr)
@@ -238,6 +269,27 @@ def fleet_command(args: argparse.Namespace) -> int:
         fleet.close()
         if started_ray:
             ray.shutdown()
+
+
+def _probe_tls(args: argparse.Namespace) -> Any:
+    """The supervisor's client TLS context when the endpoints serve TLS (else None)."""
+    from .._tls import client_context_from_files
+
+    if args.tls_cert_file is None and args.tls_key_file is None:
+        if args.tls_ca_file or args.tls_client_cert_file or args.tls_client_ca_file:
+            raise ValueError("the TLS client flags need --tls-cert-file and --tls-key-file")
+        return None
+    if args.tls_client_ca_file and not args.tls_client_cert_file:
+        raise ValueError(
+            "with --tls-client-ca-file (mTLS) the probes need a client certificate: "
+            "--tls-client-cert-file and --tls-client-key-file"
+        )
+    return client_context_from_files(
+        args.tls_ca_file,
+        args.tls_client_cert_file,
+        args.tls_client_key_file,
+        flags="--tls-client-cert-file and --tls-client-key-file",
+    )
 
 
 def _report(fleet: Any, as_json: bool) -> None:

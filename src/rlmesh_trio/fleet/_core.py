@@ -20,7 +20,8 @@ from types import TracebackType
 from typing import Any, Literal, TypeVar
 
 from .._address import TcpAddress, UnixAddress, parse_address
-from .._transport import probe
+from .._tls import TlsSetting, client_context
+from ..client import probe
 
 log = logging.getLogger("rlmesh_trio.fleet")
 
@@ -136,6 +137,9 @@ class Fleet:
 
     ``auth_token`` is sent with the fleet's own probes; it is also what
     :attr:`auth_token` gives ``map`` functions that use a token-capable client.
+    ``tls`` (as :func:`rlmesh_trio.client.open_endpoint` takes it: True, a CA file, an
+    ``ssl.SSLContext`` carrying a client certificate for mTLS) is how the fleet's probes
+    connect, and what :attr:`tls` gives ``map`` functions.
     """
 
     def __init__(
@@ -143,6 +147,7 @@ class Fleet:
         addresses: Iterable[str],
         *,
         auth_token: str | None = None,
+        tls: TlsSetting = None,
         nodes: Sequence[str | None] | None = None,
     ) -> None:
         normalized = [normalize_address(a) for a in addresses]
@@ -158,15 +163,23 @@ class Fleet:
             for i, a in enumerate(normalized)
         ]
         self._auth_token = auth_token
+        self._tls = tls
+        self._tls_context = client_context(tls)  # checked (and a CA file read) once
+        if self._tls_context is not None:
+            unix = [m.address for m in self._members if m.address.startswith("unix://")]
+            if unix:
+                raise ValueError(f"tls= is for TCP addresses, not {unix[0]}")
         self._closed = False
         self._retries: list[Retry] = []
 
     # -- construction ---------------------------------------------------------------
 
     @classmethod
-    def from_addresses(cls, addresses: Iterable[str], *, auth_token: str | None = None) -> Fleet:
+    def from_addresses(
+        cls, addresses: Iterable[str], *, auth_token: str | None = None, tls: TlsSetting = None
+    ) -> Fleet:
         """A fleet over endpoints that something else runs (processes, containers, pods)."""
-        return cls(addresses, auth_token=auth_token)
+        return cls(addresses, auth_token=auth_token, tls=tls)
 
     @classmethod
     def from_dns(
@@ -178,13 +191,16 @@ class Fleet:
         *,
         cluster_domain: str = "cluster.local",
         auth_token: str | None = None,
+        tls: TlsSetting = None,
     ) -> Fleet:
         """The pods of a Kubernetes StatefulSet behind a headless Service.
 
         A StatefulSet named ``service`` whose ``serviceName`` is ``service`` gives pod
         ``i`` the DNS name ``service-i.service.namespace.svc.cluster_domain``; those names
         (with ``port``) are the fleet's addresses, resolved when each client dials, so a
-        rescheduled pod is found at its new IP. Nothing is resolved here.
+        rescheduled pod is found at its new IP. Nothing is resolved here. Under TLS the
+        pods' certificates are checked against those names (give them as DNS SANs, or
+        a wildcard ``*.service.namespace.svc.cluster_domain``).
         """
         if not isinstance(replicas, int) or replicas < 1:
             raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
@@ -195,7 +211,9 @@ class Fleet:
                 raise ValueError(f"{label} must be a DNS name, got {value!r}")
         suffix = f"{service}.{namespace}.svc.{cluster_domain}"
         return cls(
-            [f"{service}-{i}.{suffix}:{port}" for i in range(replicas)], auth_token=auth_token
+            [f"{service}-{i}.{suffix}:{port}" for i in range(replicas)],
+            auth_token=auth_token,
+            tls=tls,
         )
 
     # -- state ----------------------------------------------------------------------
@@ -216,6 +234,12 @@ class Fleet:
     def auth_token(self) -> str | None:
         """The endpoints' bearer token (``None``: they take none). Never logged."""
         return self._auth_token
+
+    @property
+    def tls(self) -> TlsSetting:
+        """How the endpoints are reached (``tls=`` as given; None: plaintext): pass it
+        to :func:`~rlmesh_trio.client.open_endpoint` / ``VectorEnv`` in ``map``."""
+        return self._tls
 
     @property
     def retries(self) -> list[Retry]:
@@ -239,10 +263,8 @@ class Fleet:
         if state == "dead":
             return Health(index, address, False, "dead", "the endpoint is dead")
         # Two calls (Check, then Handshake), each within half the deadline.
-        result = probe(address, timeout=timeout / 2, token=self._auth_token)
-        lanes = None
-        if result.handshake is not None and result.handshake.env_contract is not None:
-            lanes = result.handshake.env_contract.num_envs or None
+        result = probe(address, timeout=timeout / 2, token=self._auth_token, tls=self._tls_context)
+        lanes = result.num_envs or None
         health = Health(index, address, result.serving, result.health, result.error, lanes)
         with self._lock:
             if member.address == address and member.state != "dead":

@@ -105,6 +105,12 @@ def run_fleet(
             "send one: drive them with a token-capable client through Fleet.map, or "
             "serve them without a token on a network you trust"
         )
+    if fleet.tls is not None and fleet.tls is not False:
+        raise FleetError(
+            "these endpoints serve TLS and rlmesh 0.1.0's clients cannot connect over TLS "
+            "(tcp:// only): drive them with rlmesh_trio.client (VectorEnv(address, "
+            "tls=fleet.tls)) through Fleet.map"
+        )
     wanted = _check_seeds(seeds)
     user_hooks = run_kwargs.pop("hooks", None)
     if not wanted:

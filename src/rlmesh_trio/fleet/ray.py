@@ -22,6 +22,7 @@ import logging
 import os
 import queue
 import secrets
+import shutil
 import signal
 import tempfile
 import threading
@@ -38,7 +39,8 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from .._address import TcpAddress, parse_address
-from .._options import ServeOptions, stop_bound
+from .._options import ServeOptions, stop_bound, tls_files
+from .._tls import TlsSetting
 from ._core import Fleet, Health, _Member
 
 __all__ = ["RayFleet", "SupervisorStats", "launch"]
@@ -64,6 +66,47 @@ class _ActorConfig:
     options: ServeOptions
     pin_ports: bool
     ready_timeout_s: float
+    tls_pem: TlsPem | None = None
+    """The endpoints' certificate, key and client CA, read on the driver: written to a
+    private directory on the actor's node (so the files need not be there already)."""
+
+
+@dataclass(frozen=True)
+class TlsPem:
+    cert: bytes
+    key: bytes
+    client_ca: bytes | None
+
+    @classmethod
+    def read(cls, cert: Any, key: Any, client_ca: Any) -> TlsPem:
+        def load(path: Any) -> bytes:
+            with open(os.fspath(path), "rb") as file:
+                return file.read()
+
+        return cls(load(cert), load(key), None if client_ca is None else load(client_ca))
+
+    def materialize(self, options: ServeOptions) -> tuple[ServeOptions, str]:
+        """``options`` pointing at the PEMs written to a fresh 0700 directory (returned)."""
+        directory = tempfile.mkdtemp(prefix="rlmesh-trio-tls-")
+        paths: dict[str, str | None] = {}
+        for name, data in (("cert", self.cert), ("key", self.key), ("client_ca", self.client_ca)):
+            if data is None:
+                paths[name] = None
+                continue
+            path = os.path.join(directory, f"{name}.pem")
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as file:
+                file.write(data)
+            paths[name] = path
+        return (
+            replace(
+                options,
+                tls_cert_file=paths["cert"],
+                tls_key_file=paths["key"],
+                tls_client_ca_file=paths["client_ca"],
+            ),
+            directory,
+        )
 
 
 @dataclass(frozen=True)
@@ -98,6 +141,10 @@ class _EndpointActor:
         from .._serve import ServerInfo, serve_env
 
         self._config = config
+        self._tls_dir: str | None = None
+        if config.tls_pem is not None:
+            options, self._tls_dir = config.tls_pem.materialize(config.options)
+            config = replace(config, options=options)
         if config.options.auth_token is None:
             # launch() decided on auth; a token in the workers' environment would make
             # the endpoint refuse the fleet's own probes (and be restarted forever).
@@ -197,6 +244,8 @@ class _EndpointActor:
         self._thread.join(bound + 1.0)
         with contextlib.suppress(OSError):
             os.remove(_port_file(self._config.fleet_id, self._config.index))
+        if self._tls_dir is not None:
+            shutil.rmtree(self._tls_dir, ignore_errors=True)
         return not self._thread.is_alive()
 
 
@@ -246,13 +295,14 @@ class RayFleet(Fleet):
         pg: PlacementGroup,
         fleet_id: str,
         auth_token: str | None,
+        tls: TlsSetting = None,
         health_period_s: float,
         health_timeout_s: float,
         unhealthy_after: int,
         ready_timeout_s: float,
         stop_timeout_s: float,
     ) -> None:
-        super().__init__([i.address for i in infos], auth_token=auth_token)
+        super().__init__([i.address for i in infos], auth_token=auth_token, tls=tls)
         self._members = [
             _RayMember(i, a, info) for i, (a, info) in enumerate(zip(actors, infos, strict=True))
         ]
@@ -504,6 +554,10 @@ def launch(
     bind: str = "node",
     auth_token: str | None = None,
     require_auth: bool | None = None,
+    tls: TlsSetting = None,
+    tls_cert_file: str | os.PathLike[str] | None = None,
+    tls_key_file: str | os.PathLike[str] | None = None,
+    tls_client_ca_file: str | os.PathLike[str] | None = None,
     niceness: int | None = 0,
     options: ServeOptions | None = None,
     runtime_env: Mapping[str, Any] | None = None,
@@ -538,6 +592,14 @@ def launch(
       :meth:`Fleet.map` with ``fleet.auth_token``. The health check never needs it.
       These arguments decide: ``RLMESH_TRIO_AUTH_TOKEN`` in the workers' environment is
       ignored.
+    * TLS: ``tls_cert_file`` / ``tls_key_file`` (and ``tls_client_ca_file`` for mTLS)
+      are the endpoints' (as :class:`~rlmesh_trio.ServeOptions` takes them), read here
+      and shipped to each actor, which writes them to a private directory on its node;
+      the certificate must name every address an endpoint gets (the nodes' IPs as IP
+      SANs with ``bind="node"``). ``tls`` is how the fleet's probes (and ``map``
+      functions, :attr:`Fleet.tls`) connect: the CA that signed it, or an
+      ``ssl.SSLContext`` with a client certificate under mTLS. :meth:`Fleet.run` drives
+      rlmesh 0.1.0's client, which has no TLS.
     * ``niceness``: the endpoint processes' nice value (Ray starts workers at 15, which
       cost an endpoint 11-16 % against normal-priority clients on a busy node);
       ``None`` keeps Ray's.
@@ -583,6 +645,7 @@ def launch(
     serve_options = options or ServeOptions()
     if token is not None:
         serve_options = replace(serve_options, auth_token=token)
+    tls_pem = _tls_pem(serve_options, tls, tls_cert_file, tls_key_file, tls_client_ca_file)
 
     actor_runtime_env: dict[str, Any] = dict(runtime_env or {})
     if niceness is not None:
@@ -613,6 +676,7 @@ def launch(
                 options=serve_options,
                 pin_ports=pin_ports,
                 ready_timeout_s=ready_timeout_s,
+                tls_pem=tls_pem,
             )
             actor = remote.options(
                 max_restarts=max_restarts,
@@ -648,6 +712,7 @@ def launch(
         pg=pg,
         fleet_id=fleet_id,
         auth_token=token,
+        tls=tls,
         health_period_s=health_period_s,
         health_timeout_s=health_timeout_s,
         unhealthy_after=unhealthy_after,
@@ -656,6 +721,33 @@ def launch(
     )
     log.info("fleet %s: %d endpoints serving: %s", fleet_id, endpoints, fleet.addresses)
     return fleet
+
+
+def _tls_pem(
+    options: ServeOptions, tls: TlsSetting, cert: Any, key: Any, client_ca: Any
+) -> TlsPem | None:
+    """The endpoints' TLS files (checked here, where they are read), or None."""
+    merged = replace(
+        options,
+        tls_cert_file=cert if cert is not None else options.tls_cert_file,
+        tls_key_file=key if key is not None else options.tls_key_file,
+        tls_client_ca_file=client_ca if client_ca is not None else options.tls_client_ca_file,
+    )
+    files = tls_files(merged)  # ValueError naming a missing or unusable file
+    if files is None:
+        if tls is not None and tls is not False:
+            raise ValueError(
+                "tls= is how the fleet connects to TLS endpoints: give them "
+                "tls_cert_file and tls_key_file too"
+            )
+        return None
+    if tls is None or tls is False:
+        raise ValueError(
+            "the endpoints serve TLS: give tls= too (the CA that signed their certificate, "
+            "or an ssl.SSLContext with a client certificate under mTLS), so that the "
+            "fleet's probes can reach them"
+        )
+    return TlsPem.read(files.cert_file, files.key_file, files.client_ca_file)
 
 
 def _refused(health: Health) -> bool:
