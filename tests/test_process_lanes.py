@@ -27,7 +27,7 @@ from support.crashy import EXIT, HOG, OK, RAISE, SEGFAULT
 
 from rlmesh_trio import ServeOptions, serve_env
 from rlmesh_trio._proto.rlmesh.env import v1 as env_v1
-from rlmesh_trio._transport._server import HEALTH_CHECK_PATH
+from rlmesh_trio._wire import HEALTH_CHECK_PATH
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.skipif(sys.platform == "win32", reason="POSIX")]
 

@@ -31,7 +31,7 @@ from rlmesh_trio._errors import LaneBrokenError, LaneDeadError, LaneTimeoutError
 from rlmesh_trio._jobs import CallJob, LaneReply, ResetJob, StepJob
 from rlmesh_trio._lanes import LANE_THREAD_PREFIX, LaneEngine
 from rlmesh_trio._proto.rlmesh.env import v1 as env_v1
-from rlmesh_trio._transport._server import HEALTH_CHECK_PATH
+from rlmesh_trio._wire import HEALTH_CHECK_PATH
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from rlmesh_trio._errors import FrameError, MessageTooLarge, WireError
 from rlmesh_trio._transport import _shim
 from rlmesh_trio._transport._shim import RequestReader
+from rlmesh_trio._wire import _framing
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -111,7 +112,7 @@ def test_messages_split_anywhere_are_cut_out_in_order() -> None:
 
 
 def test_a_big_message_is_read_into_one_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_shim, "SMALL_MESSAGE", 100)
+    monkeypatch.setattr(_framing, "SMALL_MESSAGE", 100)  # the cutter's (rlmesh_trio._wire)
     got: list[Any] = []
     h = Harness()
     h.reader._on_message = got.append

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ._wire._protocol import WORKFLOW_EDITION
+
 Policy = Literal["warn", "strict", "off"]
 
 EventLoop = Literal["auto", "uvloop", "asyncio"]
@@ -28,8 +30,6 @@ DEFAULT_MAX_ABANDONED_LANES = 8
 """The transport thread's event loop: uvloop when installed (``auto``), or one of them."""
 """How soft conformance violations are handled (SPEC §3.7.8)."""
 
-WORKFLOW_EDITION = "2026.06"
-"""The only workflow edition rlmesh-wire-v1 0.1.0 implements."""
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 """Per-message size limit, both directions (SPEC §1.8)."""

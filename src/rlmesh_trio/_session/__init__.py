@@ -5,6 +5,7 @@ Shutdown answers); :class:`Session` is one Join stream. Neither imports the lane
 transport: the transport's Join driver performs the actions.
 """
 
+from .._wire._protocol import PROTOCOL_GENERATION as PROTOCOL_GENERATION
 from ._actions import Action as Action
 from ._actions import CancelTimer as CancelTimer
 from ._actions import Done as Done
@@ -15,7 +16,6 @@ from ._actions import Send as Send
 from ._actions import StartTimer as StartTimer
 from ._actions import Wedged as Wedged
 from ._edition import rust_debug_str as rust_debug_str
-from ._endpoint import PROTOCOL_GENERATION as PROTOCOL_GENERATION
 from ._endpoint import ConformanceLedger as ConformanceLedger
 from ._endpoint import Endpoint as Endpoint
 from ._join import Session as Session

@@ -15,12 +15,11 @@ from collections.abc import Callable, Sequence
 from .._codec import Candidate
 from .._errors import InvalidRequestError
 from .._jobs import EnvContract
-from .._options import DEFAULT_CLOSE_TIMEOUT, WORKFLOW_EDITION, FaultPolicy, Policy
+from .._options import DEFAULT_CLOSE_TIMEOUT, FaultPolicy, Policy
 from .._proto.rlmesh.core import v1 as core_v1
 from .._proto.rlmesh.env import v1 as env_v1
 from .._version import __version__
-
-PROTOCOL_GENERATION = "rlmesh-wire-v1"
+from .._wire._protocol import PROTOCOL_GENERATION, WORKFLOW_EDITION
 
 LANE_STATES_KEY = "rlmesh_trio.lane_states"
 """Handshake ``peer_info.extra`` key: every lane's supervision state, comma-separated in

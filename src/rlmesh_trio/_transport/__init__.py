@@ -11,10 +11,10 @@ client speaks h2 on Trio itself).
 :func:`rlmesh_trio.client.probe`.
 """
 
-from ._server import HANDSHAKE_PATH as HANDSHAKE_PATH
-from ._server import HEALTH_CHECK_PATH as HEALTH_CHECK_PATH
-from ._server import JOIN_PATH as JOIN_PATH
-from ._server import SERVICE_NAME as SERVICE_NAME
-from ._server import SHUTDOWN_PATH as SHUTDOWN_PATH
+from .._wire import HANDSHAKE_PATH as HANDSHAKE_PATH
+from .._wire import HEALTH_CHECK_PATH as HEALTH_CHECK_PATH
+from .._wire import JOIN_PATH as JOIN_PATH
+from .._wire import SERVICE_NAME as SERVICE_NAME
+from .._wire import SHUTDOWN_PATH as SHUTDOWN_PATH
 from ._service import THREAD_NAME as THREAD_NAME
 from ._service import TransportService as TransportService

@@ -50,8 +50,13 @@ from .._proto.rlmesh.env import v1 as env_v1
 from .._tls import HANDSHAKE_TIMEOUT as TLS_HANDSHAKE_TIMEOUT
 from .._tls import ReloadingServerContext
 from .._wire import (
+    HANDSHAKE_PATH,
+    HEALTH_CHECK_PATH,
     HEALTH_NOT_SERVING,
     HEALTH_SERVING,
+    JOIN_PATH,
+    SERVICE_NAME,
+    SHUTDOWN_PATH,
     decode_handshake_request,
     decode_health_request,
     decode_shutdown_request,
@@ -76,11 +81,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rlmesh_trio.transport")
 
-SERVICE_NAME = "rlmesh.env.v1.EnvService"
-HANDSHAKE_PATH = f"/{SERVICE_NAME}/Handshake"
-JOIN_PATH = f"/{SERVICE_NAME}/Join"
-SHUTDOWN_PATH = f"/{SERVICE_NAME}/Shutdown"
-HEALTH_CHECK_PATH = "/grpc.health.v1.Health/Check"
 
 HEALTH_MAX_BYTES = 4096
 """The largest HealthCheckRequest read (a service name of a few KiB); a bigger one is

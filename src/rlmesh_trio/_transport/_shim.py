@@ -54,7 +54,6 @@ from grpclib.const import Handler as MethodHandler
 from grpclib.const import Status
 from grpclib.encoding.base import CodecBase
 from grpclib.events import _DispatchServerEvents
-from grpclib.metadata import encode_grpc_message
 from grpclib.protocol import H2Protocol
 from grpclib.server import Handler as GrpclibHandler
 from grpclib.server import Stream
@@ -62,7 +61,7 @@ from h2.errors import ErrorCodes
 from hyperframe.frame import GoAwayFrame
 
 from .._errors import CompressedRequestError, FrameError, UnauthenticatedError, WireError
-from .._wire import PREFIX_SIZE, parse_prefix
+from .._wire import PREFIX_SIZE, SMALL_MESSAGE, MessageReader, encode_grpc_message, parse_prefix
 from ._headers import HEADER_ENCODING, Verdict, check_request_headers, for_dispatch
 
 if TYPE_CHECKING:
@@ -77,11 +76,6 @@ ACK_BATCH = 256 << 10
 """Consumed request bytes are acknowledged to h2 in batches of this size (h2 sends a
 WINDOW_UPDATE only once half the 4 MiB window is consumed anyway); a stream's end, a
 pause and a detach acknowledge what is left."""
-
-SMALL_MESSAGE = 1 << 20
-"""Messages up to this size are read in one piece; bigger ones are appended to one
-buffer chunk by chunk as they arrive (no list of chunks and no join: peak memory is one
-copy, and never more than what has arrived)."""
 
 
 class Admission(Protocol):
@@ -535,7 +529,6 @@ class RequestReader:
         self._raw = raw
         self._connection = connection
         self._h2 = raw._h2_connection
-        self._limit = limit
         self._on_message = on_message
         self._on_end = on_end
         self._chunks: deque[tuple[bytes | memoryview, int]] = deque()  # data, to ack
@@ -546,13 +539,7 @@ class RequestReader:
         self._stopped = False
         self._paused = False
         self._pumping = False
-        # The message being read: its prefix so far, or its body.
-        self._prefix = b""
-        self._length = -1  # body length, -1 while reading the prefix
-        self._small: list[bytes | memoryview] = []
-        self._small_size = 0
-        self._big: bytearray | None = None  # a big body so far, grown as it arrives
-        self._pos = 0
+        self._cutter = MessageReader(limit)  # the message being read
 
     # -- control
 
@@ -636,8 +623,7 @@ class RequestReader:
         while self._chunks:
             ack += self._chunks.popleft()[1]
         self.buffered = 0
-        self._small.clear()
-        self._big = None
+        self._cutter.clear()
         self._ack(ack)
 
     def _report_end(self, error: WireError | None) -> None:
@@ -663,12 +649,12 @@ class RequestReader:
         while not (self._done or self._paused or self._stopped):
             if not chunks:
                 if self._eof:
-                    mid_message = self._length >= 0 or self._prefix
+                    mid_message = self._cutter.mid_message
                     self._report_end(FrameError("truncated message") if mid_message else None)
                 return
             data, ack = chunks[0]
             try:
-                message, rest = self._cut(data)
+                message, rest = self._cutter.cut(data)
             except WireError as exc:
                 self._report_end(exc)
                 return
@@ -691,63 +677,3 @@ class RequestReader:
                     self._report_end(FrameError("request handling failed"))
                     return
                 del message
-
-    def _cut(
-        self, data: bytes | memoryview
-    ) -> tuple[bytes | bytearray | None, bytes | memoryview | None]:
-        """Consume from ``data``: (a complete message or None, the unconsumed rest or None)."""
-        if self._length < 0:
-            if not self._prefix and len(data) >= PREFIX_SIZE:
-                length = parse_prefix(bytes(data[:PREFIX_SIZE]), self._limit)
-                end = PREFIX_SIZE + length
-                if len(data) == end and length <= SMALL_MESSAGE:  # the usual case
-                    return bytes(data[PREFIX_SIZE:]), None
-                data = memoryview(data)[PREFIX_SIZE:]
-            else:
-                need = PREFIX_SIZE - len(self._prefix)
-                self._prefix += bytes(data[:need])
-                data = memoryview(data)[need:] if len(data) > need else b""
-                if len(self._prefix) < PREFIX_SIZE:
-                    return None, None
-                length = parse_prefix(self._prefix, self._limit)
-                self._prefix = b""
-            self._start_body(length)
-            if length == 0:
-                return self._finish_body(), data if len(data) else None
-            if not len(data):
-                return None, None
-        return self._take_body(data)
-
-    def _start_body(self, length: int) -> None:
-        self._length = length
-        self._pos = 0
-        if length > SMALL_MESSAGE:
-            # Not bytearray(length): the prefix's length is a claim, and a claim of
-            # 256 MiB in 5 bytes must not allocate it. The body grows as it arrives.
-            self._big = bytearray()
-
-    def _take_body(
-        self, data: bytes | memoryview
-    ) -> tuple[bytes | bytearray | None, bytes | memoryview | None]:
-        need = self._length - self._pos
-        piece = data if len(data) <= need else memoryview(data)[:need]
-        taken = len(piece)
-        if self._big is not None:
-            self._big += piece
-        else:
-            self._small.append(bytes(piece) if isinstance(piece, memoryview) else piece)
-        self._pos += taken
-        rest = memoryview(data)[taken:] if len(data) > taken else None
-        if self._pos < self._length:
-            return None, rest
-        return self._finish_body(), rest
-
-    def _finish_body(self) -> bytes | bytearray:
-        self._length = -1
-        if self._big is not None:
-            message: bytes | bytearray = self._big
-            self._big = None
-            return message
-        message = b"".join(self._small)
-        self._small.clear()
-        return message

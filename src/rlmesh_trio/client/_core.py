@@ -25,6 +25,7 @@ from .._errors import CodecError
 from .._logging import protect_credentials
 from .._tls import ABRUPT_END, TlsSetting, client_context, describe_tls_error
 from .._wire._protobuf import DecodeError
+from .._wire._protocol import HANDSHAKE_PATH, JOIN_PATH
 from ._errors import (
     ConnectionLostError,
     EndpointClosedError,
@@ -49,12 +50,6 @@ __all__ = [
     "tls_failure",
     "transport_failure",
 ]
-
-SERVICE_NAME = "rlmesh.env.v1.EnvService"
-SERVICE = f"/{SERVICE_NAME}"
-HANDSHAKE_PATH = f"{SERVICE}/Handshake"
-JOIN_PATH = f"{SERVICE}/Join"
-HEALTH_CHECK_PATH = "/grpc.health.v1.Health/Check"
 
 MAX_COMPLETED = 65536
 """Episode records kept for :meth:`Endpoint.pop_completed_episodes` (older ones drop)."""

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import struct
 from typing import Any, Final
-from urllib.parse import unquote
 
 import h2.config
 import h2.connection
@@ -22,7 +20,7 @@ import h2.events
 import h2.exceptions
 import h2.settings
 
-from .._wire import PREFIX_SIZE, parse_prefix
+from .._wire import MessageReader, decode_grpc_message, frame
 
 __all__ = ["MAX_MESSAGE_SIZE", "Call", "GrpcConnection"]
 
@@ -32,15 +30,13 @@ MAX_MESSAGE_SIZE: Final = 256 * 1024 * 1024
 _WINDOW: Final = 16 * 1024 * 1024
 """Our receive window (stream and connection): replies are rarely held by flow control."""
 
-_PREFIX: Final = struct.Struct(">BI")
-
 
 class Call:
     """One gRPC call (an HTTP/2 stream): received messages, how it ended, what to send."""
 
     __slots__ = (
-        "_buffer",
         "_outbound",
+        "_reader",
         "ended",
         "headers",
         "id",
@@ -62,7 +58,7 @@ class Call:
         """The server's side is over (trailers, reset or connection loss)."""
         self.lost: str | None = None
         """Why the call ended without a gRPC status (stream reset, connection gone)."""
-        self._buffer = bytearray()
+        self._reader = MessageReader(MAX_MESSAGE_SIZE)
         self._outbound: collections.deque[tuple[memoryview, bool]] = collections.deque()
 
     def end_with(self, block: list[tuple[str, str]]) -> None:
@@ -73,7 +69,7 @@ class Call:
                 self.status = int(status)
             except ValueError:
                 self.lost = f"unreadable grpc-status {status!r}"
-            self.status_message = unquote(values.get("grpc-message", ""))
+            self.status_message = decode_grpc_message(values.get("grpc-message", ""))
         elif self.lost is None:
             self.lost = "the stream ended without a grpc-status"
         self.ended = True
@@ -152,7 +148,7 @@ class GrpcConnection:
             )
         if call.ended:
             return
-        call._outbound.append((memoryview(_PREFIX.pack(0, len(message)) + message), end))
+        call._outbound.append((memoryview(frame(message)), end))
         self._pump(call)
 
     def cancel(self, call: Call) -> None:
@@ -260,8 +256,7 @@ class GrpcConnection:
                         event.flow_controlled_length, event.stream_id
                     )
                 if call is not None:
-                    call._buffer += event.data
-                    self._split(call)
+                    self._split(call, event.data)
             elif isinstance(event, h2.events.ResponseReceived):
                 call = self._calls.get(event.stream_id)
                 if call is not None:
@@ -293,18 +288,16 @@ class GrpcConnection:
                 if call._outbound:
                     self._pump(call)
 
-    def _split(self, call: Call) -> None:
-        buffer = call._buffer
-        while len(buffer) >= PREFIX_SIZE:
+    def _split(self, call: Call, data: bytes) -> None:
+        rest: bytes | memoryview | None = data
+        while rest is not None:
             try:
-                length = parse_prefix(bytes(buffer[:PREFIX_SIZE]), MAX_MESSAGE_SIZE)
+                message, rest = call._reader.cut(rest)
             except Exception as exc:
                 self.lose(f"bad gRPC message from the server: {exc}")
                 return
-            if len(buffer) < PREFIX_SIZE + length:
-                return
-            call.messages.append(bytes(buffer[PREFIX_SIZE : PREFIX_SIZE + length]))
-            del buffer[: PREFIX_SIZE + length]
+            if message is not None:
+                call.messages.append(bytes(message) if isinstance(message, bytearray) else message)
 
     def _goaway(self, event: Any) -> None:
         self.goaway = True

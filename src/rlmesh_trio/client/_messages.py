@@ -31,6 +31,7 @@ from .._wire._protobuf import (
     signed64,
     text,
 )
+from .._wire._protocol import PROTOCOL_GENERATION, WORKFLOW_EDITION
 
 __all__ = [
     "EDITION",
@@ -47,8 +48,7 @@ __all__ = [
     "step_request",
 ]
 
-PROTOCOL_GENERATION: Final = "rlmesh-wire-v1"
-EDITION: Final = "2026.06"
+EDITION: Final = WORKFLOW_EDITION
 
 _F64: Final = struct.Struct("<d")
 _MASK32: Final = (1 << 32) - 1

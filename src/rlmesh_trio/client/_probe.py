@@ -18,9 +18,10 @@ import gymnasium as gym
 from .._codec import spec_to_space
 from .._tls import TlsSetting
 from .._wire import DecodeError
+from .._wire._protocol import HANDSHAKE_PATH, HEALTH_CHECK_PATH, SERVICE_NAME
 from .._wire._unary import HEALTH_STATUS_NAMES, decode_health_response, encode_health_request
 from ._blocking import BlockingConnection
-from ._core import AUTORESET_NAMES, HANDSHAKE_PATH, HEALTH_CHECK_PATH, SERVICE_NAME, Target
+from ._core import AUTORESET_NAMES, Target
 from ._errors import ConnectionLostError
 from ._grpc import Call
 from ._messages import decode_handshake_response, handshake_request
