@@ -180,9 +180,7 @@ def typecheck(session: nox.Session) -> None:
 @nox.session
 def codegen(session: nox.Session) -> None:
     """Regenerate src/rlmesh_trio/_proto from proto/; ``-- --check`` fails on drift."""
-    session.install(
-        "-c", CI_CONSTRAINTS, dev_pin("betterproto2-compiler"), dev_pin("grpcio-tools")
-    )
+    session.install("-c", CI_CONSTRAINTS, dev_pin("betterproto2-compiler"), dev_pin("grpcio-tools"))
     session.run("python", "tools/codegen.py", *session.posargs)
 
 

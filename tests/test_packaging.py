@@ -97,7 +97,9 @@ def test_ci_pins_lie_in_the_ranges_and_agree_with_the_extras() -> None:
                 assert req.specifier.contains(version), f"{req} vs {version} (Python {python})"
         for group in groups:
             for name, version in pins([Requirement(r) for r in group], python).items():
-                assert pinned.get(name) == version, f"{name}: extra {version}, ci {pinned.get(name)}"
+                assert pinned.get(name) == version, (
+                    f"{name}: extra {version}, ci {pinned.get(name)}"
+                )
 
 
 def test_nox_and_build_are_pinned_in_the_dev_extra() -> None:

@@ -110,11 +110,24 @@ def with_path(bin_dir: Path, extra: dict[str, str] | None = None) -> dict[str, s
     return env
 
 
-def run(cmd: Sequence[str] | str, *, cwd: Path, env: dict[str, str], timeout: float) -> None:
+DOCKER_SHELL = ("sh", "-c")
+"""How ``docker build`` runs a shell-form ``RUN``."""
+USER_SHELL = ("bash", "-euo", "pipefail", "-c")
+"""How the README's console lines run: one shell session, stopping at the first failure."""
+
+
+def run(
+    cmd: Sequence[str] | str,
+    *,
+    cwd: Path,
+    env: dict[str, str],
+    timeout: float,
+    shell: Sequence[str] = USER_SHELL,
+) -> None:
+    """Run an argv, or a shell script with ``shell``; a non-zero exit fails the check."""
     shown = cmd if isinstance(cmd, str) else shlex.join(cmd)
     log(f"({cwd.name}) $ {shown}")
-    shell = isinstance(cmd, str)
-    argv: Sequence[str] = ["bash", "-euo", "pipefail", "-c", cmd] if shell else cmd  # type: ignore[list-item]
+    argv = [*shell, cmd] if isinstance(cmd, str) else list(cmd)
     done = subprocess.run(argv, cwd=cwd, env=env, timeout=timeout, check=False)
     if done.returncode != 0:
         raise CheckFailed(f"exit {done.returncode}: {shown}")
@@ -345,18 +358,20 @@ def run_dockerfile(work: Path) -> Stage:
             paths = [source_root / s.lstrip("/") for s in sources]
             copy_into(paths, dest, stage.inside(dest))
         elif word == "ENV":
-            stage.env.update(kv.split("=", 1) for kv in shlex.split(args))  # type: ignore[misc]
+            for item in shlex.split(args):
+                key, _, value = item.partition("=")
+                stage.env[key] = value
         elif word == "RUN":
             if re.search(r"(^|\s)/", args):
                 raise CheckFailed(f"RUN with an absolute path cannot be checked: {args!r}")
             env = with_path(stage.bin_dir, stage.env)
-            run(args, cwd=stage.workdir, env=env, timeout=INSTALL_TIMEOUT)
+            run(args, cwd=stage.workdir, env=env, timeout=INSTALL_TIMEOUT, shell=DOCKER_SHELL)
         elif word == "ENTRYPOINT":
             stage.entrypoint = exec_form(args)
         elif word == "CMD":
             stage.cmd = exec_form(args)
         elif word == "HEALTHCHECK":
-            options, _, command = args.partition("CMD ")
+            _options, _, command = args.partition("CMD ")
             stage.healthcheck = exec_form(command)
         elif word == "USER":
             stage.user = args
@@ -386,8 +401,12 @@ def check_image_steps(work: Path) -> None:
     with serving(bound, cwd=image.workdir, env=env) as server:
         server.wait_for(SERVING, SERVE_TIMEOUT)
         run(health, cwd=image.workdir, env=env, timeout=60)
-        run([str(image.bin_dir / "python"), "-c", "import prometheus_client"],
-            cwd=image.workdir, env=env, timeout=60)
+        run(
+            [str(image.bin_dir / "python"), "-c", "import prometheus_client"],
+            cwd=image.workdir,
+            env=env,
+            timeout=60,
+        )
         expect_clean_stop(server, signal.SIGTERM)
 
 
@@ -424,7 +443,9 @@ def check_quick_start(work: Path, constraints: Path) -> None:
         home = work / "client"
         home.mkdir()
         (home / "quickstart.py").write_text(example.replace(shown.group(1), address))
-        run("\n".join([*client, "python quickstart.py"]), cwd=home, env=env, timeout=INSTALL_TIMEOUT)
+        run(
+            "\n".join([*client, "python quickstart.py"]), cwd=home, env=env, timeout=INSTALL_TIMEOUT
+        )
         expect_clean_stop(server, signal.SIGINT)
 
 
@@ -434,7 +455,9 @@ def main() -> int:
     parser.add_argument("--constraints", type=Path, required=True, help="constraints/ci.txt")
     parser.add_argument("--workdir", type=Path, required=True, help="an empty scratch directory")
     parser.add_argument(
-        "--only", choices=("wheel", "image", "readme"), action="append",
+        "--only",
+        choices=("wheel", "image", "readme"),
+        action="append",
         help="run only these checks (repeatable; default all)",
     )
     args = parser.parse_args()
