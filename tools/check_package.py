@@ -416,7 +416,7 @@ def check_image_steps(work: Path) -> None:
 def readme_quick_start() -> tuple[list[str], str, list[str], str]:
     """(serve commands, the line serve prints, client commands, the client example)."""
     text = README.read_text()
-    section = text.split("\n## Serve an env\n", 1)[1].split("\n## ", 1)[0]
+    section = text.split("\n## Serve an env\n", 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
     blocks = re.findall(r"```(\w+)\n(.*?)```", section, flags=re.S)
     consoles = [body for lang, body in blocks if lang == "console"]
     pythons = [body for lang, body in blocks if lang == "python"]
