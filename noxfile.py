@@ -1,14 +1,17 @@
-"""Development sessions: ``nox -s tests | ray | tests-process | fuzz | envs | lint | typecheck |
-codegen | bench``.
+"""Development sessions: ``nox -s tests | ray | tests-process | lowest | pythons | package |
+fuzz | envs | lint | typecheck | codegen | bench``.
 
-Every session builds its own virtualenv (``venv`` backend) with the interpreter that
-runs nox, and installs exactly the pins of ``pyproject.toml``: the ``test`` extra for
-tests and benchmarks, the ``dev`` extra's pins for the tools.
+Every session builds its own virtualenv (``venv`` backend). ``pyproject.toml`` declares
+ranges (``[project].dependencies``); the sessions install exact versions from a
+constraints file: ``constraints/ci.txt`` (every package, transitive ones too) for all of
+them but ``lowest``, which takes ``constraints/lowest.txt`` (the low end of every range).
+The ``test`` extra's pins and the ``dev`` extra's pins (the tools) come from pyproject.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -20,6 +23,34 @@ nox.options.error_on_external_run = True
 
 ROOT = Path(__file__).resolve().parent
 PYPROJECT = nox.project.load_toml(ROOT / "pyproject.toml")
+CI_CONSTRAINTS = "constraints/ci.txt"
+LOWEST_CONSTRAINTS = "constraints/lowest.txt"
+
+CLAIMED_PYTHONS = [
+    classifier.rsplit(" :: ", 1)[1]
+    for classifier in PYPROJECT["project"]["classifiers"]
+    if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", classifier)
+]
+"""Every Python the package claims (its ``Programming Language :: Python :: 3.X``
+classifiers; tests/test_packaging.py checks them against ``requires-python``)."""
+
+SMOKE = [
+    # serve: in-process, then the CLI in a subprocess (SIGINT drains) and its probe
+    "tests/test_serve.py::test_start_reports_the_resolved_address_and_cancel_stops_everything",
+    "tests/test_cli.py::test_sigint_once_drains_and_exits_0",
+    "tests/test_cli.py::test_probe_a_live_server",
+    # rlmesh 0.1.0's clients, against both servers
+    "tests/test_interop.py::test_remote_vector_env_follows_gymnasium",
+    "tests/test_serve.py::test_rlmesh_run_drives_three_lanes",
+    # our clients: the gymnasium adapter and the Trio endpoint
+    "tests/test_client_gym.py::test_vector_env_transcript_equals_sync_vector_env",
+    "tests/test_client_async.py::test_reset_step_close_follow_the_local_envs",
+    # a differential scenario: the same raw lane session against both servers
+    "tests/test_differential.py::test_raw_lane_session",
+    # process lanes
+    "tests/test_process_lanes.py::test_envs_live_in_their_own_processes_and_answer_as_thread_lanes_do",
+]
+"""The ``pythons`` session's subset: about a minute of the suite, on every claimed Python."""
 
 
 def dev_pin(name: str) -> str:
@@ -30,19 +61,68 @@ def dev_pin(name: str) -> str:
     raise LookupError(f"{name} is not pinned in the dev extra of pyproject.toml")
 
 
+def test_requirements_without_ray() -> list[str]:
+    """The ``test`` extra but Ray (whose wheels lag new Pythons; ``nox -s ray`` runs the
+    fleet's Ray tests at the CI pins, and the Ray test modules skip without it)."""
+    return [
+        requirement
+        for requirement in PYPROJECT["project"]["optional-dependencies"]["test"]
+        if re.split(r"[=<>;\s\[]", requirement, maxsplit=1)[0].lower() != "ray"
+    ]
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """Install the package with its test extra and run the pytest suite (but the Ray tests)."""
-    session.install(".[test]")
+    session.install("-c", CI_CONSTRAINTS, ".[test]")
     # The Ray fleet tests start Ray clusters (minutes on 2 cores): their own session.
     session.run("pytest", "-m", "not ray", *session.posargs)
+
+
+@nox.session(python=CLAIMED_PYTHONS[0])
+def lowest(session: nox.Session) -> None:
+    """The suite (but Ray) on the oldest claimed Python against the lowest version of every
+    dependency range (constraints/lowest.txt): what a user's older stack would run."""
+    session.install("-c", LOWEST_CONSTRAINTS, ".", *test_requirements_without_ray())
+    session.run("python", "-m", "pip", "freeze")  # the versions tested, in the log
+    session.run("pytest", "-m", "not ray", *session.posargs)
+
+
+@nox.session(python=CLAIMED_PYTHONS)
+def pythons(session: nox.Session) -> None:
+    """A smoke subset (:data:`SMOKE`) on every claimed Python at the CI pins. An absent
+    interpreter is reported as skipped (``.ci/run`` passes
+    ``--no-error-on-missing-interpreters`` for this session only)."""
+    session.install("-c", CI_CONSTRAINTS, ".", *test_requirements_without_ray())
+    session.run("pytest", *SMOKE, *session.posargs)
+
+
+@nox.session
+def package(session: nox.Session) -> None:
+    """Build the sdist and the wheel; install the wheel in a fresh venv and serve from it;
+    run the Dockerfile's install steps the same way; run the README's quick start as
+    written (serve from a copy of the repository, the client in a fresh venv of its own)."""
+    session.install("-c", CI_CONSTRAINTS, dev_pin("build"))
+    dist = Path(session.create_tmp()) / "dist"
+    session.run("python", "-m", "build", "--outdir", str(dist), ".")
+    session.run(
+        "python",
+        "tools/check_package.py",
+        "--dist",
+        str(dist),
+        "--constraints",
+        CI_CONSTRAINTS,
+        "--workdir",
+        str(Path(session.create_tmp()) / "package-check"),
+        *session.posargs,
+    )
 
 
 @nox.session
 def fuzz(session: nox.Session) -> None:
     """The differential JoinRequest fuzz test, long: ``RLMESH_FUZZ_COUNT`` messages per peer
     (3000 unless set; the default suite runs 400)."""
-    session.install(".[test]")
+    session.install("-c", CI_CONSTRAINTS, ".[test]")
     count = os.environ.get("RLMESH_FUZZ_COUNT", "3000")
     session.run(
         "pytest",
@@ -56,7 +136,7 @@ def fuzz(session: nox.Session) -> None:
 def tests_process(session: nox.Session) -> None:
     """The interop and differential suites again, every rlmesh-trio server with process
     lanes (``--lane-isolation process``): the same answers as the reference."""
-    session.install(".[test]")
+    session.install("-c", CI_CONSTRAINTS, ".[test]")
     session.run(
         "pytest",
         "tests/test_interop.py",
@@ -70,7 +150,7 @@ def tests_process(session: nox.Session) -> None:
 @nox.session
 def envs(session: nox.Session) -> None:
     """Popular third-party envs (MiniGrid, ...) served through rlmesh's own clients."""
-    session.install(".[test,envs]")
+    session.install("-c", CI_CONSTRAINTS, ".[test,envs]")
     session.run("pytest", "-m", "envs", *session.posargs)
 
 
@@ -78,7 +158,7 @@ def envs(session: nox.Session) -> None:
 def ray(session: nox.Session) -> None:
     """The fleet's tests on a local Ray (``-m ray``: one Ray per module, loopback only);
     ``tests`` leaves them out, CI (``.ci/run``) runs both."""
-    session.install(".[test]")
+    session.install("-c", CI_CONSTRAINTS, ".[test]")
     session.run("pytest", "-m", "ray", *session.posargs)
 
 
@@ -93,21 +173,21 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """mypy --strict on src/rlmesh_trio (configured in pyproject.toml)."""
-    session.install("-e", ".", dev_pin("mypy"))
+    session.install("-c", CI_CONSTRAINTS, "-e", ".", dev_pin("mypy"))
     session.run("mypy", *session.posargs)
 
 
 @nox.session
 def codegen(session: nox.Session) -> None:
     """Regenerate src/rlmesh_trio/_proto from proto/; ``-- --check`` fails on drift."""
-    session.install(dev_pin("betterproto2-compiler"), dev_pin("grpcio-tools"))
+    session.install("-c", CI_CONSTRAINTS, dev_pin("betterproto2-compiler"), dev_pin("grpcio-tools"))
     session.run("python", "tools/codegen.py", *session.posargs)
 
 
 @nox.session
 def bench(session: nox.Session) -> None:
     """Run every bench/bench_*.py (arguments after ``--`` go to each of them)."""
-    session.install(".[test]")
+    session.install("-c", CI_CONSTRAINTS, ".[test]")
     scripts = sorted((ROOT / "bench").glob("bench_*.py"))
     if not scripts:
         session.error("no bench/bench_*.py found")

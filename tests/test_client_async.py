@@ -195,11 +195,11 @@ async def test_a_frozen_server_is_noticed_by_keepalive(servers: ServerPool) -> N
         with trio.fail_after(BOUND):
             async with open_endpoint(srv.address, ping_interval=0.2, ping_timeout=0.5) as ep:
                 await ep.reset()
-                os.kill(srv.pid, signal.SIGSTOP)
+                srv.freeze()
                 with pytest.raises(ConnectionLostError, match="PING"):
                     await ep.step(np.array([0]))
     finally:
-        os.kill(srv.pid, signal.SIGCONT)
+        srv.thaw()
         await trio.to_thread.run_sync(srv.stop)
 
 

@@ -281,10 +281,10 @@ def test_env_against_a_frozen_server(servers: ServerPool) -> None:
     env = Env(server.address, ping_interval=0.2, ping_timeout=0.5)
     try:
         env.reset()
-        os.kill(server.pid, signal.SIGSTOP)
+        server.freeze()
         with pytest.raises(ConnectionLostError, match="PING"):
             env.step(0)
     finally:
-        os.kill(server.pid, signal.SIGCONT)
+        server.thaw()
         env.close()
         server.stop()

@@ -689,6 +689,23 @@ async def test_two_sleepy_lanes_step_concurrently_each_on_its_own_thread() -> No
 # 4. contract agreement
 
 
+def _cartpole_metadata_as_served() -> dict[str, Any]:
+    """CartPole's metadata as a fresh env has it now, as the wire carries it.
+
+    Before gymnasium 1.4 a vector env writes ``autoreset_mode`` into the env *class's*
+    metadata, so after any ``make_vec`` in the process every CartPole (here and in the
+    reference server) carries it; from 1.4 on the class's dict stays as declared.
+    """
+    want: dict[str, Any] = {"render_modes": ["human", "rgb_array"], "render_fps": 50}
+    local = gym.make("CartPole-v1")
+    try:
+        if "autoreset_mode" in local.metadata:
+            want["autoreset_mode"] = "NextStep"
+    finally:
+        local.close()
+    return want
+
+
 async def test_the_contract_is_lane_zeros_and_built_once() -> None:
     from rlmesh_trio._codec import SpaceCodec, from_meta_map, space_to_spec
 
@@ -700,10 +717,7 @@ async def test_the_contract_is_lane_zeros_and_built_once() -> None:
         assert bytes(space_to_spec(contract.action_space)) == bytes(
             space_to_spec(spaces.Discrete(2))
         )
-        assert from_meta_map(contract.metadata) == {
-            "render_modes": ["human", "rgb_array"],
-            "render_fps": 50,
-        }
+        assert from_meta_map(contract.metadata) == _cartpole_metadata_as_served()
         assert contract.render_mode == ""
     async with serving(Built(), 1) as engine:
         assert engine.contract.env_id == "UnknownEnv-v1"
@@ -769,7 +783,8 @@ async def test_metadata_and_env_id_must_agree() -> None:
 
 async def test_autoreset_mode_in_metadata_is_served_as_the_reference_does() -> None:
     # Checked against rlmesh 0.1.0: gymnasium 1.4's vector envs copy the metadata before
-    # writing autoreset_mode, so a CartPole built after make_vec serves plain metadata; an
+    # writing autoreset_mode, so a CartPole built after make_vec serves plain metadata
+    # (older gymnasiums write it into the class's dict: then both servers serve it); an
     # env whose own metadata carries autoreset_mode keeps it (served as text "NextStep").
     from gymnasium.vector import AutoresetMode
 
@@ -778,7 +793,7 @@ async def test_autoreset_mode_in_metadata_is_served_as_the_reference_does() -> N
     vec = gym.make_vec("CartPole-v1", num_envs=2, vectorization_mode="sync")
     try:
         async with serving(LaneEngine.factory("CartPole-v1"), 1) as engine:
-            assert "autoreset_mode" not in from_meta_map(engine.contract.metadata)
+            assert from_meta_map(engine.contract.metadata) == _cartpole_metadata_as_served()
     finally:
         vec.close()
     meta = {"autoreset_mode": AutoresetMode.NEXT_STEP}

@@ -8,7 +8,7 @@ once, each with a socket timeout). docs/metrics.md lists every metric.
 Hot-path cost: per-lane children are bound once, so a step costs a few counter
 increments and two histogram observations on the transport thread.
 
-prometheus-client is the ``metrics`` extra (``pip install rlmesh-trio[metrics]``); asking
+prometheus-client is the ``metrics`` extra (``pip install '.[metrics]'`` from a clone); asking
 for metrics without it is a clear startup error.
 """
 
@@ -56,7 +56,8 @@ def _prometheus() -> Any:
         import prometheus_client
     except ImportError as exc:  # pragma: no cover - the extra is in the test deps
         raise RuntimeError(
-            "metrics need prometheus-client: pip install 'rlmesh-trio[metrics]'"
+            "metrics need prometheus-client: pip install prometheus-client "
+            "(the metrics extra; from a clone of rlmesh-trio: pip install '.[metrics]')"
         ) from exc
     return prometheus_client
 

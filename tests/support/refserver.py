@@ -154,6 +154,22 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             return None
 
+    def freeze(self) -> None:
+        """SIGSTOP, and return once the kernel reports the process stopped.
+
+        ``kill`` only queues the signal: a request sent right after it could still be
+        answered. ``waitpid(WUNTRACED)`` (this process is the parent) waits for the stop
+        itself, which reaps nothing.
+        """
+        os.kill(self.pid, signal.SIGSTOP)
+        _, status = os.waitpid(self.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status), f"server exited instead of stopping: {status:#x}"
+
+    def thaw(self) -> None:
+        """SIGCONT after :meth:`freeze`."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGCONT)
+
     def log(self) -> str:
         """What the server wrote to stdout/stderr so far."""
         try:

@@ -11,7 +11,7 @@ endpoints, merged into one result with each seed exactly once).
 * :meth:`Fleet.from_dns` -- a Kubernetes StatefulSet behind a headless Service
   (``deploy/kubernetes/``);
 * :func:`rlmesh_trio.fleet.ray.launch` -- endpoints launched and supervised on Ray
-  (the ``rlmesh-trio[ray]`` extra).
+  (the ``ray`` extra: ``pip install '.[ray]'`` from a clone).
 """
 
 from ._core import Endpoint as Endpoint

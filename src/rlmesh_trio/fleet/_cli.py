@@ -176,7 +176,11 @@ def fleet_command(args: argparse.Namespace) -> int:
 
         from .ray import _is_loopback, launch
     except ImportError as exc:
-        print(f"{PROG}: error: needs Ray: pip install 'rlmesh-trio[ray]' ({exc})", file=sys.stderr)
+        print(
+            f"{PROG}: error: needs Ray: pip install ray (the ray extra; from a clone of "
+            f"rlmesh-trio: pip install '.[ray]') ({exc})",
+            file=sys.stderr,
+        )
         return EXIT_FAILED
     env: Any = args.env
     if args.entrypoint is not None:

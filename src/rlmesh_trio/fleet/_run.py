@@ -88,7 +88,7 @@ def run_fleet(
         import rlmesh
     except ImportError as exc:  # pragma: no cover - rlmesh is in the test extra
         raise ImportError(
-            "Fleet.run drives rlmesh.run: install rlmesh (pip install rlmesh)"
+            "Fleet.run drives rlmesh.run: pip install 'rlmesh[numpy]==0.1.0'"
         ) from exc
     for key, why in _REFUSED.items():
         if key in run_kwargs:

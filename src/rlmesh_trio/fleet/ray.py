@@ -1,4 +1,4 @@
-"""Endpoints launched and supervised on Ray (the ``rlmesh-trio[ray]`` extra).
+"""Endpoints launched and supervised on Ray (the ``ray`` extra).
 
 Ray is the control plane only: each endpoint is one Ray actor -- a process running
 :func:`rlmesh_trio.serve_env` under ``trio.run`` in a thread of its own -- placed by a
