@@ -31,7 +31,7 @@ from __future__ import annotations
 import enum
 import re
 
-__all__ = ["HEADER_ENCODING", "Verdict", "check_request_headers", "for_dispatch"]
+__all__ = ["HEADER_ENCODING", "Verdict", "check_request_headers", "for_dispatch", "header_value"]
 
 HEADER_ENCODING = "latin-1"
 """h2's ``header_encoding`` for inbound headers: total (every byte decodes)."""
@@ -91,7 +91,7 @@ def check_request_headers(headers: list[tuple[str, str]]) -> tuple[Verdict, bool
         for name in (":method", ":scheme", ":path"):
             if name not in pseudo:
                 malformed = True
-        if not malformed and not _first(headers, ":path"):
+        if not malformed and not header_value(headers, ":path"):
             malformed = True
     return (Verdict.RESET_STREAM if malformed else Verdict.OK), repeated
 
@@ -142,7 +142,8 @@ def for_dispatch(headers: list[tuple[str, str]], repeated: bool) -> list[tuple[s
     return kept
 
 
-def _first(headers: list[tuple[str, str]], name: str) -> str | None:
+def header_value(headers: list[tuple[str, str]], name: str) -> str | None:
+    """The first field named ``name`` (what the reference reads), or None."""
     for key, value in headers:
         if key == name:
             return value

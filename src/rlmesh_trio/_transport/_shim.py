@@ -62,7 +62,13 @@ from hyperframe.frame import GoAwayFrame
 
 from .._errors import CompressedRequestError, FrameError, UnauthenticatedError, WireError
 from .._wire import PREFIX_SIZE, SMALL_MESSAGE, MessageReader, encode_grpc_message, parse_prefix
-from ._headers import HEADER_ENCODING, Verdict, check_request_headers, for_dispatch
+from ._headers import (
+    HEADER_ENCODING,
+    Verdict,
+    check_request_headers,
+    for_dispatch,
+    header_value,
+)
 
 if TYPE_CHECKING:
     from grpclib.protocol import Stream as H2Stream
@@ -136,13 +142,6 @@ def h2_stream(stream: Stream[Any, Any]) -> H2Stream:
     return raw
 
 
-def _header(headers: list[tuple[str, str]], name: str) -> str | None:
-    for key, value in headers:
-        if key == name:
-            return value
-    return None
-
-
 def _count(headers: list[tuple[str, str]], name: str) -> int:
     return sum(1 for key, _ in headers if key == name)
 
@@ -182,13 +181,13 @@ class Dispatcher(GrpclibHandler):
         headers = for_dispatch(headers, repeated)
         error: Exception | None = None
         # Pseudo-headers are unique here: this :path is the one grpclib dispatches on.
-        path = _header(headers, ":path")
-        if not self._admission.authorized(path, _header(headers, "authorization")) or (
+        path = header_value(headers, ":path")
+        if not self._admission.authorized(path, header_value(headers, "authorization")) or (
             ambiguous and not self._admission.authorized(path, None)
         ):
             error = UnauthenticatedError()
         else:
-            encoding = _header(headers, "grpc-encoding")
+            encoding = header_value(headers, "grpc-encoding")
             if encoding is not None and encoding != "identity":
                 error = CompressedRequestError(encoding)
         if error is not None:
