@@ -29,7 +29,8 @@ server over its first measured round of each workload into ``DIR`` (skipped, wit
 note, when ``py-spy`` is not on PATH; it is pinned in the ``dev`` extra).
 ``--baseline SRC`` puts our server run from another ``src`` tree (``git archive`` of an
 earlier commit) in the reference's column: a same-run A/B of one change.
-``--lanes 8`` picks the CartPole workload's lane counts.
+``--lanes 8`` picks the CartPole workload's lane counts; ``--ours-args "--lane-isolation
+process"`` passes options to our server(s).
 
 ``--profile`` prints the phases of one CartPole step instead (raw client, N = 1): the
 round trip, the server's own timing fields (SPEC §8: endpoint total, action decode, env
@@ -165,7 +166,7 @@ class GilProfile:
         self.directory.mkdir(parents=True, exist_ok=True)
         name = "".join(c if c.isalnum() else "-" for c in workload).strip("-")
         out = self.directory / f"{name}.txt"
-        cmd = [self.exe, "record", "--gil", "--threads", "--format", "raw"]
+        cmd = [self.exe, "record", "--gil", "--threads", "--rate", "500", "--format", "raw"]
         cmd += ["--pid", str(pid), "-o", str(out)]
         return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -288,7 +289,12 @@ BASELINE: Path | None = None
 ``SRC`` (e.g. ``git archive`` of an earlier commit): a same-run A/B of one change."""
 
 
+OURS_ARGS: tuple[str, ...] = ()
+"""``--ours-args "..."``: extra ``serve`` options of our server(s), e.g. process lanes."""
+
+
 def start_pair(config: ServerConfig) -> dict[str, ServerProcess]:
+    config = dataclasses.replace(config, ours_args=(*config.ours_args, *OURS_ARGS))
     if BASELINE is None:
         return {kind: start_server(kind, config) for kind in KINDS}  # type: ignore[arg-type]
     path = os.pathsep.join((str(ROOT / "tests"), str(BASELINE)))
@@ -593,8 +599,14 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SRC",
         help="compare with our server from this src tree instead of the reference",
     )
+    parser.add_argument(
+        "--ours-args",
+        default="",
+        help='extra serve options of our server(s), e.g. "--lane-isolation process"',
+    )
     args = parser.parse_args(argv)
-    global GIL, BASELINE
+    global GIL, BASELINE, OURS_ARGS
+    OURS_ARGS = tuple(args.ours_args.split())
     GIL = GilProfile(args.gil)
     BASELINE = args.baseline.resolve() if args.baseline is not None else None
     rounds = 3 if args.quick and args.rounds == 5 else args.rounds

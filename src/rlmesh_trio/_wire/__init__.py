@@ -9,6 +9,7 @@ from ._join import Clipped as Clipped
 from ._join import decode_join_request as decode_join_request
 from ._join import encode_join_response as encode_join_response
 from ._join import encode_join_response_framed as encode_join_response_framed
+from ._join import encode_meta_map as encode_meta_map
 from ._protobuf import decode_message as decode_message
 from ._unary import HEALTH_NOT_SERVING as HEALTH_NOT_SERVING
 from ._unary import HEALTH_SERVING as HEALTH_SERVING
