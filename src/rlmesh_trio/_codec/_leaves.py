@@ -243,10 +243,8 @@ class BoxLeaf(ArrayLeaf):
             else None
         )
 
-    def convert_checked(self, value: Any, soft: bool) -> tuple[Array, str | None]:
-        small = self._small
-        if small is None:
-            return super().convert_checked(value, soft)
+    def _sized(self, value: Any) -> Array:
+        """``value`` as an array of the Box dtype, its size checked (not its values)."""
         array = (
             value
             if isinstance(value, np.ndarray) and value.dtype == self.dtype
@@ -257,6 +255,13 @@ class BoxLeaf(ArrayLeaf):
                 f"invalid box value: data is {array.size * self.dtype.itemsize} bytes "
                 f"but shape and dtype require exactly {self.row_bytes}"
             )
+        return array
+
+    def convert_checked(self, value: Any, soft: bool) -> tuple[Array, str | None]:
+        small = self._small
+        if small is None:
+            return super().convert_checked(value, soft)
+        array = self._sized(value)
         items = array.reshape(-1).tolist()
         if self._is_float:
             for index, item in enumerate(items):
@@ -273,16 +278,7 @@ class BoxLeaf(ArrayLeaf):
         return array, None
 
     def convert(self, value: Any) -> Array:
-        array = (
-            value
-            if isinstance(value, np.ndarray) and value.dtype == self.dtype
-            else coerce_array(value, self.dtype)
-        )
-        if array.size != self.numel:
-            raise ValueError(
-                f"invalid box value: data is {array.size * self.dtype.itemsize} bytes "
-                f"but shape and dtype require exactly {self.row_bytes}"
-            )
+        array = self._sized(value)
         if self._is_float and self.numel and np.isnan(array.min()):
             index = int(np.argmax(np.isnan(array.reshape(-1))))
             raise ValueError(f"{self.path}: Box value at element {index} is NaN")
