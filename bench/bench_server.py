@@ -17,16 +17,27 @@ Workloads:
   against the ideal N / 2 ms = 4000 steps/s, i.e. how well the lanes overlap;
 * the same 8 sleepy lanes under a lean pipelined raw client (server capacity).
 
-Every workload also reports the **server's CPU per env step** (user + system time of the
-server process, from ``/proc/<pid>/stat``, over the round): on a shared machine it moves
-much less than throughput, which depends on what else runs.
+Every workload also reports the **server's CPU per env step**, user and system µs apart
+(all threads of the server process, from ``/proc/<pid>/stat``, over the round), and its
+**voluntary context switches per step** (summed over its threads' ``/proc/<pid>/task/*/
+status``): on a shared machine these move much less than throughput, which depends on
+what else runs. The 1-minute load average before and after the run is printed with the
+table.
+
+``--gil DIR`` writes a py-spy ``--gil --threads`` profile (collapsed stacks) of our
+server over its first measured round of each workload into ``DIR`` (skipped, with a
+note, when ``py-spy`` is not on PATH; it is pinned in the ``dev`` extra).
+``--baseline SRC`` puts our server run from another ``src`` tree (``git archive`` of an
+earlier commit) in the reference's column: a same-run A/B of one change.
+``--lanes 8`` picks the CartPole workload's lane counts; ``--ours-args "--lane-isolation
+process"`` passes options to our server(s).
 
 ``--profile`` prints the phases of one CartPole step instead (raw client, N = 1): the
 round trip, the server's own timing fields (SPEC §8: endpoint total, action decode, env
 call, encode, lane queue), what is left for transport and client, and the server CPU.
 
-Run: ``python bench/bench_server.py [--rounds R] [--quick] [--only W,...] [--profile]
-[--json PATH]``. Numbers on a shared 2-core VM are noisy: compare the ours/reference
+Run: ``python bench/bench_server.py [--rounds R] [--quick] [--only W,...] [--lanes N,...]
+[--profile] [--gil DIR] [--baseline SRC] [--json PATH]``. Numbers on a shared 2-core VM are noisy: compare the ours/reference
 ratios of one run, not absolute numbers across runs.
 """
 
@@ -34,9 +45,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
+import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -75,26 +90,99 @@ class Row:
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def server_cpu(pid: int) -> float:
-    """CPU seconds (user + system) the process ``pid`` used so far (Linux ``/proc``)."""
+@dataclass(frozen=True)
+class ServerUsage:
+    """What the server process used so far: CPU seconds (user, system) of all its threads
+    (``/proc/<pid>/stat``) and voluntary context switches summed over its live threads
+    (``/proc/<pid>/task/*/status``; the per-process line counts the main thread only)."""
+
+    user: float
+    sys: float
+    voluntary: int
+
+    def __sub__(self, other: ServerUsage) -> ServerUsage:
+        return ServerUsage(
+            self.user - other.user, self.sys - other.sys, self.voluntary - other.voluntary
+        )
+
+
+def server_usage(pid: int) -> ServerUsage:
+    """The usage of process ``pid`` so far (Linux ``/proc``)."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    voluntary = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            status = (task / "status").read_text()
+        except OSError:  # the thread exited meanwhile
+            continue
+        for line in status.splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                voluntary += int(line.split()[1])
+    return ServerUsage(int(fields[11]) / CLOCK_TICKS, int(fields[12]) / CLOCK_TICKS, voluntary)
+
+
+def server_cpu(pid: int) -> float:
+    """CPU seconds (user + system) the process ``pid`` used so far (Linux ``/proc``)."""
+    usage = server_usage(pid)
+    return usage.user + usage.sys
 
 
 class CpuMeter:
-    """Server CPU over a block: ``with CpuMeter(pid) as m: ...; m.seconds``."""
+    """Server usage over a block: ``with CpuMeter(pid) as m: ...; m.usage`` (and
+    ``m.seconds``, user + system)."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
-        self.seconds = 0.0
+        self.usage = ServerUsage(0.0, 0.0, 0)
+
+    @property
+    def seconds(self) -> float:
+        return self.usage.user + self.usage.sys
 
     def __enter__(self) -> CpuMeter:
-        self._start = server_cpu(self.pid)
+        self._start = server_usage(self.pid)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.seconds = server_cpu(self.pid) - self._start
+        self.usage = server_usage(self.pid) - self._start
+
+
+class GilProfile:
+    """``--gil DIR``: a py-spy ``--gil`` profile of our server over its first measured
+    round of each workload (collapsed stacks, ``--format raw``: any flame-graph tool reads them); nothing when py-spy is not installed."""
+
+    def __init__(self, directory: Path | None) -> None:
+        self.directory = directory
+        self.exe = shutil.which("py-spy") if directory is not None else None
+        if directory is not None and self.exe is None:
+            print("--gil: py-spy not found on PATH; no profile", file=sys.stderr)
+        self.taken: set[str] = set()
+
+    def start(self, workload: str, pid: int) -> subprocess.Popen[bytes] | None:
+        if self.exe is None or self.directory is None or workload in self.taken:
+            return None
+        self.taken.add(workload)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        name = "".join(c if c.isalnum() else "-" for c in workload).strip("-")
+        out = self.directory / f"{name}.txt"
+        cmd = [self.exe, "record", "--gil", "--threads", "--rate", "500", "--format", "raw"]
+        cmd += ["--pid", str(pid), "-o", str(out)]
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    @staticmethod
+    def stop(proc: subprocess.Popen[bytes] | None) -> None:
+        if proc is None:
+            return
+        proc.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+GIL = GilProfile(None)
 
 
 def run_episodes(address: str, kind: scripts.EnvKind, seeds: list[int]) -> tuple[float, int]:
@@ -196,8 +284,22 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
+BASELINE: Path | None = None
+"""``--baseline SRC``: the "reference" column is our server run from the ``src`` tree
+``SRC`` (e.g. ``git archive`` of an earlier commit): a same-run A/B of one change."""
+
+
+OURS_ARGS: tuple[str, ...] = ()
+"""``--ours-args "..."``: extra ``serve`` options of our server(s), e.g. process lanes."""
+
+
 def start_pair(config: ServerConfig) -> dict[str, ServerProcess]:
-    return {kind: start_server(kind, config) for kind in KINDS}  # type: ignore[arg-type]
+    config = dataclasses.replace(config, ours_args=(*config.ours_args, *OURS_ARGS))
+    if BASELINE is None:
+        return {kind: start_server(kind, config) for kind in KINDS}  # type: ignore[arg-type]
+    path = os.pathsep.join((str(ROOT / "tests"), str(BASELINE)))
+    base = dataclasses.replace(config, env=(*config.env, ("PYTHONPATH", path)))
+    return {"ref": start_server("ours", base), "ours": start_server("ours", config)}
 
 
 def alternate(round_index: int) -> tuple[str, ...]:
@@ -208,12 +310,13 @@ def measure(
     config: ServerConfig,
     rounds: int,
     workload: Callable[[str], tuple[float, int]],
-    record: Callable[[str, float, int, float], None],
+    record: Callable[[str, float, int, ServerUsage], None],
     warm_up: Callable[[str], object],
+    name: str = "",
 ) -> None:
     """Start both servers; warm each up; then ``rounds`` alternating rounds of
     ``workload(address) -> (seconds, steps)``, each passed to ``record(kind, seconds,
-    steps, server CPU seconds)``."""
+    steps, server usage)``."""
     servers = start_pair(config)
     try:
         for kind in KINDS:  # warm-up: connections, imports, first-episode costs
@@ -221,22 +324,40 @@ def measure(
         for r in range(rounds):
             for kind in alternate(r):
                 server = servers[kind]
-                with CpuMeter(server.pid) as meter:
-                    seconds, steps = workload(server.address)
-                record(kind, seconds, steps, meter.seconds)
+                spy = GIL.start(name, server.pid) if kind == "ours" else None
+                try:
+                    with CpuMeter(server.pid) as meter:
+                        seconds, steps = workload(server.address)
+                finally:
+                    GIL.stop(spy)
+                record(kind, seconds, steps, meter.usage)
     finally:
         for server in servers.values():
             server.stop()
 
 
-def cpu_row(workload: str) -> Row:
-    return Row(workload, "server CPU/step", "µs", False)
+def cpu_rows(workload: str) -> list[Row]:
+    """Server user and system CPU µs per step, and voluntary context switches per step."""
+    return [
+        Row(workload, "server user CPU/step", "µs", False),
+        Row(workload, "server sys CPU/step", "µs", False),
+        Row(workload, "server vol. ctx sw/step", "1", False),
+    ]
+
+
+def record_usage(rows: list[Row], kind: str, usage: ServerUsage, steps: int) -> None:
+    user, system, switches = rows
+    user.values[kind].append(usage.user / steps * 1e6)
+    system.values[kind].append(usage.sys / steps * 1e6)
+    switches.values[kind].append(usage.voluntary / steps)
 
 
 WORKLOADS = ("cartpole", "image", "raw", "sleepy", "raw-sleepy")
 
 
-def bench(rounds: int, quick: bool, only: set[str] | None = None) -> list[Row]:
+def bench(
+    rounds: int, quick: bool, only: set[str] | None = None, lanes: tuple[int, ...] = (1, 3, 8)
+) -> list[Row]:
     rows: list[Row] = []
     scale = 1 if quick else 2
 
@@ -245,12 +366,12 @@ def bench(rounds: int, quick: bool, only: set[str] | None = None) -> list[Row]:
 
     def throughput_rows(name: str, extra: Row | None = None, ideal: float = 0.0) -> Any:
         steps_row = Row(name, "steps/s", "1/s", True)
-        cpu = cpu_row(name)
-        new = [steps_row, cpu] + ([extra] if extra is not None else [])
+        cpu = cpu_rows(name)
+        new = [steps_row, *cpu] + ([extra] if extra is not None else [])
 
-        def record(kind: str, seconds: float, steps: int, cpu_seconds: float) -> None:
+        def record(kind: str, seconds: float, steps: int, usage: ServerUsage) -> None:
             steps_row.values[kind].append(steps / seconds)
-            cpu.values[kind].append(cpu_seconds / steps * 1e6)
+            record_usage(cpu, kind, usage, steps)
             if extra is not None:
                 extra.values[kind].append(100 * steps / seconds / ideal)
 
@@ -258,7 +379,7 @@ def bench(rounds: int, quick: bool, only: set[str] | None = None) -> list[Row]:
 
     # 1. rlmesh.run on CartPole, N = 1, 3, 8.
     if wanted("cartpole"):
-        for n in (1, 3, 8):
+        for n in lanes:
             seeds = list(range(100, 100 + max(6, 3 * n) * scale))
             new, record = throughput_rows(f"run CartPole N={n}")
             measure(
@@ -267,6 +388,7 @@ def bench(rounds: int, quick: bool, only: set[str] | None = None) -> list[Row]:
                 lambda address, seeds=seeds: run_episodes(address, "cartpole", seeds),
                 record,
                 lambda address, n=n, seeds=seeds: run_episodes(address, "cartpole", seeds[:n]),
+                new[0].workload,
             )
             rows += new
             _progress(new)
@@ -283,6 +405,7 @@ def bench(rounds: int, quick: bool, only: set[str] | None = None) -> list[Row]:
             lambda address: run_constant(address, seeds),
             record,
             lambda address: run_constant(address, seeds[:n]),
+            new[0].workload,
         )
         rows += new
         _progress(new)
@@ -292,7 +415,7 @@ def bench(rounds: int, quick: bool, only: set[str] | None = None) -> list[Row]:
         steps = 500 * scale
         p50 = Row("raw step N=1", "round trip p50", "ms", False)
         p99 = Row("raw step N=1", "round trip p99", "ms", False)
-        cpu = cpu_row("raw step N=1")
+        cpu = cpu_rows("raw step N=1")
 
         last: list[float] = []
 
@@ -300,10 +423,10 @@ def bench(rounds: int, quick: bool, only: set[str] | None = None) -> list[Row]:
             last[:] = asyncio.run(step_latencies(address, steps))
             return sum(last), len(last)
 
-        def raw_record(kind: str, seconds: float, count: int, cpu_seconds: float) -> None:
+        def raw_record(kind: str, seconds: float, count: int, usage: ServerUsage) -> None:
             p50.values[kind].append(percentile(last, 50) * 1e3)
             p99.values[kind].append(percentile(last, 99) * 1e3)
-            cpu.values[kind].append(cpu_seconds / count * 1e6)
+            record_usage(cpu, kind, usage, count)
 
         measure(
             ServerConfig(entrypoint=scripts.ENTRYPOINTS["cartpole"], num_envs=1),
@@ -311,9 +434,10 @@ def bench(rounds: int, quick: bool, only: set[str] | None = None) -> list[Row]:
             raw_round,
             raw_record,
             lambda address: asyncio.run(step_latencies(address, 50)),
+            "raw step N=1",
         )
-        rows += [p50, p99, cpu]
-        _progress([p50, p99, cpu])
+        rows += [p50, p99, *cpu]
+        _progress([p50, p99, *cpu])
 
     # 4. 8 lanes whose step sleeps 2 ms, driven by rlmesh.run.
     n = 8
@@ -329,6 +453,7 @@ def bench(rounds: int, quick: bool, only: set[str] | None = None) -> list[Row]:
             lambda address: run_constant(address, seeds),
             record,
             lambda address: run_constant(address, seeds[:n]),
+            new[0].workload,
         )
         rows += new
         _progress(new)
@@ -343,6 +468,7 @@ def bench(rounds: int, quick: bool, only: set[str] | None = None) -> list[Row]:
             lambda address: asyncio.run(pipelined_lanes(address, n, 1.0 * scale)),
             record,
             lambda address: asyncio.run(pipelined_lanes(address, n, 0.3)),
+            new[0].workload,
         )
         rows += new
         _progress(new)
@@ -354,8 +480,8 @@ def profile(rounds: int, steps: int) -> str:
     phases: dict[str, dict[str, list[float]]] = {kind: {} for kind in KINDS}
     cpu: dict[str, list[float]] = {kind: [] for kind in KINDS}
 
-    def record(kind: str, seconds: float, count: int, cpu_seconds: float) -> None:
-        cpu[kind].append(cpu_seconds / count * 1e6)
+    def record(kind: str, seconds: float, count: int, usage: ServerUsage) -> None:
+        cpu[kind].append((usage.user + usage.sys) / count * 1e6)
 
     current: list[str] = []
 
@@ -374,7 +500,7 @@ def profile(rounds: int, steps: int) -> str:
                 current.append(kind)
                 with CpuMeter(servers[kind].pid) as meter:
                     seconds, count = workload(servers[kind].address)
-                record(kind, seconds, count, meter.seconds)
+                record(kind, seconds, count, meter.usage)
     finally:
         for server in servers.values():
             server.stop()
@@ -456,7 +582,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile", action="store_true", help="print the per-phase µs of a CartPole step"
     )
+    parser.add_argument(
+        "--lanes", default="1,3,8", help="the CartPole workload's lane counts (default 1,3,8)"
+    )
+    parser.add_argument(
+        "--gil",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="py-spy --gil flame graphs of our server (first round of each workload) into DIR",
+    )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        metavar="SRC",
+        help="compare with our server from this src tree instead of the reference",
+    )
+    parser.add_argument(
+        "--ours-args",
+        default="",
+        help='extra serve options of our server(s), e.g. "--lane-isolation process"',
+    )
     args = parser.parse_args(argv)
+    global GIL, BASELINE, OURS_ARGS
+    OURS_ARGS = tuple(args.ours_args.split())
+    GIL = GilProfile(args.gil)
+    BASELINE = args.baseline.resolve() if args.baseline is not None else None
     rounds = 3 if args.quick and args.rounds == 5 else args.rounds
     started = time.monotonic()
     if args.profile:
@@ -467,8 +619,24 @@ def main(argv: list[str] | None = None) -> int:
     only = None if args.only is None else set(args.only.split(","))
     if only is not None and not only <= set(WORKLOADS):
         parser.error(f"unknown workload(s): {', '.join(sorted(only - set(WORKLOADS)))}")
-    rows = bench(rounds, args.quick, only)
-    print(f"\nrlmesh-trio vs rlmesh 0.1.0, median of {rounds} rounds (alternating order)\n")
+    load_before = os.getloadavg()
+    lanes = tuple(int(n) for n in args.lanes.split(","))
+    rows = bench(rounds, args.quick, only, lanes)
+    load_after = os.getloadavg()
+    against = (
+        "rlmesh 0.1.0" if BASELINE is None else f"rlmesh-trio from {BASELINE} (as 'reference')"
+    )
+    print(f"\nrlmesh-trio vs {against}, median of {rounds} rounds (alternating order)")
+    print(
+        "load average (1 min) before / after: "
+        f"{load_before[0]:.2f} / {load_after[0]:.2f} on {os.cpu_count()} CPUs"
+        + (
+            "  -- a loaded machine: trust the CPU rows over steps/s"
+            if max(load_before[0], load_after[0]) >= 1.5
+            else ""
+        )
+        + "\n"
+    )
     print(table(rows))
     print(f"\ntotal {time.monotonic() - started:.0f} s")
     if args.json is not None:

@@ -435,6 +435,10 @@ def test_action_validation_texts(space: Any, leaves: Any, n: int, message: str) 
     assert str(info.value) == message
     with pytest.raises(ActionError):
         codec.decode(leaves, n)
+    for row in range(n):  # the lane's per-step plan: the same refusal, whatever the row
+        with pytest.raises(ActionError) as info:
+            codec.step_action(leaves, n, row, validated=False, soft_checks=True)
+        assert str(info.value) == message
 
 
 TEXT = S.Text(4, charset="abc")
@@ -1046,3 +1050,110 @@ def test_observation_batch_round_trip() -> None:
     assert decoded[1]["txt"] == "ca" and decoded[1]["pair"][1] == 1
     assert decoded[1]["pair"][0].tolist() == [0.25, 1.0]
     assert codec.encode_batch(decoded) == batch
+
+
+_PLAN_SPACES = [
+    S.Discrete(5, start=-2),
+    S.Box(np.array([-1.0, -np.inf, 0.0], f32), np.array([1.0, np.inf, 0.5], f32), dtype=f32),
+    S.Box(-2.0, 2.0, (2, 3), np.float64),
+    S.Box(0, 10, (4,), np.int32),
+    S.Box(0, 1, (3,), np.bool_),
+    S.Box(-1.0, 1.0, (100,), f32),  # more than SMALL_BOX elements: numpy's checks
+    S.MultiBinary(4),
+    S.MultiDiscrete([3, 4]),
+    S.Text(4, charset="abc"),
+]
+
+
+def _outcome(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """What a call returns, or its exception's type and text (for comparing two paths)."""
+    try:
+        return ("value", fn(*args, **kwargs))
+    except Exception as exc:
+        return ("error", type(exc).__name__, str(exc))
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return (
+            isinstance(a, np.ndarray)
+            and isinstance(b, np.ndarray)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and a.tobytes() == b.tobytes()
+        )
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(type(a) is type(b) and a == b)
+
+
+def _unwrapped(result: Any) -> Any:
+    """A Tuple((space,)) codec's answer as the bare space's: the value out of its tuple,
+    the candidate's path ``$[0]`` read as ``$``."""
+    if result[0] == "error":
+        return result[0], result[1], result[2].replace("$[0]", "$")
+    value, candidate = result[1]
+    if isinstance(value, tuple):
+        value = value[0]
+    elif isinstance(value, list):
+        value = value
+    if candidate is not None:
+        candidate = (candidate.kind, candidate.detail.replace("$[0]", "$"))
+    return "value", (value, candidate)
+
+
+def _plain(result: Any) -> Any:
+    if result[0] == "error":
+        return result
+    value, candidate = result[1]
+    if candidate is not None:
+        candidate = (candidate.kind, candidate.detail)
+    return "value", (value, candidate)
+
+
+@pytest.mark.parametrize("space", _PLAN_SPACES, ids=lambda s: repr(s)[:40])
+def test_the_step_plan_answers_as_the_generic_tree(space: Any) -> None:
+    """A one-leaf space's per-step plan (``step_action``, ``encode_observation``) gives
+    the answers and error texts of the generic tree walk (the same space inside a Tuple),
+    for good, out-of-bounds and malformed values."""
+    plan, tree = SpaceCodec(space), SpaceCodec(S.Tuple((space,)))
+    space.seed(7)
+    rng = np.random.default_rng(7)
+    observations: list[Any] = [space.sample() for _ in range(20)]
+    if isinstance(space, S.Box):
+        for _ in range(10):  # out of bounds, NaN (floats), wrong sizes and types
+            bad = (rng.normal(size=space.shape) * 10).astype(space.dtype)
+            observations.append(bad)
+        if space.dtype.kind == "f":
+            nan = np.zeros(space.shape, space.dtype)
+            nan.reshape(-1)[-1] = np.nan
+            observations.append(nan)
+        observations += [np.zeros(7, space.dtype), np.zeros(space.shape, np.float64), "x"]
+    observations += [None, 3.5, [1, 2]]
+    for value in observations:
+        got = _plain(_outcome(plan.encode_observation, value, soft_checks=True))
+        want = _unwrapped(_outcome(tree.encode_observation, (value,), soft_checks=True))
+        assert _same(got, want), (value, got, want)
+    slabs: list[tuple[bytes, int]] = []
+    for n in (1, 2, 3):
+        for _ in range(5):
+            good = plan.encode_batch([space.sample() for _ in range(n)])[0]
+            noisy = bytes(rng.integers(0, 256, size=len(good), dtype=np.uint8))
+            slabs += [(good, n), (noisy, n), (good[:-1], n), (good + b"\0", n)]
+    slabs += [(b"", 1), (b"\xff" * 8, 1)]
+    for slab, n in slabs:
+        for row in range(n):
+            got = _plain(
+                _outcome(plan.step_action, [slab], n, row, validated=False, soft_checks=True)
+            )
+            want = _unwrapped(_outcome(_tree_step, tree, [slab], n, row))
+            assert _same(got, want), (slab, n, row, got, want)
+    for leaves in (None, [], [b"", b""]):
+        got = _outcome(plan.step_action, leaves, 1, 0, validated=False, soft_checks=True)
+        want = _outcome(_tree_step, plan, leaves, 1, 0)
+        assert got[0] == want[0] == "error" and got[1:] == want[1:]
+
+
+def _tree_step(codec: SpaceCodec, leaves: Any, n: int, row: int) -> Any:
+    codec.validate_action(leaves, n)
+    return codec.decode_action(leaves, n, row, soft_checks=True)

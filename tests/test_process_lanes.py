@@ -284,3 +284,49 @@ async def test_no_child_outlives_the_server(how: signal.Signals) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize(
+    "info",
+    [
+        {},
+        {"x": 0.5, "n": -3, "s": "é", "b": True, "raw": b"\x00\xff", "l": [1, 2.5], "m": {"k": 1}},
+    ],
+)
+def test_the_pipe_forms_round_trip(info: dict[str, Any]) -> None:
+    """A step and a reset (and their results) come out of the pipe's compact forms as they
+    went in; anything else is pickled whole."""
+    import pickle
+
+    import outcome
+
+    from rlmesh_trio._codec import Candidate, to_meta_map
+    from rlmesh_trio._jobs import Phases, ResetJob, ResetResult, StepJob, StepResult
+    from rlmesh_trio._lanes._process import pack_job, pack_result, unpack_job, unpack_result
+    from rlmesh_trio._wire import encode_meta_map
+
+    def through(message: Any) -> Any:
+        return pickle.loads(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
+
+    step = StepJob(leaves=[memoryview(b"\x01" + bytes(7))], n=1, row=0, validated=False, id=9)
+    job, queue_ns = unpack_job(through(pack_job(step, 123)))
+    assert queue_ns == 123
+    assert job == StepJob(leaves=[b"\x01" + bytes(7)], n=1, row=0, validated=False, id=9)
+    reset = ResetJob(seed=4, options={"a": 1}, id=3)
+    assert unpack_job(through(pack_job(reset, 5))) == (reset, 5)
+
+    warning = Candidate("observation", "$", "$: Box value at element 0 out of bounds: above")
+    phases = Phases(1, 2, 3, 4)
+    results: list[Any] = [
+        StepResult([b"ab"], 1.5, True, False, to_meta_map(info), None, warning),
+        ResetResult([b"cd", b""], to_meta_map(info), warning),
+    ]
+    for result in results:
+        packed = pack_result(outcome.Value(result), phases, False)
+        assert packed is not None
+        back, back_phases, faulted = unpack_result(through(packed))
+        assert isinstance(back, outcome.Value)
+        assert back.value == result and back_phases == phases and faulted is False
+        assert encode_meta_map(back.value.info) == encode_meta_map(result.info)
+    assert pack_result(outcome.Error(ValueError("x")), phases, True) is None
+    assert pack_result(outcome.Value(42), phases, False) is None

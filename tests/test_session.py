@@ -990,3 +990,56 @@ def test_job_ids_are_unique_over_the_sessions_of_an_endpoint() -> None:
     actions = later.on_request(env_v1.JoinRequest(request_id="r", reset=env_v1.ResetRequest()))
     second = {act.job.id for act in actions if isinstance(act, Post)}
     assert len(second) == 1 and second.isdisjoint(first)
+
+
+@pytest.mark.parametrize("truncate", [False, True])
+def test_the_straight_line_answers_as_the_general_path(truncate: bool) -> None:
+    """One lane's steps (the hot path) give the same actions, byte for byte, as the
+    general queue and op machinery: episodes that end and interrupt, deadlines, the
+    Done of an observed session, a bad action and a faulted env among them."""
+    kwargs: dict[str, Any] = {"on_lane_fault": "truncate"} if truncate else {}
+
+    def script(straight: bool) -> list[Any]:
+        h = Harness(num_envs=2, **kwargs)
+        h.session._session.straight_line = straight
+        h.session._session._observe = True
+        seen: list[Any] = list(h.request(reset=env_v1.ResetRequest(seeds=[1, 2])))
+        for lane, job in h.take():
+            seen += h.answer(lane, job, reset_result(float(lane)))
+        for i in range(12):
+            lane = i % 2
+            timeout = 500 if i % 3 == 0 else 0
+            seen += h.request(
+                request_id=f"s{i}",
+                step=env_v1.StepRequest(
+                    action=action(lane), env_indices=[lane], timeout_ms=timeout
+                ),
+            )
+            ((posted_lane, job),) = h.take()
+            if i == 7:
+                answer: Any = outcome.Error(ActionError("$: value 9 not in range [0, 2)"))
+            elif i == 9:
+                fault = LaneFault(lane=posted_lane, error="RuntimeError: boom")
+                seen += h.session.on_lane_reply(
+                    LaneReply(
+                        job.id, posted_lane, outcome.Error(RuntimeError("boom")), Phases(), fault
+                    )
+                )
+                continue
+            else:
+                answer = step_result(
+                    x=0.1 * i, reward=float(i), terminated=i == 4, truncated=i == 5, k=i
+                )
+            seen += h.answer(posted_lane, job, answer)
+            if i == 5:  # lane 1 starts over; lane 0's episode (ended at 4) too
+                seen += h.request(
+                    request_id=f"r{i}", reset=env_v1.ResetRequest(env_indices=[0, 1], seeds=[5, 6])
+                )
+                for reset_lane, reset_job in h.take():
+                    seen += h.answer(reset_lane, reset_job, reset_result(1.0))
+        seen += h.request(request_id="c", close=env_v1.CloseEnvsRequest())
+        return [bytes(a.response) if isinstance(a, Send) else a for a in seen] + [
+            (r.kind, r.verb, r.request_id, r.lanes, r.code, r.message) for r in h.reports
+        ]
+
+    assert script(straight=True) == script(straight=False)

@@ -171,6 +171,27 @@ class Leaf:
     def value_from_slab(self, slab: bytes, n: int, row: int) -> Any:
         raise NotImplementedError
 
+    # -- the fused per-step forms (one call per leaf; same answers and texts as above)
+
+    def convert_checked(self, value: Any, soft: bool) -> tuple[Any, str | None]:
+        """:meth:`convert` and, if ``soft``, :meth:`soft` of the result, in one call."""
+        canonical = self.convert(value)
+        return canonical, (self.soft(canonical) if soft else None)
+
+    def take(self, slab: bytes, n: int, row: int) -> Any:
+        """Validate an ``n``-lane slab of this leaf alone (:meth:`parse`, then
+        :meth:`first_bad_row`, raising :class:`ActionError`) and return lane ``row``'s
+        value (:meth:`value_from_slab`)."""
+        bad = self.first_bad_row(self.parse(slab, n))
+        if bad is not None:
+            raise ActionError(bad[1])
+        return self.value_from_slab(slab, n, row)
+
+
+SMALL_BOX: Final = 64
+"""A Box of at most this many elements checks its values element by element in Python
+(one ``tolist``): cheaper than the handful of numpy reductions a bigger one takes."""
+
 
 class ArrayLeaf(Leaf):
     """A fixed-width leaf: ``numel`` elements of ``dtype`` per lane."""
@@ -206,7 +227,7 @@ class ArrayLeaf(Leaf):
 
 
 class BoxLeaf(ArrayLeaf):
-    __slots__ = ("_bounds", "_is_bool", "_is_float")
+    __slots__ = ("_bounds", "_is_bool", "_is_float", "_small")
 
     def __init__(
         self, path: str, dtype: np.dtype[Any], shape: tuple[int, ...], low: Array, high: Array
@@ -215,8 +236,15 @@ class BoxLeaf(ArrayLeaf):
         self._bounds = BoxBounds(low, high)
         self._is_float = dtype.kind == "f"
         self._is_bool = dtype.kind == "b"
+        # (low, high) per element as Python numbers (exact: widening), for small Boxes.
+        self._small: list[tuple[Any, Any]] | None = (
+            list(zip(low.tolist(), high.tolist(), strict=True))
+            if 0 < self.numel <= SMALL_BOX
+            else None
+        )
 
-    def convert(self, value: Any) -> Array:
+    def _sized(self, value: Any) -> Array:
+        """``value`` as an array of the Box dtype, its size checked (not its values)."""
         array = (
             value
             if isinstance(value, np.ndarray) and value.dtype == self.dtype
@@ -227,6 +255,30 @@ class BoxLeaf(ArrayLeaf):
                 f"invalid box value: data is {array.size * self.dtype.itemsize} bytes "
                 f"but shape and dtype require exactly {self.row_bytes}"
             )
+        return array
+
+    def convert_checked(self, value: Any, soft: bool) -> tuple[Array, str | None]:
+        small = self._small
+        if small is None:
+            return super().convert_checked(value, soft)
+        array = self._sized(value)
+        items = array.reshape(-1).tolist()
+        if self._is_float:
+            for index, item in enumerate(items):
+                if item != item:
+                    raise ValueError(f"{self.path}: Box value at element {index} is NaN")
+        if soft and self._bounds.checks:
+            # BoxBounds.violation's answer: the first element out on either side; above
+            # wins when both hold (low > high).
+            for index, (item, (low, high)) in enumerate(zip(items, small, strict=True)):
+                if item > high:
+                    return array, f"Box value at element {index} out of bounds: above high bound"
+                if item < low:
+                    return array, f"Box value at element {index} out of bounds: below low bound"
+        return array, None
+
+    def convert(self, value: Any) -> Array:
+        array = self._sized(value)
         if self._is_float and self.numel and np.isnan(array.min()):
             index = int(np.argmax(np.isnan(array.reshape(-1))))
             raise ValueError(f"{self.path}: Box value at element {index} is NaN")
@@ -314,6 +366,17 @@ class DiscreteLeaf(Leaf):
 
     def value_from_slab(self, slab: bytes, n: int, row: int) -> int:
         return int(_I64.unpack_from(slab, row * 8)[0])
+
+    def take(self, slab: bytes, n: int, row: int) -> int:
+        if n != 1:
+            number: int = super().take(slab, n, row)
+            return number
+        if len(slab) != 8:
+            raise _length_error(len(slab), 1, 8)
+        number = _I64.unpack(slab)[0]
+        if not self.start <= number < self._end:
+            raise ActionError(f"{self.path}: value {number} not in range {self._range}")
+        return number
 
 
 class MultiBinaryLeaf(ArrayLeaf):

@@ -472,7 +472,7 @@ class SpaceCodec:
     message (SPEC §3.4, §3.6, §9).
     """
 
-    __slots__ = ("_leaves", "_root", "num_leaves", "space", "spec")
+    __slots__ = ("_leaves", "_root", "_single", "num_leaves", "space", "spec")
 
     def __init__(self, space: gym.spaces.Space[Any]) -> None:
         """Compile ``space``; raises :class:`UnsupportedSpaceError` naming the bad path."""
@@ -482,6 +482,9 @@ class SpaceCodec:
         self._root = _compile(self.spec, _ROOT, leaves)
         self._leaves = tuple(leaves)
         self.num_leaves = len(leaves)
+        # The per-step plan of a space that is one leaf (a Box, a Discrete, ...: most
+        # envs): no tree walk, no per-leaf lists; the leaf's fused calls do it all.
+        self._single: Leaf | None = self._root.leaf if isinstance(self._root, _LeafNode) else None
 
     @classmethod
     def from_spec(cls, spec: spaces_v1.SpaceSpec) -> SpaceCodec:
@@ -516,6 +519,11 @@ class SpaceCodec:
         self, value: Any, *, soft_checks: bool
     ) -> tuple[list[bytes], Candidate | None]:
         """:meth:`encode`, plus the first soft violation (kind ``observation``) if asked."""
+        single = self._single
+        if single is not None:
+            item, message = single.convert_checked(value, soft_checks)
+            found = None if message is None else make_candidate(OBSERVATION, single.path, message)
+            return [single.encode_one(item)], found
         canonical = self._convert(value)
         leaves = [leaf.encode_one(item) for leaf, item in zip(self._leaves, canonical, strict=True)]
         candidate = self._soft(canonical, OBSERVATION) if soft_checks else None
@@ -592,6 +600,34 @@ class SpaceCodec:
         ]
         candidate = self._soft(values, ACTION) if soft_checks else None
         return self._root.assemble(iter(values)), candidate
+
+    def step_action(
+        self,
+        leaves: Sequence[bytes] | None,
+        n: int,
+        row: int,
+        *,
+        validated: bool,
+        soft_checks: bool,
+    ) -> tuple[Any, Candidate | None]:
+        """A lane's step action: :meth:`validate_action` unless ``validated``, then
+        :meth:`decode_action` -- the same answers and errors, in one call per step."""
+        single = self._single
+        if single is None or validated:
+            if not validated:
+                self._parse(leaves, n)
+            assert leaves is not None
+            return self.decode_action(leaves, n, row, soft_checks=soft_checks)
+        if leaves is None:
+            raise ActionError(f"expected {n} actions, got 0")
+        if len(leaves) != 1:
+            raise ActionError(f"length mismatch: got {len(leaves)} leaf slabs, spec expects 1")
+        value = single.take(leaves[0], n, row)
+        if soft_checks:
+            message = single.soft(value)
+            if message is not None:
+                return value, make_candidate(ACTION, single.path, message)
+        return value, None
 
     def decode(self, leaves: Sequence[bytes] | None, n: int) -> list[Any]:
         """Validate an ``n``-lane value and return every lane's value, in lane order."""

@@ -45,8 +45,10 @@ import gymnasium as gym
 import outcome
 
 from .._errors import LaneError
-from .._jobs import Job, Phases, StepJob
+from .._jobs import Job, Phases, ResetResult, StepJob, StepResult
 from .._options import Policy
+from .._proto.rlmesh.spaces import v1 as spaces_v1
+from .._wire import decode_message, encode_meta_map
 from ._contract import EnvFacts, lane_facts
 from ._work import LaneWork, verb_of
 
@@ -146,16 +148,8 @@ class ChildLane:
 
     def execute(self, job: Job, queue_ns: int) -> tuple[outcome.Outcome[Any], Phases, bool]:
         """Run one job in the child (same contract as :meth:`LaneWork.execute`)."""
-        if isinstance(job, StepJob) and any(isinstance(leaf, memoryview) for leaf in job.leaves):
-            job = StepJob(
-                leaves=[bytes(leaf) for leaf in job.leaves],
-                n=job.n,
-                row=job.row,
-                validated=job.validated,
-                id=job.id,
-            )
         try:
-            self._conn.send((job, queue_ns))
+            self._conn.send(pack_job(job, queue_ns))
         except (OSError, EOFError):
             return outcome.Error(self.died(verb_of(job))), Phases(), True
         except Exception as exc:  # the job itself cannot be pickled (a CallJob's lambda)
@@ -163,10 +157,12 @@ class ChildLane:
         message = self._recv()
         if message is None:
             return outcome.Error(self.died(verb_of(job))), Phases(), True
-        kind, payload = message
+        kind = message[0]
         if kind == "error":  # the child could not run the job at all
-            return outcome.Error(_rebuild(payload)), Phases(), False
-        result, phases, faulted = payload
+            return outcome.Error(_rebuild(message[1])), Phases(), False
+        if kind != "done":
+            return unpack_result(message)
+        result, phases, faulted = message[1]
         if isinstance(result, tuple):  # an exception, sent apart from its traceback
             result = outcome.Error(_rebuild(result))
         return result, phases, faulted
@@ -210,6 +206,83 @@ class ChildLane:
             return self._conn.recv()
         except (OSError, EOFError):
             return None
+
+
+# ---- the pipe's compact forms -------------------------------------------------------------
+#
+# A step (the hot path) crosses as a flat tuple of plain values, its info map as protobuf
+# bytes: pickling the job and StepJob/StepResult dataclasses and a betterproto MetaMap costs
+# tens of µs per step (hundreds for a busy info dict); everything else is pickled whole.
+
+
+def pack_job(job: Job, queue_ns: int) -> tuple[Any, ...]:
+    """Parent side: what goes down the pipe for ``job``."""
+    if type(job) is StepJob:
+        leaves = [bytes(leaf) if isinstance(leaf, memoryview) else leaf for leaf in job.leaves]
+        return ("step", leaves, job.n, job.row, job.validated, job.id, queue_ns)
+    return ("job", job, queue_ns)
+
+
+def unpack_job(message: tuple[Any, ...]) -> tuple[Job, int]:
+    """Child side: the job and its queue time back from :func:`pack_job`'s tuple."""
+    if message[0] == "step":
+        _, leaves, n, row, validated, job_id, queue_ns = message
+        return StepJob(leaves=leaves, n=n, row=row, validated=validated, id=job_id), queue_ns
+    return message[1], message[2]
+
+
+def _phases(phases: Phases) -> tuple[int, int, int, int]:
+    return (phases.queue_ns, phases.decode_ns, phases.user_ns, phases.encode_ns)
+
+
+def pack_result(
+    result: outcome.Outcome[Any], phases: Phases, faulted: bool
+) -> tuple[Any, ...] | None:
+    """Child side: a step's or reset's result as a flat tuple (None: pickle it whole)."""
+    if type(result) is not outcome.Value:
+        return None
+    value = result.value
+    if type(value) is StepResult:
+        return (
+            "stepped",
+            value.observation,
+            value.reward,
+            value.terminated,
+            value.truncated,
+            encode_meta_map(value.info),
+            value.action_warning,
+            value.obs_warning,
+            _phases(phases),
+            faulted,
+        )
+    if type(value) is ResetResult:
+        info = encode_meta_map(value.info)
+        return ("reset", value.observation, info, value.obs_warning, _phases(phases), faulted)
+    return None
+
+
+def _info(data: bytes) -> spaces_v1.MetaMap:
+    return decode_message(spaces_v1.MetaMap, data) if data else spaces_v1.MetaMap()
+
+
+def unpack_result(message: tuple[Any, ...]) -> tuple[outcome.Outcome[Any], Phases, bool]:
+    """Parent side: :func:`pack_result`'s tuple back as (outcome, phases, faulted)."""
+    result: StepResult | ResetResult
+    if message[0] == "stepped":
+        _, observation, reward, terminated, truncated, info, action_w, obs_w, ns, faulted = message
+        result = StepResult(
+            observation=observation,
+            reward=reward,
+            terminated=terminated,
+            truncated=truncated,
+            info=_info(info),
+            action_warning=action_w,
+            obs_warning=obs_w,
+        )
+    else:
+        _, observation, info, obs_w, ns, faulted = message
+        result = ResetResult(observation=observation, info=_info(info), obs_warning=obs_w)
+    return outcome.Value(result), Phases(*ns), faulted
 
 
 def _rebuild(payload: tuple[Any, str, str, str]) -> BaseException:
@@ -283,13 +356,16 @@ def child_main(conn: multiprocessing.connection.Connection, parent_pid: int) -> 
                 return  # the server is gone
             if message is None:
                 return
-            job, queue_ns = message
+            job, queue_ns = unpack_job(message)
             result, phases, faulted = work.execute(env, job, queue_ns)
-            payload: Any = result
-            if isinstance(result, outcome.Error):
-                payload = _pack_error(result.error)
+            payload: Any = pack_result(result, phases, faulted)
+            if payload is None:
+                payload = result
+                if isinstance(result, outcome.Error):
+                    payload = _pack_error(result.error)
+                payload = ("done", (payload, phases, faulted))
             try:
-                conn.send(("done", (payload, phases, faulted)))
+                conn.send(payload)
             except (OSError, EOFError):
                 return
             except Exception as exc:  # the result cannot be pickled

@@ -121,11 +121,8 @@ class LaneWork:
         return ResetResult(observation=leaves, info=to_meta_map(info), obs_warning=candidate)
 
     def _step(self, env: gym.Env[Any, Any], job: StepJob, split: _Split) -> StepResult:
-        codec = self._action_codec
-        if not job.validated:
-            codec.validate_action(job.leaves, job.n)
-        action, action_candidate = codec.decode_action(
-            job.leaves, job.n, job.row, soft_checks=self._soft
+        action, action_candidate = self._action_codec.step_action(
+            job.leaves, job.n, job.row, validated=job.validated, soft_checks=self._soft
         )
         if action_candidate is not None and self._strict:
             raise PolicyViolation(action_candidate.detail, action_candidate.kind)

@@ -89,7 +89,7 @@ class _Waiting:
     close_wait: bool = False  # a Close waiting for lane jobs, with its own bound
 
 
-@dataclass
+@dataclass(slots=True)
 class _Op:
     """A reset, step or render whose lane jobs are out."""
 
@@ -112,10 +112,16 @@ class _Op:
     timed_out: bool = False
     # lane position -> (episode, terminated, truncated, end_ns) of an episode completed by this op
     completions: dict[int, tuple[Episode, bool, bool, int]] = field(default_factory=dict)
+    lane_step: bool = False  # one lane's step, posted and answered by the straight line
 
 
 class Session:
     """One Join stream's state (SPEC §7). Not thread-safe: transport loop only."""
+
+    straight_line = True
+    """One lane's step takes the straight line (:meth:`_lane_step`, :meth:`_lane_step_done`)
+    when nothing holds it back; False sends it through the general queue and op machinery
+    (the tests compare the two)."""
 
     def __init__(
         self,
@@ -150,6 +156,19 @@ class Session:
     def on_request(self, request: env_v1.JoinRequest) -> list[Action]:
         if self._finished:
             return []
+        step = request.step
+        if (
+            step is not None
+            and self.straight_line
+            and len(step.env_indices) == 1
+            and not self._pending
+            and self._serial is None
+            and step.action is not None
+            and step.env_indices[0] < self._n
+        ):
+            # The hot path: one lane's step, which nothing holds back (no request is
+            # queued, no serial one runs): posted at once, as _pump would post it.
+            return self._lane_step(request.request_id, step)
         # ``is not None``, not truthiness: betterproto2's __bool__ walks every field, and
         # an all-default message (``reset {}``) is falsy although it is set.
         body: env_v1.ResetRequest | env_v1.StepRequest | env_v1.RenderRequest | None
@@ -171,6 +190,28 @@ class Session:
         return actions
 
     def on_lane_reply(self, reply: LaneReply) -> list[Action]:
+        op = self._ops.get(reply.job_id)
+        if (
+            op is not None
+            and op.lane_step
+            and self.straight_line
+            and reply.fault is None
+            and not op.timed_out
+            and not self._finished
+            and type(reply.outcome) is outcome.Value
+        ):
+            result = reply.outcome.value
+            if (
+                type(result) is StepResult
+                and result.action_warning is None
+                and result.obs_warning is None
+            ):
+                actions = self._lane_step_done(op, reply, result)
+                if self._pending:
+                    actions.extend(self._pump())
+                if self._half_closed:
+                    actions.extend(self._end_if_answered())
+                return actions
         actions = self._deliver(reply.job_id, reply)
         actions.extend(self._pump())
         if self._half_closed:
@@ -500,6 +541,89 @@ class Session:
             for seed in seeds
         ]
         return self._launch(op, jobs)
+
+    def _lane_step(self, rid: str, body: env_v1.StepRequest) -> list[Action]:
+        """One lane's step, straight to its Post (what _pump, _start_step and _launch do
+        for it, without the queue; the lane validates the action, SPEC §3.6)."""
+        read_ns = self._clock_ns()
+        token = next(self._tokens)
+        lane = body.env_indices[0]
+        self._verb = "step"
+        assert body.action is not None
+        op = _Op(
+            token=token,
+            request_id=rid,
+            verb="step",
+            lanes=[lane],
+            serial=False,
+            started_ns=read_ns,
+            echo_indices=[lane],
+            timeout_ms=body.timeout_ms,
+            replies=[None],
+            remaining=1,
+            unsettled=1,
+            lane_step=True,
+        )
+        job = StepJob(leaves=list(body.action.leaves), n=1, row=0, validated=False, id=token)
+        op.jobs = (job,)
+        self._ops[token] = op
+        self._outstanding += 1
+        if op.timeout_ms:
+            return [StartTimer(token, op.timeout_ms / 1000.0), Post(lane, job)]
+        return [Post(lane, job)]
+
+    def _lane_step_done(self, op: _Op, reply: LaneReply, result: StepResult) -> list[Action]:
+        """A lane step's successful, warning-free result, straight to its Send (what
+        _deliver, _account, _complete and _step_response do for it)."""
+        token = op.token
+        self._outstanding -= 1
+        del self._ops[token]
+        op.replies[0] = reply
+        op.unsettled = op.remaining = 0
+        lane = op.lanes[0]
+        if self._truncate:
+            self._last_obs[lane] = result.observation
+        completed = list(self._interrupted)
+        self._interrupted.clear()
+        terminated, truncated = bool(result.terminated), bool(result.truncated)
+        episode = self._episodes[lane]
+        if episode is not None:  # else an idle lane was stepped: no record
+            episode.steps += 1
+            episode.reward += result.reward
+            if terminated or truncated:
+                self._episodes[lane] = None
+                completed.append(
+                    episode.record(
+                        self._wall_ns(),
+                        terminated=terminated,
+                        truncated=truncated,
+                        final_info=result.info,
+                    )
+                )
+        phases = reply.phases
+        response = env_v1.JoinResponse(
+            request_id=op.request_id,
+            step=env_v1.StepResponse(
+                observation=spaces_v1.SpaceValue(leaves=result.observation),
+                rewards=[float(result.reward)],
+                terminated_mask=b"\x01" if terminated else b"\x00",
+                truncated_mask=b"\x01" if truncated else b"\x00",
+                infos=result.info,
+                completed_episodes=completed,
+                env_indices=[lane],
+            ),
+            decode_ns=phases.decode_ns,
+            user_ns=phases.user_ns,
+            encode_ns=phases.encode_ns,
+            queue_ns=phases.queue_ns,
+        )
+        response.endpoint_total_ns = self._elapsed(op.started_ns)
+        actions: list[Action] = [CancelTimer(token)] if op.timeout_ms else []
+        actions.append(Send(response))
+        if self._observe:
+            total = response.endpoint_total_ns or 0
+            actions.append(Done("step", (lane,), total, phases.user_ns))
+        return actions
 
     def _start_step(self, rid: str, body: env_v1.StepRequest, read_ns: int) -> list[Action]:
         indices = list(body.env_indices)

@@ -15,6 +15,7 @@ from ._join import Clipped as Clipped
 from ._join import decode_join_request as decode_join_request
 from ._join import encode_join_response as encode_join_response
 from ._join import encode_join_response_framed as encode_join_response_framed
+from ._join import encode_meta_map as encode_meta_map
 from ._protobuf import decode_message as decode_message
 from ._protocol import HANDSHAKE_PATH as HANDSHAKE_PATH
 from ._protocol import HEALTH_CHECK_PATH as HEALTH_CHECK_PATH
