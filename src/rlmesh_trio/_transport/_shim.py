@@ -26,10 +26,10 @@ grpclib is pinned (0.4.9); each use below is covered by the transport tests:
   control and write-ready waits), so a big reply is not framed, and copied, again.
 
 * Server reflection (:mod:`._reflection`) uses grpclib's servicers, built with their
-  underscored constructor arguments (``_service_names``, ``_pool``: the public
-  ``ServerReflection.extend`` names services from servicer objects, which ours are
-  not), the v1alpha one from ``grpclib.reflection._deprecated``
-  (:func:`reflection_servicers`).
+  underscored constructor argument ``_service_names`` and their ``_pool`` attribute set
+  to our own descriptor pool (the public ``ServerReflection.extend`` names services
+  from servicer objects, which ours are not; 0.4.8 has no ``_pool`` argument), the
+  v1alpha one from ``grpclib.reflection._deprecated`` (:func:`reflection_servicers`).
 
 h2 cannot send a GOAWAY and keep serving the open streams (its state machine closes the
 connection), so the GOAWAY frames of a graceful stop are written next to it with
@@ -416,10 +416,11 @@ def reflection_servicers(service_names: tuple[str, ...], pool: Any) -> tuple[Any
     from grpclib.reflection._deprecated import ServerReflection as V1Alpha
     from grpclib.reflection.service import ServerReflection as V1
 
-    return (
-        V1(_service_names=service_names, _pool=pool),
-        V1Alpha(_service_names=service_names, _pool=pool),
-    )
+    servicers = (V1(_service_names=service_names), V1Alpha(_service_names=service_names))
+    for servicer in servicers:
+        # grpclib 0.4.9 takes ``_pool=`` too, 0.4.8 does not; both keep it in ``_pool``.
+        servicer._pool = pool
+    return servicers
 
 
 async def send_framed(stream: Stream[Any, Any], payload: bytes) -> None:
