@@ -160,7 +160,12 @@ async def test_a_dead_child_is_replaced_by_a_fresh_process(mode: str) -> None:
             "rebuilt": True,
         }
     else:
-        assert error(out["death"])[1] == "step failed: lane 1 process died (SIGSEGV)"
+        assert error(out["death"]) == (
+            Code.CRASHED,
+            "step failed: lane 1 process died (SIGSEGV) (lane 1 faulted and was rebuilt: "
+            "reset it to go on)",
+            True,
+        )
     first, fresh = pids(out["reset"]), pids(out["again"])
     assert fresh[0] != first[1]
     assert pids(out["step"]) == [first[0], fresh[0]]
@@ -180,9 +185,10 @@ async def test_a_child_killed_from_outside_is_rebuilt() -> None:
     async with served(num_envs=2, on_lane_fault="rebuild") as address:
         out = await on_wire(client(address))
     assert error(out["death"]) == (
-        Code.INTERNAL,
-        "step failed: lane 0 process died (SIGKILL)",
-        False,
+        Code.CRASHED,
+        "step failed: lane 0 process died (SIGKILL) (lane 0 faulted and was rebuilt: "
+        "reset it to go on)",
+        True,
     )
     assert out["again"].reset is not None
 
@@ -206,7 +212,11 @@ async def test_a_gil_holding_env_freezes_nothing_and_the_watchdog_kills_it() -> 
         out = await on_wire(client(address))
     assert out["health"] == SERVING and out["health_s"] < 1.5
     assert out["other"].step is not None
-    assert error(out["hog"]) == (Code.TIMEOUT, "env.step timed out after 2000ms", True)
+    assert error(out["hog"]) == (
+        Code.CRASHED,
+        "env.step timed out after 2000ms (lane 1 faulted and was rebuilt: reset it to go on)",
+        True,
+    )
     assert pids(out["again"])[0] != pids(out["reset"])[1]
     await wait_gone([pids(out["reset"])[1]])
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import threading
 import time
@@ -121,6 +122,11 @@ async def test_a_whole_vector_step_that_raises(mode: str) -> None:
                 out["reset"] = await j.call(wire.reset(seeds=[5], env_indices=[1]))
                 out["after"] = await j.call(wire.step(acts(0, 0)))
                 out["close"] = await j.call(wire.close())
+            elif mode == "rebuild":
+                # The session goes on: the lane's reset works, then the whole vector steps.
+                out["reset"] = await j.call(wire.reset(seeds=[5], env_indices=[1]))
+                out["after"] = await j.call(wire.step(acts(0, 0)))
+                out["close"] = await j.call(wire.close())
             else:
                 out["end"] = await j.wait_end(BOUND)
         async with wire.WireClient(address) as c, c.join() as j:
@@ -131,7 +137,26 @@ async def test_a_whole_vector_step_that_raises(mode: str) -> None:
     async with served(ctl, on_lane_fault=mode) as address:
         out = await on_wire(client(address))
     first, second = ctl.built[0], ctl.built[1]
-    if mode != "truncate":
+    if mode == "rebuild":
+        # CRASHED, recoverable: the stream goes on. Lane 0 stepped (its result is dropped
+        # with the request); debug_info names the faulted lane for a client.
+        assert error(out["fault"]) == (
+            Code.CRASHED,
+            "step failed: RuntimeError: boom on step 1 (lane 1 faulted and was rebuilt: "
+            "reset it to go on; the other lanes of this request stepped, their results "
+            "are dropped)",
+            True,
+        )
+        fault = {"error": "RuntimeError: boom on step 1", "lane": 1, "rebuilt": True}
+        assert json.loads(out["fault"].error.debug_info) == {"rlmesh_trio.lane_fault": [fault]}
+        assert obs(out["reset"]).tolist() == [0.0, 5.0]
+        # Lane 0 is at t=3 (two steps before, one dropped with the faulted request).
+        assert obs(out["after"]).tolist() == [3.0, 1.0, 1.0, 5.0]
+        (interrupted,) = out["after"].step.completed_episodes
+        assert (interrupted.env_index, interrupted.seed, interrupted.truncated) == (1, 2, True)
+        final = out["close"].close.final_episodes
+        assert sorted((e.env_index, e.seed, e.step_count) for e in final) == [(0, 1, 3), (1, 5, 1)]
+    elif mode == "error":
         # The reference's reply: fatal, and the whole-vector stream ends.
         assert error(out["fault"]) == (
             Code.INTERNAL,
@@ -202,13 +227,19 @@ async def test_a_lane_scoped_step_that_raises_keeps_the_stream(mode: str) -> Non
         unreset = out["unreset"].step
         assert unreset is not None and unreset.truncated_mask == b"\x01"
         assert not unreset.completed_episodes  # the lane has no episode to end
-    else:
+    elif mode == "error":
         assert error(out["fault"]) == (
             Code.INTERNAL,
             "step failed: RuntimeError: boom on step 0",
             False,
         )
     if mode == "rebuild":
+        assert error(out["fault"]) == (
+            Code.CRASHED,
+            "step failed: RuntimeError: boom on step 0 (lane 1 faulted and was rebuilt: "
+            "reset it to go on)",
+            True,
+        )
         # The lost episode is reported as interrupted, in the next step reply (SPEC §7.7).
         (episode,) = other.completed_episodes
         assert (episode.env_index, episode.seed, episode.truncated) == (1, 2, True)
@@ -244,7 +275,19 @@ async def test_a_reset_that_raises(mode: str) -> None:
 
     async with served(ctl, on_lane_fault=mode) as address:
         out = await on_wire(client(address))
-    assert error(out["fault"]) == (Code.INTERNAL, "reset failed: ValueError: reset refused", False)
+    if mode == "error":
+        assert error(out["fault"]) == (
+            Code.INTERNAL,
+            "reset failed: ValueError: reset refused",
+            False,
+        )
+    else:  # truncate: the retried reset failed too, and is answered as under rebuild
+        assert error(out["fault"]) == (
+            Code.CRASHED,
+            "reset failed: ValueError: reset refused (lane 1 faulted and was rebuilt: "
+            "reset it to go on)",
+            True,
+        )
     assert obs(out["ok"]).tolist() == [0.0, 3.0]
     # error: no rebuild; rebuild: one; truncate: one, the retried reset failed again: two.
     assert len(ctl.built) == {"error": 2, "rebuild": 3, "truncate": 4}[mode]
@@ -278,7 +321,12 @@ async def test_a_render_that_raises(mode: str) -> None:
             await j.call(wire.reset(seeds=[1]))
             ctl.render_raises = True
             out["fault"] = await j.call(wire.render())
-            out["end"] = await j.wait_end(BOUND)
+            if mode == "error":
+                out["end"] = await j.wait_end(BOUND)
+            else:  # recoverable: the same session resets the rebuilt lane and renders
+                ctl.render_raises = False
+                await j.call(wire.reset(seeds=[1]))
+                out["same"] = await j.call(wire.render())
         ctl.render_raises = False
         async with wire.WireClient(address) as c, c.join() as j:
             await j.call(wire.reset(seeds=[1]))
@@ -287,7 +335,16 @@ async def test_a_render_that_raises(mode: str) -> None:
 
     async with served(ctl, num_envs=1, on_lane_fault=mode) as address:
         out = await on_wire(client(address))
-    assert error(out["fault"]) == (Code.INTERNAL, "render failed: OSError: no display", False)
+    if mode == "error":
+        assert error(out["fault"]) == (Code.INTERNAL, "render failed: OSError: no display", False)
+    else:
+        assert error(out["fault"]) == (
+            Code.CRASHED,
+            "render failed: OSError: no display (lane 0 faulted and was rebuilt: reset "
+            "it to go on)",
+            True,
+        )
+        assert out["same"].render is not None and out["same"].render.frame
     assert out["render"].render is not None and out["render"].render.frame
     assert len(ctl.built) == (1 if mode == "error" else 2)
 
@@ -339,7 +396,7 @@ async def test_a_step_that_hangs_past_its_deadline(mode: str) -> None:
             "lane": 1,
             "rebuilt": True,
         }
-    else:
+    else:  # the request's own deadline answers first (the lane is rebuilt after it)
         assert error(out["hang"]) == (Code.TIMEOUT, "env.step timed out after 300ms", True)
     if mode == "error":
         code, message, recoverable = error(out["busy"])
@@ -374,8 +431,15 @@ async def test_the_watchdog_answers_a_hanging_step(mode: str) -> None:
         assert step is not None and step.truncated_mask == b"\x00\x01"
         next_step = out["next"].step
         assert next_step is not None
-    else:
+    elif mode == "error":
         assert error(out["hang"]) == (Code.TIMEOUT, "env.step timed out after 300ms", True)
+    else:  # the wedged env was abandoned and the lane rebuilt: CRASHED, recoverable
+        assert error(out["hang"]) == (
+            Code.CRASHED,
+            "env.step timed out after 300ms (lane 1 faulted and was rebuilt: reset it to "
+            "go on; the other lanes of this request stepped, their results are dropped)",
+            True,
+        )
     if mode == "error":
         code, message, _ = error(out["next"])
         assert code == Code.BUSY and message.startswith("lane 1 is wedged"), message
@@ -452,7 +516,7 @@ async def test_a_faulted_env_whose_close_hangs_does_not_hold_the_rebuild(mode: s
 
 
 @pytest.mark.parametrize("mode", SUPERVISED)
-async def test_a_rebuild_whose_factory_fails_answers_a_clear_fatal_error(mode: str) -> None:
+async def test_a_rebuild_whose_factory_fails_answers_a_clear_recoverable_error(mode: str) -> None:
     ctl = Controller()
 
     async def client(address: str) -> dict[str, Any]:
@@ -467,11 +531,20 @@ async def test_a_rebuild_whose_factory_fails_answers_a_clear_fatal_error(mode: s
 
     async with served(ctl, on_lane_fault=mode) as address:
         out = await on_wire(client(address))
+    # The lane is tried again after its backoff: CRASHED, recoverable (the session goes on).
     assert error(out["dead"]) == (
-        Code.INTERNAL,
-        "lane 1 could not be rebuilt (attempt 1): RuntimeError: factory down",
-        False,
+        Code.CRASHED,
+        "lane 1 could not be rebuilt (attempt 1): RuntimeError: factory down; the next "
+        "attempt is in 0.5 s",
+        True,
     )
+    fault = {
+        "error": "lane 1 could not be rebuilt (attempt 1): RuntimeError: factory down; the "
+        "next attempt is in 0.5 s",
+        "lane": 1,
+        "rebuilt": False,
+    }
+    assert json.loads(out["dead"].error.debug_info) == {"rlmesh_trio.lane_fault": [fault]}
     assert obs(out["other"]).tolist() == [1.0, 1.0]  # the other lane is untouched
 
 
@@ -491,7 +564,7 @@ async def test_a_dead_lane_does_not_flood_the_log(caplog: pytest.LogCaptureFixtu
 
     async with served(ctl, on_lane_fault="rebuild") as address:
         replies = await on_wire(client(address))
-    assert all(error(r)[0] == Code.INTERNAL for r in replies)
+    assert all(error(r)[0] == Code.CRASHED for r in replies)
     env_errors = [r for r in caplog.records if r.name == "rlmesh_trio.env"]
     assert len(env_errors) == 1  # the step's own fault, with its traceback
     refusals = [r for r in caplog.records if "refused by its lane" in r.getMessage()]

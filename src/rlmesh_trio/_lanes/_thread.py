@@ -15,7 +15,12 @@ from time import perf_counter_ns
 
 import outcome
 
-from .._errors import ContractMismatchError, LaneDeadError, LaneNeedsResetError
+from .._errors import (
+    ContractMismatchError,
+    LaneDeadError,
+    LaneNeedsResetError,
+    LaneRebuildFailedError,
+)
 from .._jobs import Job, LaneFault, Phases, ResetJob, StepJob
 from ._contract import EnvFacts, contract_differences
 from ._lane import (
@@ -152,11 +157,12 @@ class LaneThreads:
             if inc.detached or lane.stopping:
                 return
             cause = f"{type(exc).__name__}: {exc}"
-            refusal = LaneDeadError(
-                f"lane {lane.index} could not be rebuilt (attempt {lane.attempt}): {cause}"
+            delay = self._rebuild_delay(lane.attempt)
+            refusal = LaneRebuildFailedError(
+                f"lane {lane.index} could not be rebuilt (attempt {lane.attempt}): {cause}; "
+                f"the next attempt is in {delay:.3g} s"
             )
             waiting = lane.dead(refusal, cause)
-        delay = self._rebuild_delay(lane.attempt)
         logger.error(
             "lane %d: rebuild attempt %d failed (%s); next attempt in %.3g s",
             lane.index,

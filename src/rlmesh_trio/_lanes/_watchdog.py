@@ -104,6 +104,7 @@ class Wedges:
             if self._rebuilds:
                 lane.current = None
                 inc = lane.rebuilding()
+                lane.last_cause = f"TimeoutError: {error}"
                 killed = inc.interrupt()  # under the lock: never seen detached, not abandoned
             else:
                 inc = lane.incarnation

@@ -245,6 +245,21 @@ class BlockingEndpoint:
         """Send one request per builder (``builder(request_id) -> bytes``) at once and
         return their replies in the same order; the first error is raised after all
         have been answered (so none is left in flight)."""
+        replies: list[Reply] = []
+        for answer in self.roundtrip_each(builders, kinds, deadline=deadline):
+            if isinstance(answer, EndpointError):
+                raise answer
+            replies.append(answer)
+        return replies
+
+    def roundtrip_each(
+        self,
+        builders: Sequence[object],
+        kinds: Sequence[str],
+        *,
+        deadline: float | None = None,
+    ) -> list[Reply | EndpointError]:
+        """As :meth:`roundtrip`, but each request's reply or error, in order."""
         state = self.state
         slots: list[tuple[str, Slot]] = []
         for build in builders:
@@ -260,17 +275,13 @@ class BlockingEndpoint:
         for _rid, slot in slots:
             if slot.reply is None and slot.error is None:
                 state.process()
-        replies: list[Reply] = []
-        first: BaseException | None = None
+        answers: list[Reply | EndpointError] = []
         for (_rid, slot), kind in zip(slots, kinds, strict=True):
             try:
-                replies.append(result_of(slot, kind))
+                answers.append(result_of(slot, kind))
             except EndpointError as exc:
-                if first is None:
-                    first = exc
-        if first is not None:
-            raise first
-        return replies
+                answers.append(exc)
+        return answers
 
     def close(self, reason: str = "client close") -> list[Episode]:
         if self._closed is not None:

@@ -9,6 +9,7 @@ connection, a gRPC status, the handshake) are mapped onto the same codes so one
 from __future__ import annotations
 
 import enum
+import json
 from typing import Any
 
 __all__ = [
@@ -20,6 +21,11 @@ __all__ = [
     "HandshakeError",
     "RpcError",
 ]
+
+
+LANE_FAULT_KEY = "rlmesh_trio.lane_fault"
+"""The key of a faulted lane's record, in a step's info (``truncate``) and in a CRASHED
+error's ``debug_info`` (``rebuild``/``truncate``)."""
 
 
 class ErrorCode(enum.IntEnum):
@@ -100,6 +106,21 @@ class EnvError(EndpointError):
         super().__init__(message, code=code, is_recoverable=is_recoverable)
         self.request_id = request_id
         self.debug_info = debug_info
+
+    @property
+    def lane_faults(self) -> list[dict[str, Any]]:
+        """The lanes a rlmesh-trio server under ``--on-lane-fault rebuild|truncate``
+        names in this error (its ``debug_info``): one ``{"lane": i, "error": "<Type>:
+        <message>", "rebuilt": bool}`` per faulted lane, which must be reset before it
+        steps again (docs/supervision.md). Empty for any other error or server."""
+        try:
+            info = json.loads(self.debug_info) if self.debug_info.startswith("{") else None
+        except ValueError:
+            return []
+        faults = info.get(LANE_FAULT_KEY) if isinstance(info, dict) else None
+        if not isinstance(faults, list):
+            return []
+        return [f for f in faults if isinstance(f, dict) and isinstance(f.get("lane"), int)]
 
 
 class RpcError(EndpointError):
