@@ -294,3 +294,24 @@ async def test_no_child_outlives_the_server(how: signal.Signals) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_a_wedged_child_dumps_its_stack(capfd: pytest.CaptureFixture[str]) -> None:
+    """Issue 19, finding 8, for a process lane: the env runs in the child, so the child
+    dumps every thread's stack (faulthandler, on the server's stderr) when the lane is
+    declared wedged -- here while the env holds the child's GIL in native code."""
+
+    async def client(address: str) -> env_v1.JoinResponse:
+        async with wire.WireClient(address) as c, c.join() as j:
+            await j.call(wire.reset(seeds=[1]))
+            return await j.call(wire.step(acts(HOG)))
+
+    async with served(num_envs=1, lane_timeout_seconds=0.5, close_timeout_seconds=1.0) as a:
+        reply = await on_wire(client(a))
+        assert error(reply)[0] == Code.TIMEOUT
+        err = ""
+        with trio.fail_after(BOUND):
+            while "crashy.py" not in err:  # no event for another process
+                await trio.sleep(0.05)
+                err += capfd.readouterr().err
+    assert "Current thread" in err or "Thread 0x" in err, err  # faulthandler's dump

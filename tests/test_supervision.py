@@ -448,6 +448,33 @@ async def test_the_watchdog_answers_a_hanging_step(mode: str) -> None:
     await wait_for(lambda: not threads_named("-abandoned"))
 
 
+@pytest.mark.parametrize("mode", MODES)
+async def test_the_wedge_warning_shows_where_the_env_is_stuck(
+    mode: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 19, finding 8: the watchdog named the lane and the call, not the env's code
+    that is stuck. Now the warning carries the lane thread's current Python stack."""
+    ctl = Controller()
+    caplog.set_level(logging.WARNING, logger="rlmesh_trio.lanes")
+
+    async def client(address: str) -> None:
+        async with wire.WireClient(address) as c, c.join() as j:
+            await j.call(wire.reset(seeds=[1, 2]))
+            await j.call(wire.step(acts(0, HANG)))
+            ctl.release.set()
+
+    async with served(ctl, on_lane_fault=mode, lane_timeout_seconds=0.3) as address:
+        await on_wire(client(address))
+    (record,) = [r for r in caplog.records if "has run for" in r.getMessage()]
+    text = record.getMessage()
+    assert "stuck in:" in text, text
+    # The env's own frames (FaultyEnv.step, then its _hang, waiting on an Event).
+    stack = text.split("stuck in:\n", 1)[1]
+    assert "in step" in stack and "in _hang" in stack and 'faulty.py", line' in stack, text
+    assert stack.index("in step") < stack.index("in _hang"), text
+    await wait_for(lambda: not threads_named("-abandoned"))
+
+
 async def test_a_close_waits_for_a_hanging_lane_at_most_close_timeout(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

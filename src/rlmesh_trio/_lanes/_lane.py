@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
+import traceback
 from collections.abc import Callable
 from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any, Final
@@ -97,6 +99,15 @@ class Incarnation:
         """Whether a job's ``error`` means the env is gone with its host (a process lane's
         child died): under policy ``error`` the lane is then dead."""
         return False
+
+    def stack(self) -> str:
+        """Any thread: where the env's code is right now, for the wedge warning -- the
+        thread's current Python stack (``sys._current_frames()``), innermost last."""
+        thread = self.thread
+        frame = sys._current_frames().get(thread.ident) if thread and thread.ident else None
+        if frame is None:
+            return "(the lane thread has no Python stack: it has exited)"
+        return "".join(traceback.format_stack(frame)).rstrip()
 
 
 Spawn = Callable[[int, int], Incarnation]
