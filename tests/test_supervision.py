@@ -13,6 +13,7 @@ import asyncio
 import functools
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -31,6 +32,7 @@ from rlmesh_trio import ServeOptions, serve_env
 from rlmesh_trio._errors import LaneBrokenError, LaneDeadError, LaneTimeoutError
 from rlmesh_trio._jobs import CallJob, LaneReply, ResetJob, StepJob
 from rlmesh_trio._lanes import LANE_THREAD_PREFIX, LaneEngine
+from rlmesh_trio._lanes._supervisor import FREE_REBUILDS, MAX_LEFT_BEHIND
 from rlmesh_trio._proto.rlmesh.env import v1 as env_v1
 from rlmesh_trio._transport._server import HEALTH_CHECK_PATH
 
@@ -787,6 +789,106 @@ async def test_rlmesh_run_completes_every_seed_while_a_lane_crashes_every_few_st
 
 
 # ----------------------------------------------------------------------- stress
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+STORMS = {
+    # The issue's storms: a step that always raises and a close() that hangs (threads
+    # 7 -> 9,711 in 60 s); a step that always hangs under a watchdog (7 -> 577); a step
+    # that always raises (rebuilds at ~160/s).
+    "raise-close-hangs": ({"on_lane_fault": "rebuild", "close_timeout_seconds": 0.2}, RAISE, True),
+    "hang-watchdog": ({"on_lane_fault": "truncate", "lane_timeout_seconds": 0.1}, HANG, False),
+    "raise": ({"on_lane_fault": "rebuild"}, RAISE, False),
+}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads /proc")
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("storm", list(STORMS))
+async def test_a_fault_storm_stays_bounded(storm: str) -> None:
+    """Issue 19, finding 5: lane 1 faults on every step for 3 s while lane 0 serves. The
+    threads stay within the lanes plus the lane's cap of abandoned ones (then the lane is
+    given up: dead, refusing), the rebuilds are backed off, and memory stays flat."""
+    options, action, close_hangs = STORMS[storm]
+    ctl = Controller()
+    ctl.close_hangs = close_hangs
+    seconds = 3.0
+
+    async def client(address: str) -> dict[str, Any]:
+        out: dict[str, Any] = {"codes": set(), "healthy_steps": 0}
+        async with wire.WireClient(address) as c, c.join() as j:
+            await j.call(wire.reset(seeds=[1, 2]))
+            out["threads_before"] = threading.active_count()
+            start = time.monotonic()
+            while time.monotonic() - start < seconds:
+                if "rss_warm" not in out and time.monotonic() - start > 0.5:
+                    out["rss_warm"] = rss_bytes()
+                reset = await j.call(wire.reset(env_indices=[1]))
+                step = await j.call(wire.step(acts(action), env_indices=[1]))
+                for reply in (reset, step):
+                    if reply.error is not None:
+                        out["codes"].add(reply.error.code)
+                healthy = await j.call(wire.step(acts(0), env_indices=[0]))
+                assert healthy.step is not None, healthy
+                out["healthy_steps"] += 1
+                out["threads_max"] = max(out.get("threads_max", 0), threading.active_count())
+            out["rss_end"] = rss_bytes()
+            out["dead"] = await j.call(wire.reset(env_indices=[1]))
+        return out
+
+    async with served(ctl, **options) as address:
+        out = await on_wire(client(address))
+    # The lane's abandoned threads (at most MAX_LEFT_BEHIND), a retired one closing and
+    # the fresh one: nothing grows with the number of faults.
+    assert out["threads_max"] <= out["threads_before"] + MAX_LEFT_BEHIND + 2, out
+    assert out["rss_end"] - out["rss_warm"] < 8 * 2**20, out
+    assert out["healthy_steps"] > 10  # lane 0 went on meanwhile
+    # Backed off: FREE_REBUILDS at once, then after 0.5 s, 1 s, 2 s... (not ~500 in 3 s);
+    # meanwhile the lane refuses at once, CRASHED and recoverable, saying when.
+    assert len(ctl.built) <= 2 + FREE_REBUILDS + 3, len(ctl.built)
+    assert Code.CRASHED in out["codes"]
+    if out["dead"].error is not None:
+        code, message, recoverable = error(out["dead"])
+        assert code == Code.CRASHED and recoverable, message
+        assert "times in a row" in message and "it is rebuilt again in" in message, message
+    await wait_for(lambda: not threads_named("-abandoned"))
+
+
+async def test_a_lane_that_leaves_too_many_threads_behind_is_given_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past its cap of abandoned threads still running, a lane is not rebuilt again: dead,
+    refusing fatally with a clear message, and health says NOT_SERVING (no lane left)."""
+    monkeypatch.setattr("rlmesh_trio._lanes._supervisor.MAX_LEFT_BEHIND", 2)
+    ctl = Controller()
+
+    async def client(address: str) -> dict[str, Any]:
+        out: dict[str, Any] = {"steps": []}
+        async with wire.WireClient(address) as c, c.join() as j:
+            for _ in range(3):  # every step hangs and is abandoned by the watchdog
+                await j.call(wire.reset(seeds=[1]))
+                out["steps"].append(await j.call(wire.step(acts(HANG))))
+            out["dead"] = await j.call(wire.reset(seeds=[1]))
+            out["health"] = (await c.unary(HEALTH_CHECK_PATH, b"")).reply
+        return out
+
+    async with served(ctl, num_envs=1, on_lane_fault="rebuild", lane_timeout_seconds=0.1) as a:
+        out = await on_wire(client(a))
+        assert len(threads_named("-abandoned")) == 3
+        assert len(ctl.built) == 3  # the first env and two rebuilds, then no more
+        ctl.release.set()
+    code, message, recoverable = error(out["dead"])
+    assert (code, recoverable) == (Code.INTERNAL, False)
+    assert message == (
+        "lane 0 is given up after repeated faults: 3 threads it abandoned are still running "
+        "(an env.close() or env call that does not return); restart the server to get it back"
+    )
+    assert out["health"] == NOT_SERVING
+    await wait_for(lambda: not threads_named("-abandoned"))
 
 
 @pytest.mark.parametrize("mode", SUPERVISED)

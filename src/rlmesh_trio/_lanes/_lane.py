@@ -130,11 +130,13 @@ class _Lane:
         "attempt",
         "current",
         "faults",
+        "given_up",
         "incarnation",
         "index",
         "last_cause",
         "lock",
         "mailbox",
+        "proven",
         "rebuilds",
         "refusal",
         "retry",
@@ -177,6 +179,10 @@ class _Lane:
         self.rebuilds = 0
         self.abandoned = 0
         """Abandoned threads of this lane still running (wedged env calls)."""
+        self.proven = False
+        """A rebuilt env answered a step: the lane is not in a fault storm (backoff)."""
+        self.given_up = False
+        """The lane left too many threads behind: it is dead and never rebuilt again."""
 
     # ---- transitions (the lane lock held) --------------------------------------------
 
@@ -234,9 +240,17 @@ class _Lane:
         self.current = None
         return self.take_queued()
 
+    def hold_off(self, refusal: LaneError | None) -> list[_Item]:
+        """REBUILDING, no state change: the fresh env is held back (a fault storm's
+        backoff) and jobs are refused with ``refusal`` meanwhile (None: they queue again);
+        the queued ones are returned for the caller to answer."""
+        self.refusal = refusal
+        return self.take_queued() if refusal is not None else []
+
     def dead(self, refusal: LaneDeadError, cause: str) -> list[_Item]:
-        """-> DEAD: a rebuild failed, or a process lane was lost under ``error``. Jobs are
-        refused with ``refusal``; the queued ones are returned for the caller to answer."""
+        """-> DEAD: a rebuild failed, or a process lane was lost under ``error``, or the
+        lane was given up (too many threads left behind). Jobs are refused with
+        ``refusal``; the queued ones are returned for the caller to answer."""
         self._move(LaneState.DEAD)
         self.last_cause = cause
         self.refusal = refusal

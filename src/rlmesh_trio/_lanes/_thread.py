@@ -180,6 +180,7 @@ class LaneThreads:
         index = lane.index
         rebuilds = self._rebuilds
         fresh = inc.number > 0  # a rebuilt env: the client has not reset it yet
+        unproven = fresh  # ... nor has it answered a step (the supervisor's storm check)
         while True:
             retried = 0
             item: _Item | _Stop
@@ -240,6 +241,9 @@ class LaneThreads:
                 return
             if fresh and isinstance(job, ResetJob) and isinstance(result, outcome.Value):
                 fresh = False
+            if unproven and isinstance(job, StepJob) and isinstance(result, outcome.Value):
+                unproven = False
+                lane.proven = True
             answer(index, item, result, phases)
             del job, result, item, _reply
 
