@@ -577,6 +577,44 @@ async def test_a_rebuild_whose_factory_fails_answers_a_clear_recoverable_error(m
     assert obs(out["other"]).tolist() == [1.0, 1.0]  # the other lane is untouched
 
 
+async def test_one_log_record_per_lane_state_change(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 19, finding 6: every move of a lane's state table is one record (from the
+    one place the moves happen), rebuild attempts numbered; startup and stop at DEBUG."""
+    ctl = Controller()
+    caplog.set_level(logging.DEBUG, logger="rlmesh_trio.lanes")
+
+    async def client(address: str) -> None:
+        async with wire.WireClient(address) as c, c.join() as j:
+            await j.call(wire.reset(seeds=[1, 2]))
+            ctl.fail_builds = 1
+            await j.call(wire.step(acts(RAISE), env_indices=[1]))
+            deadline = time.monotonic() + BOUND
+            while (await j.call(wire.reset(env_indices=[1]))).error is not None:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+
+    async with served(ctl, on_lane_fault="rebuild") as address:
+        await on_wire(client(address))
+    moves = [
+        (r.levelname, r.getMessage())
+        for r in caplog.records
+        if r.name == "rlmesh_trio.lanes" and " -> " in r.getMessage()
+    ]
+    lane1 = [m for m in moves if m[1].startswith("lane 1:")]
+    assert lane1 == [
+        ("DEBUG", "lane 1: starting -> serving"),
+        ("INFO", "lane 1: serving -> rebuilding (rebuild attempt 1)"),
+        ("INFO", "lane 1: rebuilding -> dead"),
+        ("INFO", "lane 1: dead -> rebuilding (rebuild attempt 2)"),
+        ("INFO", "lane 1: rebuilding -> serving"),
+        ("DEBUG", "lane 1: serving -> stopped"),
+    ]
+    assert [m for m in moves if m[1].startswith("lane 0:")] == [
+        ("DEBUG", "lane 0: starting -> serving"),
+        ("DEBUG", "lane 0: serving -> stopped"),
+    ]
+
+
 async def test_a_dead_lane_does_not_flood_the_log(caplog: pytest.LogCaptureFixture) -> None:
     """Issue 19, finding 6: every refusal of a dead lane wrote an ERROR with the factory's
     traceback (13 MB in 60 s from one client). A refusal runs no env code: it goes through

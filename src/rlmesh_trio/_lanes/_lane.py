@@ -190,6 +190,18 @@ class _Lane:
         old = self.state
         check_transition(self.index, old, new)
         self.state = new
+        # One record per state change (docs/supervision.md, "Observing it"); startup and
+        # stop, which every lane makes, at DEBUG. Rare: logged under the lane lock.
+        quiet = old is LaneState.STARTING or new is LaneState.STOPPED
+        attempt = f" (rebuild attempt {self.attempt + 1})" if new is LaneState.REBUILDING else ""
+        logger.log(
+            logging.DEBUG if quiet else logging.INFO,
+            "lane %d: %s -> %s%s",
+            self.index,
+            old.value,
+            new.value,
+            attempt,
+        )
         return old
 
     def serve(self) -> int:
