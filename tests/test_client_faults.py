@@ -12,10 +12,18 @@ import numpy as np
 import pytest
 import trio
 from gymnasium.vector import AutoresetMode
-from support.faulty import RAISE
+from support.faulty import HANG, RAISE
 from support.refserver import ServerConfig, ServerPool
 
-from rlmesh_trio.client import EnvError, ErrorCode, VectorEnv, open_endpoint
+from rlmesh_trio.client import (
+    EndpointError,
+    EnvError,
+    ErrorCode,
+    RequestTimeoutError,
+    VectorEnv,
+    open_endpoint,
+)
+from rlmesh_trio.client._core import REPLY_GRACE
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(120)]
 
@@ -114,3 +122,46 @@ async def test_vector_env_truncates_the_faulted_step_and_goes_on(
     else:
         assert obs[:, 0].tolist() == [0.0, 0.0]  # reset in the same step
         assert after[0][:, 0].tolist() == [1.0, 1.0] and not after[3].any()
+
+
+@pytest.mark.parametrize("kind", ["ref", "ours"])
+async def test_a_call_never_waits_past_its_deadline_plus_the_grace(
+    servers: ServerPool, kind: str
+) -> None:
+    """Issue 19, finding 7: against a server that answers PINGs but not a step (the
+    reference with a hung env), ``step(timeout_ms=...)`` blocked until killed. Now the
+    client gives up at ``timeout_ms`` plus its grace: RequestTimeoutError, recoverable,
+    the endpoint open. (Our server answers its own TIMEOUT first.)"""
+    cfg = ServerConfig(
+        entrypoint="support.faulty:make",
+        env=(("RLMESH_FAULTY_HANG_SECONDS", "8"),),
+    )
+    srv = await trio.to_thread.run_sync(functools.partial(servers.fresh, kind, cfg))
+    with trio.fail_after(BOUND):
+        async with open_endpoint(srv.address) as ep:
+            await ep.reset(seeds=[1])
+            t0 = trio.current_time()
+            with pytest.raises(EndpointError) as caught:
+                await ep.step(np.array([HANG]), timeout_ms=300)
+            waited = trio.current_time() - t0
+            assert caught.value.code == ErrorCode.TIMEOUT and caught.value.is_recoverable
+            assert not ep.closed
+    assert waited < 0.3 + REPLY_GRACE + 2.0, waited
+    if kind == "ref":
+        assert isinstance(caught.value, RequestTimeoutError), caught.value
+        assert "within 300ms plus the client's" in caught.value.message
+
+
+def test_vector_env_never_waits_past_its_request_timeout(servers: ServerPool) -> None:
+    cfg = ServerConfig(
+        entrypoint="support.faulty:make",
+        env=(("RLMESH_FAULTY_HANG_SECONDS", "8"),),
+    )
+    srv = servers.fresh("ref", cfg)
+    env = VectorEnv(srv.address, request_timeout_ms=300)
+    try:
+        env.reset(seed=1)
+        with pytest.raises(RequestTimeoutError):
+            env.step(np.array([HANG]))
+    finally:
+        env.close()

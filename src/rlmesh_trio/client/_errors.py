@@ -19,6 +19,7 @@ __all__ = [
     "EnvError",
     "ErrorCode",
     "HandshakeError",
+    "RequestTimeoutError",
     "RpcError",
 ]
 
@@ -136,6 +137,16 @@ class RpcError(EndpointError):
         super().__init__(f"gRPC status {grpc_status}: {grpc_message}", code=code)
         self.grpc_status = grpc_status
         self.grpc_message = grpc_message
+
+
+class RequestTimeoutError(EndpointError):
+    """No reply within the client's own deadline for a call: its ``timeout_ms`` plus
+    :data:`~rlmesh_trio.client._core.REPLY_GRACE` seconds (a server answers ``TIMEOUT``
+    itself at ``timeout_ms``; this is for one that does not). ``TIMEOUT``, recoverable:
+    the endpoint stays open, and the late reply, if it ever comes, is dropped."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code=ErrorCode.TIMEOUT, is_recoverable=True)
 
 
 class HandshakeError(EndpointError):

@@ -144,7 +144,9 @@ class VectorEnv(gym.vector.VectorEnv):
             )
             for group, group_seeds in groups
         ]
-        replies = self._ep.roundtrip(builders, ["reset"] * len(builders))
+        replies = self._ep.roundtrip(
+            builders, ["reset"] * len(builders), timeout_ms=self._timeout_ms
+        )
         out: dict[int, tuple[Any, dict[str, Any]]] = {}
         for (group, _), reply in zip(groups, replies, strict=True):
             out.update(self._per_lane_reset(group, reply))
@@ -269,7 +271,7 @@ class VectorEnv(gym.vector.VectorEnv):
                 )
             )
             kinds.append("reset")
-        answers = self._ep.roundtrip_each(builders, kinds)
+        answers = self._ep.roundtrip_each(builders, kinds, timeout_ms=self._timeout_ms)
         for answer in answers:
             if isinstance(answer, EndpointError) and not _lane_crash(answer):
                 raise answer
@@ -431,13 +433,16 @@ class Env(gym.Env):
                 )
             ],
             ["reset"],
+            timeout_ms=self._timeout_ms,
         )[0]
         return self._state.codecs.observations(reply.leaves, 1)[0], reply.infos
 
     def step(self, action: Any) -> tuple[Any, SupportsFloat, bool, bool, dict[str, Any]]:
         leaves = self._state.codecs.encode_single_action(action)
         reply = self._ep.roundtrip(
-            [partial(_step_builder, leaves=leaves, timeout_ms=self._timeout_ms, lanes=[])], ["step"]
+            [partial(_step_builder, leaves=leaves, timeout_ms=self._timeout_ms, lanes=[])],
+            ["step"],
+            timeout_ms=self._timeout_ms,
         )[0]
         rewards, terminated, truncated = step_arrays(reply, 1)
         obs = self._state.codecs.observations(reply.leaves, 1)[0]
