@@ -566,3 +566,74 @@ def test_a_normal_stop_says_nothing_of_crashes(procs: list[subprocess.Popen[byte
     _, err = proc.communicate(timeout=BOUND)
     assert proc.returncode == 0
     assert "--lane-isolation" not in err.decode()
+
+
+def test_health_follows_the_lanes(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Issue 19, finding 2: with every lane dead (process lanes, policy error, segfaults)
+    health said SERVING and the probe exited 0. Now NOT_SERVING once fewer lanes can serve
+    than --min-serving-lanes (default 1): here all 3 must, so losing one is enough."""
+    import json
+
+    _, address = start_serving(
+        procs,
+        "--entrypoint",
+        "support.crashy:make_crashy",
+        "--num-envs",
+        "3",
+        "--lane-isolation",
+        "process",
+        "--min-serving-lanes",
+        "3",
+    )
+
+    async def segfault(lanes: list[int]) -> None:
+        async with wire.WireClient(address) as client, client.join() as join:
+            await join.call(wire.reset(seeds=[1, 2, 3]))
+            for lane in lanes:
+                reply = await join.call(wire.step([wire.i64([1])], env_indices=[lane]))
+                assert reply.error is not None, reply
+
+    code, out, _ = run_probe(address, "--json")
+    assert code == 0 and json.loads(out)["health"] == "SERVING", out
+    wire.run(segfault([0]))
+    code, out, _ = run_probe(address, "--json")
+    report = json.loads(out)
+    assert code == 1 and report["health"] == "NOT_SERVING", out
+    assert report["lanes"] == {"0": "dead", "1": "serving", "2": "serving"}
+
+
+def test_health_is_not_serving_once_no_lane_can_serve(
+    procs: list[subprocess.Popen[bytes]],
+) -> None:
+    _, address = start_serving(
+        procs,
+        "--entrypoint",
+        "support.crashy:make_crashy",
+        "--num-envs",
+        "2",
+        "--lane-isolation",
+        "process",
+    )
+
+    async def segfault() -> None:
+        async with wire.WireClient(address) as client, client.join() as join:
+            await join.call(wire.reset(seeds=[1, 2]))
+            for lane in (0, 1):
+                if lane == 1:  # one lane left: still serving
+                    code, out, _ = run_probe(address)
+                    assert code == 0 and "0=dead, 1=serving" in out, out
+                reply = await join.call(wire.step([wire.i64([1])], env_indices=[lane]))
+                assert reply.error is not None, reply
+
+    wire.run(segfault())
+    code, out, _ = run_probe(address)
+    assert code == 1 and "NOT_SERVING" in out and "0=dead, 1=dead" in out, out
+
+
+def test_min_serving_lanes_is_checked(procs: list[subprocess.Popen[bytes]]) -> None:
+    proc = spawn("serve", "--env", "CartPole-v1", "--min-serving-lanes", "2")
+    _, err = proc.communicate(timeout=BOUND)
+    assert proc.returncode != 0 and b"min_serving_lanes=2 is more than the 1 lanes" in err
+    proc = spawn("serve", "--env", "CartPole-v1", "--min-serving-lanes", "0")
+    _, err = proc.communicate(timeout=BOUND)
+    assert proc.returncode == 2 and b"--min-serving-lanes" in err

@@ -22,6 +22,7 @@ from rlmesh_trio._proto.rlmesh.spaces import v1 as spaces_v1
 from rlmesh_trio._wire import DecodeError, decode_join_request, encode_join_response
 from rlmesh_trio.client import (
     EndpointClosedError,
+    EndpointError,
     EnvError,
     ErrorCode,
     HandshakeError,
@@ -305,3 +306,53 @@ def test_the_public_error_codes_are_the_protocols() -> None:
     assert {code.name: int(code) for code in ErrorCode} == {
         code.name: int(code) for code in env_v1.EnvErrorCode
     }
+
+
+class _StubJoin:
+    """What ``JoinState.process`` reads of a Join call: the replies read, its end."""
+
+    def __init__(self) -> None:
+        import collections
+
+        self.messages: collections.deque[bytes] = collections.deque()
+        self.ended = False
+        self.status = None
+        self.status_message = ""
+
+
+class _StubConn:
+    lost = None
+
+    def __init__(self) -> None:
+        self.cancelled: list[object] = []
+
+    def cancel(self, call: object) -> None:
+        self.cancelled.append(call)
+
+    def send(self, call: object, payload: bytes, end: bool = False) -> None:
+        pass
+
+
+def test_a_reply_to_a_request_never_sent_is_a_protocol_error() -> None:
+    """Issue 19, finding 7: a reply whose request_id the endpoint never sent (the late
+    replies of cancelled calls excepted) fails the endpoint as a malformed reply."""
+    from rlmesh_trio.client._core import JoinState
+
+    conn, join = _StubConn(), _StubJoin()
+    state = JoinState(conn, join, contract_from_handshake(handshake()))  # type: ignore[arg-type]
+    kept = state.submit(b"", "rt-1", lambda: None)
+    state.submit(b"", "rt-2", lambda: None)
+    state.abandon("rt-2")  # a cancelled call: its late reply is dropped
+    configure = env_v1.JoinResponse(configure=env_v1.ConfigureEnvResponse())
+    for rid in ("rt-2", "rt-1"):
+        configure.request_id = rid
+        join.messages.append(encode_join_response(configure))
+    state.process()
+    assert state.failure is None and kept.reply is not None and not state.abandoned
+    waiting = state.submit(b"", "rt-3", lambda: None)
+    configure.request_id = "rt-99"
+    join.messages.append(encode_join_response(configure))
+    state.process()
+    assert state.failure is not None and state.failure.code == ErrorCode.INTERNAL
+    assert "a reply to request_id 'rt-99', never sent" in str(state.failure)
+    assert isinstance(waiting.error, EndpointError) and conn.cancelled == [join]

@@ -160,7 +160,12 @@ async def test_a_dead_child_is_replaced_by_a_fresh_process(mode: str) -> None:
             "rebuilt": True,
         }
     else:
-        assert error(out["death"])[1] == "step failed: lane 1 process died (SIGSEGV)"
+        assert error(out["death"]) == (
+            Code.CRASHED,
+            "step failed: lane 1 process died (SIGSEGV) (lane 1 faulted and was rebuilt: "
+            "reset it to go on)",
+            True,
+        )
     first, fresh = pids(out["reset"]), pids(out["again"])
     assert fresh[0] != first[1]
     assert pids(out["step"]) == [first[0], fresh[0]]
@@ -180,9 +185,10 @@ async def test_a_child_killed_from_outside_is_rebuilt() -> None:
     async with served(num_envs=2, on_lane_fault="rebuild") as address:
         out = await on_wire(client(address))
     assert error(out["death"]) == (
-        Code.INTERNAL,
-        "step failed: lane 0 process died (SIGKILL)",
-        False,
+        Code.CRASHED,
+        "step failed: lane 0 process died (SIGKILL) (lane 0 faulted and was rebuilt: "
+        "reset it to go on)",
+        True,
     )
     assert out["again"].reset is not None
 
@@ -206,7 +212,11 @@ async def test_a_gil_holding_env_freezes_nothing_and_the_watchdog_kills_it() -> 
         out = await on_wire(client(address))
     assert out["health"] == SERVING and out["health_s"] < 1.5
     assert out["other"].step is not None
-    assert error(out["hog"]) == (Code.TIMEOUT, "env.step timed out after 2000ms", True)
+    assert error(out["hog"]) == (
+        Code.CRASHED,
+        "env.step timed out after 2000ms (lane 1 faulted and was rebuilt: reset it to go on)",
+        True,
+    )
     assert pids(out["again"])[0] != pids(out["reset"])[1]
     await wait_gone([pids(out["reset"])[1]])
 
@@ -330,3 +340,24 @@ def test_the_pipe_forms_round_trip(info: dict[str, Any]) -> None:
         assert encode_meta_map(back.value.info) == encode_meta_map(result.info)
     assert pack_result(outcome.Error(ValueError("x")), phases, True) is None
     assert pack_result(outcome.Value(42), phases, False) is None
+
+
+async def test_a_wedged_child_dumps_its_stack(capfd: pytest.CaptureFixture[str]) -> None:
+    """Issue 19, finding 8, for a process lane: the env runs in the child, so the child
+    dumps every thread's stack (faulthandler, on the server's stderr) when the lane is
+    declared wedged -- here while the env holds the child's GIL in native code."""
+
+    async def client(address: str) -> env_v1.JoinResponse:
+        async with wire.WireClient(address) as c, c.join() as j:
+            await j.call(wire.reset(seeds=[1]))
+            return await j.call(wire.step(acts(HOG)))
+
+    async with served(num_envs=1, lane_timeout_seconds=0.5, close_timeout_seconds=1.0) as a:
+        reply = await on_wire(client(a))
+        assert error(reply)[0] == Code.TIMEOUT
+        err = ""
+        with trio.fail_after(BOUND):
+            while "crashy.py" not in err:  # no event for another process
+                await trio.sleep(0.05)
+                err += capfd.readouterr().err
+    assert "Current thread" in err or "Thread 0x" in err, err  # faulthandler's dump

@@ -154,6 +154,9 @@ async def test_address_in_use_raises_before_any_env_is_built() -> None:
         ({"options": ServeOptions(lane_timeout_seconds=0)}, "lane_timeout_seconds"),
         ({"options": ServeOptions(lane_timeout_seconds=float("inf"))}, "lane_timeout_seconds"),
         ({"options": ServeOptions(max_abandoned_lanes=-1)}, "max_abandoned_lanes"),
+        ({"options": ServeOptions(min_serving_lanes=0)}, "min_serving_lanes"),
+        ({"options": ServeOptions(min_serving_lanes=True)}, "min_serving_lanes"),
+        ({"options": ServeOptions(min_serving_lanes=3), "num_envs": 2}, "min_serving_lanes=3"),
         ({"options": ServeOptions(lane_isolation="fiber")}, "lane_isolation"),  # type: ignore[arg-type]
         ({"address": "http://x:1"}, "unsupported address scheme"),
         ({"num_envs": 0}, "num_envs"),

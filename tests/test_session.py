@@ -891,9 +891,9 @@ def test_truncate_without_a_last_observation_answers_the_error() -> None:
     h.request(step=env_v1.StepRequest(action=action(0)))  # no reset in this session
     ((lane, job),) = h.take()
     assert error_of(faulted(h, lane, job, RuntimeError("boom"))) == (
-        Code.INTERNAL,
-        "step failed: RuntimeError: boom",
-        False,
+        Code.CRASHED,
+        "step failed: RuntimeError: boom (lane 0 faulted and was rebuilt: reset it to go on)",
+        True,
     )
 
 
@@ -904,7 +904,7 @@ def test_rebuild_reports_the_faulted_lanes_episode_as_interrupted() -> None:
         h.answer(lane, job, reset_result())
     h.request(step=env_v1.StepRequest(action=action(0), env_indices=[1]))
     ((lane, job),) = h.take()
-    assert error_of(faulted(h, lane, job, RuntimeError("boom")))[0] == Code.INTERNAL
+    assert error_of(faulted(h, lane, job, RuntimeError("boom")))[0] == Code.CRASHED
     h.request(step=env_v1.StepRequest(action=action(0), env_indices=[0]))
     ((lane, job),) = h.take()
     step = only(h.answer(lane, job, step_result())).step

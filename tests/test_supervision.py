@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -30,6 +32,7 @@ from rlmesh_trio import ServeOptions, serve_env
 from rlmesh_trio._errors import LaneBrokenError, LaneDeadError, LaneTimeoutError
 from rlmesh_trio._jobs import CallJob, LaneReply, ResetJob, StepJob
 from rlmesh_trio._lanes import LANE_THREAD_PREFIX, LaneEngine
+from rlmesh_trio._lanes._supervisor import FREE_REBUILDS, MAX_LEFT_BEHIND
 from rlmesh_trio._proto.rlmesh.env import v1 as env_v1
 from rlmesh_trio._wire import HEALTH_CHECK_PATH
 
@@ -121,6 +124,11 @@ async def test_a_whole_vector_step_that_raises(mode: str) -> None:
                 out["reset"] = await j.call(wire.reset(seeds=[5], env_indices=[1]))
                 out["after"] = await j.call(wire.step(acts(0, 0)))
                 out["close"] = await j.call(wire.close())
+            elif mode == "rebuild":
+                # The session goes on: the lane's reset works, then the whole vector steps.
+                out["reset"] = await j.call(wire.reset(seeds=[5], env_indices=[1]))
+                out["after"] = await j.call(wire.step(acts(0, 0)))
+                out["close"] = await j.call(wire.close())
             else:
                 out["end"] = await j.wait_end(BOUND)
         async with wire.WireClient(address) as c, c.join() as j:
@@ -131,7 +139,26 @@ async def test_a_whole_vector_step_that_raises(mode: str) -> None:
     async with served(ctl, on_lane_fault=mode) as address:
         out = await on_wire(client(address))
     first, second = ctl.built[0], ctl.built[1]
-    if mode != "truncate":
+    if mode == "rebuild":
+        # CRASHED, recoverable: the stream goes on. Lane 0 stepped (its result is dropped
+        # with the request); debug_info names the faulted lane for a client.
+        assert error(out["fault"]) == (
+            Code.CRASHED,
+            "step failed: RuntimeError: boom on step 1 (lane 1 faulted and was rebuilt: "
+            "reset it to go on; the other lanes of this request stepped, their results "
+            "are dropped)",
+            True,
+        )
+        fault = {"error": "RuntimeError: boom on step 1", "lane": 1, "rebuilt": True}
+        assert json.loads(out["fault"].error.debug_info) == {"rlmesh_trio.lane_fault": [fault]}
+        assert obs(out["reset"]).tolist() == [0.0, 5.0]
+        # Lane 0 is at t=3 (two steps before, one dropped with the faulted request).
+        assert obs(out["after"]).tolist() == [3.0, 1.0, 1.0, 5.0]
+        (interrupted,) = out["after"].step.completed_episodes
+        assert (interrupted.env_index, interrupted.seed, interrupted.truncated) == (1, 2, True)
+        final = out["close"].close.final_episodes
+        assert sorted((e.env_index, e.seed, e.step_count) for e in final) == [(0, 1, 3), (1, 5, 1)]
+    elif mode == "error":
         # The reference's reply: fatal, and the whole-vector stream ends.
         assert error(out["fault"]) == (
             Code.INTERNAL,
@@ -202,13 +229,19 @@ async def test_a_lane_scoped_step_that_raises_keeps_the_stream(mode: str) -> Non
         unreset = out["unreset"].step
         assert unreset is not None and unreset.truncated_mask == b"\x01"
         assert not unreset.completed_episodes  # the lane has no episode to end
-    else:
+    elif mode == "error":
         assert error(out["fault"]) == (
             Code.INTERNAL,
             "step failed: RuntimeError: boom on step 0",
             False,
         )
     if mode == "rebuild":
+        assert error(out["fault"]) == (
+            Code.CRASHED,
+            "step failed: RuntimeError: boom on step 0 (lane 1 faulted and was rebuilt: "
+            "reset it to go on)",
+            True,
+        )
         # The lost episode is reported as interrupted, in the next step reply (SPEC §7.7).
         (episode,) = other.completed_episodes
         assert (episode.env_index, episode.seed, episode.truncated) == (1, 2, True)
@@ -244,7 +277,19 @@ async def test_a_reset_that_raises(mode: str) -> None:
 
     async with served(ctl, on_lane_fault=mode) as address:
         out = await on_wire(client(address))
-    assert error(out["fault"]) == (Code.INTERNAL, "reset failed: ValueError: reset refused", False)
+    if mode == "error":
+        assert error(out["fault"]) == (
+            Code.INTERNAL,
+            "reset failed: ValueError: reset refused",
+            False,
+        )
+    else:  # truncate: the retried reset failed too, and is answered as under rebuild
+        assert error(out["fault"]) == (
+            Code.CRASHED,
+            "reset failed: ValueError: reset refused (lane 1 faulted and was rebuilt: "
+            "reset it to go on)",
+            True,
+        )
     assert obs(out["ok"]).tolist() == [0.0, 3.0]
     # error: no rebuild; rebuild: one; truncate: one, the retried reset failed again: two.
     assert len(ctl.built) == {"error": 2, "rebuild": 3, "truncate": 4}[mode]
@@ -278,7 +323,12 @@ async def test_a_render_that_raises(mode: str) -> None:
             await j.call(wire.reset(seeds=[1]))
             ctl.render_raises = True
             out["fault"] = await j.call(wire.render())
-            out["end"] = await j.wait_end(BOUND)
+            if mode == "error":
+                out["end"] = await j.wait_end(BOUND)
+            else:  # recoverable: the same session resets the rebuilt lane and renders
+                ctl.render_raises = False
+                await j.call(wire.reset(seeds=[1]))
+                out["same"] = await j.call(wire.render())
         ctl.render_raises = False
         async with wire.WireClient(address) as c, c.join() as j:
             await j.call(wire.reset(seeds=[1]))
@@ -287,7 +337,16 @@ async def test_a_render_that_raises(mode: str) -> None:
 
     async with served(ctl, num_envs=1, on_lane_fault=mode) as address:
         out = await on_wire(client(address))
-    assert error(out["fault"]) == (Code.INTERNAL, "render failed: OSError: no display", False)
+    if mode == "error":
+        assert error(out["fault"]) == (Code.INTERNAL, "render failed: OSError: no display", False)
+    else:
+        assert error(out["fault"]) == (
+            Code.CRASHED,
+            "render failed: OSError: no display (lane 0 faulted and was rebuilt: reset "
+            "it to go on)",
+            True,
+        )
+        assert out["same"].render is not None and out["same"].render.frame
     assert out["render"].render is not None and out["render"].render.frame
     assert len(ctl.built) == (1 if mode == "error" else 2)
 
@@ -339,7 +398,7 @@ async def test_a_step_that_hangs_past_its_deadline(mode: str) -> None:
             "lane": 1,
             "rebuilt": True,
         }
-    else:
+    else:  # the request's own deadline answers first (the lane is rebuilt after it)
         assert error(out["hang"]) == (Code.TIMEOUT, "env.step timed out after 300ms", True)
     if mode == "error":
         code, message, recoverable = error(out["busy"])
@@ -374,13 +433,47 @@ async def test_the_watchdog_answers_a_hanging_step(mode: str) -> None:
         assert step is not None and step.truncated_mask == b"\x00\x01"
         next_step = out["next"].step
         assert next_step is not None
-    else:
+    elif mode == "error":
         assert error(out["hang"]) == (Code.TIMEOUT, "env.step timed out after 300ms", True)
+    else:  # the wedged env was abandoned and the lane rebuilt: CRASHED, recoverable
+        assert error(out["hang"]) == (
+            Code.CRASHED,
+            "env.step timed out after 300ms (lane 1 faulted and was rebuilt: reset it to "
+            "go on; the other lanes of this request stepped, their results are dropped)",
+            True,
+        )
     if mode == "error":
         code, message, _ = error(out["next"])
         assert code == Code.BUSY and message.startswith("lane 1 is wedged"), message
     elif mode == "rebuild":
         assert error(out["next"])[0] == Code.NOT_READY  # lane 1 is fresh: reset first
+    await wait_for(lambda: not threads_named("-abandoned"))
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_the_wedge_warning_shows_where_the_env_is_stuck(
+    mode: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 19, finding 8: the watchdog named the lane and the call, not the env's code
+    that is stuck. Now the warning carries the lane thread's current Python stack."""
+    ctl = Controller()
+    caplog.set_level(logging.WARNING, logger="rlmesh_trio.lanes")
+
+    async def client(address: str) -> None:
+        async with wire.WireClient(address) as c, c.join() as j:
+            await j.call(wire.reset(seeds=[1, 2]))
+            await j.call(wire.step(acts(0, HANG)))
+            ctl.release.set()
+
+    async with served(ctl, on_lane_fault=mode, lane_timeout_seconds=0.3) as address:
+        await on_wire(client(address))
+    (record,) = [r for r in caplog.records if "has run for" in r.getMessage()]
+    text = record.getMessage()
+    assert "stuck in:" in text, text
+    # The env's own frames (FaultyEnv.step, then its _hang, waiting on an Event).
+    stack = text.split("stuck in:\n", 1)[1]
+    assert "in step" in stack and "in _hang" in stack and 'faulty.py", line' in stack, text
+    assert stack.index("in step") < stack.index("in _hang"), text
     await wait_for(lambda: not threads_named("-abandoned"))
 
 
@@ -452,7 +545,7 @@ async def test_a_faulted_env_whose_close_hangs_does_not_hold_the_rebuild(mode: s
 
 
 @pytest.mark.parametrize("mode", SUPERVISED)
-async def test_a_rebuild_whose_factory_fails_answers_a_clear_fatal_error(mode: str) -> None:
+async def test_a_rebuild_whose_factory_fails_answers_a_clear_recoverable_error(mode: str) -> None:
     ctl = Controller()
 
     async def client(address: str) -> dict[str, Any]:
@@ -467,12 +560,59 @@ async def test_a_rebuild_whose_factory_fails_answers_a_clear_fatal_error(mode: s
 
     async with served(ctl, on_lane_fault=mode) as address:
         out = await on_wire(client(address))
+    # The lane is tried again after its backoff: CRASHED, recoverable (the session goes on).
     assert error(out["dead"]) == (
-        Code.INTERNAL,
-        "lane 1 could not be rebuilt (attempt 1): RuntimeError: factory down",
-        False,
+        Code.CRASHED,
+        "lane 1 could not be rebuilt (attempt 1): RuntimeError: factory down; the next "
+        "attempt is in 0.5 s",
+        True,
     )
+    fault = {
+        "error": "lane 1 could not be rebuilt (attempt 1): RuntimeError: factory down; the "
+        "next attempt is in 0.5 s",
+        "lane": 1,
+        "rebuilt": False,
+    }
+    assert json.loads(out["dead"].error.debug_info) == {"rlmesh_trio.lane_fault": [fault]}
     assert obs(out["other"]).tolist() == [1.0, 1.0]  # the other lane is untouched
+
+
+async def test_one_log_record_per_lane_state_change(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 19, finding 6: every move of a lane's state table is one record (from the
+    one place the moves happen), rebuild attempts numbered; startup and stop at DEBUG."""
+    ctl = Controller()
+    caplog.set_level(logging.DEBUG, logger="rlmesh_trio.lanes")
+
+    async def client(address: str) -> None:
+        async with wire.WireClient(address) as c, c.join() as j:
+            await j.call(wire.reset(seeds=[1, 2]))
+            ctl.fail_builds = 1
+            await j.call(wire.step(acts(RAISE), env_indices=[1]))
+            deadline = time.monotonic() + BOUND
+            while (await j.call(wire.reset(env_indices=[1]))).error is not None:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+
+    async with served(ctl, on_lane_fault="rebuild") as address:
+        await on_wire(client(address))
+    moves = [
+        (r.levelname, r.getMessage())
+        for r in caplog.records
+        if r.name == "rlmesh_trio.lanes" and " -> " in r.getMessage()
+    ]
+    lane1 = [m for m in moves if m[1].startswith("lane 1:")]
+    assert lane1 == [
+        ("DEBUG", "lane 1: starting -> serving"),
+        ("INFO", "lane 1: serving -> rebuilding (rebuild attempt 1)"),
+        ("INFO", "lane 1: rebuilding -> dead"),
+        ("INFO", "lane 1: dead -> rebuilding (rebuild attempt 2)"),
+        ("INFO", "lane 1: rebuilding -> serving"),
+        ("DEBUG", "lane 1: serving -> stopped"),
+    ]
+    assert [m for m in moves if m[1].startswith("lane 0:")] == [
+        ("DEBUG", "lane 0: starting -> serving"),
+        ("DEBUG", "lane 0: serving -> stopped"),
+    ]
 
 
 async def test_a_dead_lane_does_not_flood_the_log(caplog: pytest.LogCaptureFixture) -> None:
@@ -491,7 +631,7 @@ async def test_a_dead_lane_does_not_flood_the_log(caplog: pytest.LogCaptureFixtu
 
     async with served(ctl, on_lane_fault="rebuild") as address:
         replies = await on_wire(client(address))
-    assert all(error(r)[0] == Code.INTERNAL for r in replies)
+    assert all(error(r)[0] == Code.CRASHED for r in replies)
     env_errors = [r for r in caplog.records if r.name == "rlmesh_trio.env"]
     assert len(env_errors) == 1  # the step's own fault, with its traceback
     refusals = [r for r in caplog.records if "refused by its lane" in r.getMessage()]
@@ -687,6 +827,106 @@ async def test_rlmesh_run_completes_every_seed_while_a_lane_crashes_every_few_st
 
 
 # ----------------------------------------------------------------------- stress
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+STORMS = {
+    # The issue's storms: a step that always raises and a close() that hangs (threads
+    # 7 -> 9,711 in 60 s); a step that always hangs under a watchdog (7 -> 577); a step
+    # that always raises (rebuilds at ~160/s).
+    "raise-close-hangs": ({"on_lane_fault": "rebuild", "close_timeout_seconds": 0.2}, RAISE, True),
+    "hang-watchdog": ({"on_lane_fault": "truncate", "lane_timeout_seconds": 0.1}, HANG, False),
+    "raise": ({"on_lane_fault": "rebuild"}, RAISE, False),
+}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads /proc")
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("storm", list(STORMS))
+async def test_a_fault_storm_stays_bounded(storm: str) -> None:
+    """Issue 19, finding 5: lane 1 faults on every step for 3 s while lane 0 serves. The
+    threads stay within the lanes plus the lane's cap of abandoned ones (then the lane is
+    given up: dead, refusing), the rebuilds are backed off, and memory stays flat."""
+    options, action, close_hangs = STORMS[storm]
+    ctl = Controller()
+    ctl.close_hangs = close_hangs
+    seconds = 3.0
+
+    async def client(address: str) -> dict[str, Any]:
+        out: dict[str, Any] = {"codes": set(), "healthy_steps": 0}
+        async with wire.WireClient(address) as c, c.join() as j:
+            await j.call(wire.reset(seeds=[1, 2]))
+            out["threads_before"] = threading.active_count()
+            start = time.monotonic()
+            while time.monotonic() - start < seconds:
+                if "rss_warm" not in out and time.monotonic() - start > 0.5:
+                    out["rss_warm"] = rss_bytes()
+                reset = await j.call(wire.reset(env_indices=[1]))
+                step = await j.call(wire.step(acts(action), env_indices=[1]))
+                for reply in (reset, step):
+                    if reply.error is not None:
+                        out["codes"].add(reply.error.code)
+                healthy = await j.call(wire.step(acts(0), env_indices=[0]))
+                assert healthy.step is not None, healthy
+                out["healthy_steps"] += 1
+                out["threads_max"] = max(out.get("threads_max", 0), threading.active_count())
+            out["rss_end"] = rss_bytes()
+            out["dead"] = await j.call(wire.reset(env_indices=[1]))
+        return out
+
+    async with served(ctl, **options) as address:
+        out = await on_wire(client(address))
+    # The lane's abandoned threads (at most MAX_LEFT_BEHIND), a retired one closing and
+    # the fresh one: nothing grows with the number of faults.
+    assert out["threads_max"] <= out["threads_before"] + MAX_LEFT_BEHIND + 2, out
+    assert out["rss_end"] - out["rss_warm"] < 8 * 2**20, out
+    assert out["healthy_steps"] > 10  # lane 0 went on meanwhile
+    # Backed off: FREE_REBUILDS at once, then after 0.5 s, 1 s, 2 s... (not ~500 in 3 s);
+    # meanwhile the lane refuses at once, CRASHED and recoverable, saying when.
+    assert len(ctl.built) <= 2 + FREE_REBUILDS + 3, len(ctl.built)
+    assert Code.CRASHED in out["codes"]
+    if out["dead"].error is not None:
+        code, message, recoverable = error(out["dead"])
+        assert code == Code.CRASHED and recoverable, message
+        assert "times in a row" in message and "it is rebuilt again in" in message, message
+    await wait_for(lambda: not threads_named("-abandoned"))
+
+
+async def test_a_lane_that_leaves_too_many_threads_behind_is_given_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past its cap of abandoned threads still running, a lane is not rebuilt again: dead,
+    refusing fatally with a clear message, and health says NOT_SERVING (no lane left)."""
+    monkeypatch.setattr("rlmesh_trio._lanes._supervisor.MAX_LEFT_BEHIND", 2)
+    ctl = Controller()
+
+    async def client(address: str) -> dict[str, Any]:
+        out: dict[str, Any] = {"steps": []}
+        async with wire.WireClient(address) as c, c.join() as j:
+            for _ in range(3):  # every step hangs and is abandoned by the watchdog
+                await j.call(wire.reset(seeds=[1]))
+                out["steps"].append(await j.call(wire.step(acts(HANG))))
+            out["dead"] = await j.call(wire.reset(seeds=[1]))
+            out["health"] = (await c.unary(HEALTH_CHECK_PATH, b"")).reply
+        return out
+
+    async with served(ctl, num_envs=1, on_lane_fault="rebuild", lane_timeout_seconds=0.1) as a:
+        out = await on_wire(client(a))
+        assert len(threads_named("-abandoned")) == 3
+        assert len(ctl.built) == 3  # the first env and two rebuilds, then no more
+        ctl.release.set()
+    code, message, recoverable = error(out["dead"])
+    assert (code, recoverable) == (Code.INTERNAL, False)
+    assert message == (
+        "lane 0 is given up after repeated faults: 3 threads it abandoned are still running "
+        "(an env.close() or env call that does not return); restart the server to get it back"
+    )
+    assert out["health"] == NOT_SERVING
+    await wait_for(lambda: not threads_named("-abandoned"))
 
 
 @pytest.mark.parametrize("mode", SUPERVISED)

@@ -245,6 +245,14 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default: {DEFAULT_MAX_ABANDONED_LANES})",
     )
     serve.add_argument(
+        "--min-serving-lanes",
+        type=_int_at_least(1),
+        metavar="N",
+        default=1,
+        help="health reports NOT_SERVING while fewer lanes than N can serve (dead or "
+        "wedged lanes cannot; at most --num-envs; default: 1)",
+    )
+    serve.add_argument(
         "--auth-token",
         metavar="TOKEN",
         help="require 'authorization: Bearer TOKEN' on every call but the health check "
@@ -592,6 +600,7 @@ def _configure(args: argparse.Namespace, address: str) -> _Config:
         on_lane_fault=args.on_lane_fault,
         lane_timeout_seconds=args.lane_timeout_seconds,
         max_abandoned_lanes=args.max_abandoned_lanes,
+        min_serving_lanes=args.min_serving_lanes,
         lane_isolation=args.lane_isolation,
         tls_cert_file=args.tls_cert_file,
         tls_key_file=args.tls_key_file,

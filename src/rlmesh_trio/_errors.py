@@ -121,10 +121,20 @@ class LaneNeedsResetError(LaneError):
 
 
 class LaneDeadError(LaneError):
-    """The lane could not be rebuilt (the factory raised, or built a disagreeing env);
-    names the lane, the attempt and the last cause. Fatal."""
+    """The lane is gone for good: a process lane lost under policy ``error``, or a lane
+    given up after too many faults (names the lane and the cause). Fatal."""
 
     recoverable = False
+
+
+class LaneRebuildFailedError(LaneDeadError):
+    """Policy ``rebuild``/``truncate``: the lane could not be rebuilt (the factory raised,
+    overran, or built a disagreeing env) and will be tried again after its backoff;
+    names the lane, the attempt, the cause and when. ``CRASHED``, recoverable: the
+    session goes on, and a reset of the lane once it serves again works."""
+
+    env_code = EnvErrorCode.CRASHED
+    recoverable = True
 
 
 # --------------------------------------------------------------------------- wire

@@ -78,6 +78,10 @@ class ServeOptions:
     requests' own ``timeout_ms`` bound a job.
     ``max_abandoned_lanes``: how many abandoned (wedged, still running) lane threads the
     process tolerates before grpc.health.v1 reports NOT_SERVING.
+    ``min_serving_lanes``: grpc.health.v1 reports NOT_SERVING while fewer lanes than this
+    can serve (a lane that is dead, wedged or stopped cannot; one being rebuilt can:
+    its jobs queue for the fresh env). Default 1: NOT_SERVING once no lane can serve.
+    At most ``num_envs``.
     ``lane_isolation``: ``thread`` (each env on a thread of the server) or ``process``
     (each env in a child process of its own: a segfault or a GIL-holding env costs the
     other lanes nothing, and pure-Python envs use every core; the factory must pickle).
@@ -104,6 +108,7 @@ class ServeOptions:
     on_lane_fault: FaultPolicy = "error"
     lane_timeout_seconds: float | None = None
     max_abandoned_lanes: int = DEFAULT_MAX_ABANDONED_LANES
+    min_serving_lanes: int = 1
     lane_isolation: LaneIsolation = "thread"
     tls_cert_file: str | os.PathLike[str] | None = None
     tls_key_file: str | os.PathLike[str] | None = None
@@ -155,6 +160,7 @@ class Resolved:
     on_lane_fault: FaultPolicy = "error"
     lane_timeout: float | None = None
     max_abandoned_lanes: int = DEFAULT_MAX_ABANDONED_LANES
+    min_serving_lanes: int = 1
     lane_isolation: LaneIsolation = "thread"
     reflection: bool = False
     tls: TlsFiles | None = None
@@ -291,6 +297,9 @@ def resolve(options: ServeOptions, environ: Mapping[str, str] = os.environ) -> R
     cap = options.max_abandoned_lanes
     if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
         raise ValueError(f"max_abandoned_lanes must be an int >= 0, got {cap!r}")
+    floor = options.min_serving_lanes
+    if isinstance(floor, bool) or not isinstance(floor, int) or floor < 1:
+        raise ValueError(f"min_serving_lanes must be an int >= 1, got {floor!r}")
     tls = tls_files(options)
     drain, close, idle = (
         options.drain_timeout_seconds,
@@ -313,6 +322,7 @@ def resolve(options: ServeOptions, environ: Mapping[str, str] = os.environ) -> R
         if options.lane_timeout_seconds is None
         else float(options.lane_timeout_seconds),
         max_abandoned_lanes=cap,
+        min_serving_lanes=floor,
         lane_isolation=options.lane_isolation,
         tls=tls,
         reflection=bool(options.reflection),

@@ -67,6 +67,9 @@ LANE_TEARDOWN_TIMEOUT: float = DEFAULT_CLOSE_TIMEOUT
 
 logger = logging.getLogger("rlmesh_trio.lanes")
 
+_CANNOT_SERVE = frozenset({LaneState.DEAD, LaneState.WEDGED, LaneState.STOPPED})
+"""States in which a lane refuses every job (health counts the others as serving)."""
+
 
 @dataclass(frozen=True)
 class LaneStatus:
@@ -129,6 +132,12 @@ class LaneEngine:
         spawn = spawner(options.lane_isolation, make_env, options.policy)
         self._lanes = [_Lane(i, spawn) for i in range(num_envs)]
         self._ledger = AbandonedLedger(options.max_abandoned_lanes)
+        if options.min_serving_lanes > num_envs:
+            raise ValueError(
+                f"min_serving_lanes={options.min_serving_lanes} is more than the "
+                f"{num_envs} lanes served"
+            )
+        self._min_serving = options.min_serving_lanes
         self._supervisor = Supervisor(
             start=self._start_thread,
             ledger=self._ledger,
@@ -211,10 +220,17 @@ class LaneEngine:
         return self._ledger.count
 
     @property
+    def serving(self) -> int:
+        """Lanes that can serve a job now or soon: not dead, wedged or stopped (a lane
+        being rebuilt or still starting queues its jobs). Any thread."""
+        return sum(lane.state not in _CANNOT_SERVE for lane in self._lanes)
+
+    @property
     def healthy(self) -> bool:
-        """False once more lane threads are abandoned than ``max_abandoned`` tolerates:
-        the process should be restarted (health reports NOT_SERVING)."""
-        return self._ledger.healthy
+        """False once more lane threads are abandoned than ``max_abandoned`` tolerates,
+        or fewer lanes can serve than ``min_serving_lanes``: the process should be
+        restarted (health reports NOT_SERVING)."""
+        return self._ledger.healthy and self.serving >= self._min_serving
 
     def status(self) -> list[LaneStatus]:
         """Every lane's state and counters, in lane order. Any thread."""

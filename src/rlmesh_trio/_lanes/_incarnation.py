@@ -33,7 +33,13 @@ import gymnasium as gym
 from .._options import LaneIsolation, Policy
 from ._contract import EnvFacts, lane_facts
 from ._lane import Execute, Incarnation, Spawn
-from ._process import CHILD_STOP_TIMEOUT, ChildLane, LaneProcessDiedError, check_picklable
+from ._process import (
+    CHILD_STOP_TIMEOUT,
+    ChildLane,
+    LaneProcessDiedError,
+    check_picklable,
+    dump_stack,
+)
 from ._work import LaneWork
 
 __all__ = ["Execute", "Incarnation", "ProcessIncarnation", "ThreadIncarnation", "spawner"]
@@ -116,6 +122,15 @@ class ProcessIncarnation(Incarnation):
 
     def lost_by(self, error: BaseException) -> bool:
         return isinstance(error, LaneProcessDiedError)
+
+    def stack(self) -> str:
+        """The child dumps every thread's stack on the server's stderr (``faulthandler``,
+        registered on :data:`STACK_SIGNAL` in the child): the env runs there, not on the
+        proxy thread of this process."""
+        pid = self.pid
+        if pid is None or not dump_stack(pid):
+            return "(the lane's process is gone: no stack to show)"
+        return f"(process lane: pid {pid} dumped every thread's stack on stderr)"
 
 
 def spawner(isolation: LaneIsolation, make_env: EnvFactory, policy: Policy) -> Spawn:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
+import traceback
 from collections.abc import Callable
 from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any, Final
@@ -98,6 +100,15 @@ class Incarnation:
         child died): under policy ``error`` the lane is then dead."""
         return False
 
+    def stack(self) -> str:
+        """Any thread: where the env's code is right now, for the wedge warning -- the
+        thread's current Python stack (``sys._current_frames()``), innermost last."""
+        thread = self.thread
+        frame = sys._current_frames().get(thread.ident) if thread and thread.ident else None
+        if frame is None:
+            return "(the lane thread has no Python stack: it has exited)"
+        return "".join(traceback.format_stack(frame)).rstrip()
+
 
 Spawn = Callable[[int, int], Incarnation]
 """``spawn(lane, number)``: a lane's incarnation ``number``, not started yet (the
@@ -119,11 +130,13 @@ class _Lane:
         "attempt",
         "current",
         "faults",
+        "given_up",
         "incarnation",
         "index",
         "last_cause",
         "lock",
         "mailbox",
+        "proven",
         "rebuilds",
         "refusal",
         "retry",
@@ -166,6 +179,10 @@ class _Lane:
         self.rebuilds = 0
         self.abandoned = 0
         """Abandoned threads of this lane still running (wedged env calls)."""
+        self.proven = False
+        """A rebuilt env answered a step: the lane is not in a fault storm (backoff)."""
+        self.given_up = False
+        """The lane left too many threads behind: it is dead and never rebuilt again."""
 
     # ---- transitions (the lane lock held) --------------------------------------------
 
@@ -173,6 +190,18 @@ class _Lane:
         old = self.state
         check_transition(self.index, old, new)
         self.state = new
+        # One record per state change (docs/supervision.md, "Observing it"); startup and
+        # stop, which every lane makes, at DEBUG. Rare: logged under the lane lock.
+        quiet = old is LaneState.STARTING or new is LaneState.STOPPED
+        attempt = f" (rebuild attempt {self.attempt + 1})" if new is LaneState.REBUILDING else ""
+        logger.log(
+            logging.DEBUG if quiet else logging.INFO,
+            "lane %d: %s -> %s%s",
+            self.index,
+            old.value,
+            new.value,
+            attempt,
+        )
         return old
 
     def serve(self) -> int:
@@ -223,9 +252,17 @@ class _Lane:
         self.current = None
         return self.take_queued()
 
+    def hold_off(self, refusal: LaneError | None) -> list[_Item]:
+        """REBUILDING, no state change: the fresh env is held back (a fault storm's
+        backoff) and jobs are refused with ``refusal`` meanwhile (None: they queue again);
+        the queued ones are returned for the caller to answer."""
+        self.refusal = refusal
+        return self.take_queued() if refusal is not None else []
+
     def dead(self, refusal: LaneDeadError, cause: str) -> list[_Item]:
-        """-> DEAD: a rebuild failed, or a process lane was lost under ``error``. Jobs are
-        refused with ``refusal``; the queued ones are returned for the caller to answer."""
+        """-> DEAD: a rebuild failed, or a process lane was lost under ``error``, or the
+        lane was given up (too many threads left behind). Jobs are refused with
+        ``refusal``; the queued ones are returned for the caller to answer."""
         self._move(LaneState.DEAD)
         self.last_cause = cause
         self.refusal = refusal

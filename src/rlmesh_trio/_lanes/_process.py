@@ -28,6 +28,7 @@ bound; on Linux each asks the kernel for SIGKILL when its parent dies
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import multiprocessing.connection
 import os
@@ -39,7 +40,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 import gymnasium as gym
 import outcome
@@ -325,10 +326,29 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+STACK_SIGNAL: Final = getattr(signal, "SIGUSR1", None)
+"""The signal on which a lane's child dumps every thread's stack on its stderr (the
+server's), for the warning of a wedged lane: ``faulthandler`` writes it from its C
+handler, so also while the env holds the GIL."""
+
+
+def dump_stack(pid: int) -> bool:
+    """Ask the lane child ``pid`` for its stack dump; False when it is gone."""
+    if STACK_SIGNAL is None:
+        return False
+    try:
+        os.kill(pid, STACK_SIGNAL)
+    except OSError:
+        return False
+    return True
+
+
 def child_main(conn: multiprocessing.connection.Connection, parent_pid: int) -> None:
     """A lane's child process: build the env, serve jobs from the pipe, close the env."""
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when we stop
+    if STACK_SIGNAL is not None:
+        faulthandler.register(STACK_SIGNAL, all_threads=True)
     env: gym.Env[Any, Any] | None = None
     try:
         try:

@@ -48,7 +48,7 @@ TRANSITIONS: Final[frozenset[tuple[LaneState, LaneState]]] = frozenset(
         (_S.SERVING, _S.DEAD),  # error: a process lane's child died
         (_S.WEDGED, _S.SERVING),  # error: the wedged call returned
         (_S.REBUILDING, _S.SERVING),  # the fresh env agrees with lane 0
-        (_S.REBUILDING, _S.DEAD),  # the factory raised, overran, or built a disagreeing env
+        (_S.REBUILDING, _S.DEAD),  # the factory failed, or too many threads left behind
         (_S.DEAD, _S.REBUILDING),  # rebuild/truncate: the backoff is over, try again
         # The engine closed (every state ends here, once).
         (_S.STARTING, _S.STOPPED),

@@ -17,19 +17,33 @@ import logging
 import math
 import threading
 from collections.abc import Callable
+from time import perf_counter_ns
 from typing import Final
 
+import outcome
 import trio
 
-from ._lane import LANE_THREAD_PREFIX, Incarnation, _Lane
+from .._errors import LaneDeadError, LaneRebuildFailedError
+from .._jobs import Phases
+from ._lane import LANE_THREAD_PREFIX, Incarnation, _Lane, answer
 from ._state import LaneState
 
-__all__ = ["REBUILD_BACKOFF", "AbandonedLedger", "Supervisor"]
+__all__ = ["FREE_REBUILDS", "MAX_LEFT_BEHIND", "REBUILD_BACKOFF", "AbandonedLedger", "Supervisor"]
 
 logger = logging.getLogger("rlmesh_trio.lanes")
 
 REBUILD_BACKOFF: Final = (0.5, 30.0)
-"""First delay and cap, in seconds, between failed rebuild attempts (doubling)."""
+"""First delay and cap, in seconds, between failed rebuild attempts (doubling), and
+between the rebuilds of a lane whose fresh envs keep faulting (a fault storm)."""
+
+MAX_LEFT_BEHIND: Final = 8
+"""Abandoned threads (in an env call or an ``env.close()`` that did not return) a lane
+may leave behind, still running, before it is given up: dead, never rebuilt again, so
+that a storm of faults cannot grow the process's threads without bound."""
+
+FREE_REBUILDS: Final = 5
+"""Rebuilds in a row (no rebuilt env answering a step in between) done at once; past
+them a lane's fresh envs are built after the backoff of :data:`REBUILD_BACKOFF`."""
 
 
 def thread_name(inc: Incarnation) -> str:
@@ -83,7 +97,8 @@ class Supervisor:
     """The supervisors of an engine's lanes (one :meth:`run` task per lane).
 
     ``start(lane, inc)`` starts an incarnation's thread; ``rebuilds`` is false under
-    policy ``error`` (a dead lane then stays dead).
+    policy ``error`` (a dead lane then stays dead); ``max_left_behind`` is
+    :data:`MAX_LEFT_BEHIND`.
     """
 
     def __init__(
@@ -94,12 +109,14 @@ class Supervisor:
         rebuilds: bool,
         retire_timeout: float,
         backoff: tuple[float, float],
+        max_left_behind: int | None = None,
     ) -> None:
         self._start = start
         self._ledger = ledger
         self._rebuilds = rebuilds
         self._retire_timeout = retire_timeout
         self._backoff = backoff
+        self._max_left_behind = MAX_LEFT_BEHIND if max_left_behind is None else max_left_behind
 
     def rebuild_delay(self, attempt: int) -> float:
         first, cap = self._backoff
@@ -113,6 +130,8 @@ class Supervisor:
         threads: list[Incarnation] = []  # started and not exited yet
         retire_by: dict[int, float] = {}  # id(detached incarnation) -> abandon it then
         retry_at = math.inf
+        start_at = math.inf  # when the fresh incarnation starts (a fault storm's backoff)
+        streak = 0  # faults in a row, no rebuilt env answering a step in between
         with lane.scope:
             while True:
                 now = trio.current_time()
@@ -131,8 +150,8 @@ class Supervisor:
                 if lane.stopping:
                     if current.thread is None or current.exited.is_set():
                         break
-                elif lane.state is LaneState.DEAD and not self._rebuilds:
-                    pass  # a lost process lane (policy error): refuses until the stop
+                elif lane.state is LaneState.DEAD and (not self._rebuilds or lane.given_up):
+                    pass  # lost (policy error) or given up: refuses until the stop
                 elif lane.state is LaneState.DEAD:
                     if retry_at == math.inf:
                         retry_at = now + self.rebuild_delay(lane.attempt)
@@ -141,11 +160,33 @@ class Supervisor:
                         self._next_attempt(lane)
                         continue
                 elif current.thread is None:
-                    self._start(lane, current)
-                    threads.append(current)
+                    if start_at == math.inf and lane.state is LaneState.REBUILDING:
+                        left = sum(inc.abandoned and not inc.exited.is_set() for inc in threads)
+                        if left > self._max_left_behind:
+                            self._give_up(lane, left)
+                            continue
+                        if lane.attempt == 1:  # a fault (not a retry of a failed build)
+                            streak = 1 if lane.proven else streak + 1
+                            lane.proven = False
+                        free = streak <= FREE_REBUILDS
+                        delay = 0.0 if free else self.rebuild_delay(streak - FREE_REBUILDS)
+                        if delay and lane.attempt == 1:
+                            self._hold_off(lane, streak, delay)
+                        start_at = now + delay if lane.attempt == 1 else now
+                    elif start_at == math.inf:
+                        start_at = now
+                    if now >= start_at:
+                        start_at = math.inf
+                        with lane.lock:
+                            lane.hold_off(None)
+                            if lane.state is LaneState.REBUILDING:
+                                lane.since = perf_counter_ns()  # the factory's bound from now
+                        self._start(lane, current)
+                        threads.append(current)
+                        continue
                 elif current.exited.is_set():
                     break  # startup ended (failure or close before the decision)
-                with trio.move_on_at(min(retry_at, *retire_by.values(), math.inf)):
+                with trio.move_on_at(min(retry_at, start_at, *retire_by.values(), math.inf)):
                     await wakeups.receive()
             # The lane stopped: wait (within the teardown deadline) for threads still
             # closing a faulted env; abandoned ones are not waited for.
@@ -170,6 +211,52 @@ class Supervisor:
         lane.fail_pending()
         with lane.lock:
             lane.stopped()
+
+    def _hold_off(self, lane: _Lane, streak: int, delay: float) -> None:
+        """A fault storm: the lane's fresh envs keep faulting. The next one is built
+        after ``delay``; meanwhile jobs are refused (recoverable) instead of queueing."""
+        cause = lane.last_cause or "a fault"
+        refusal = LaneRebuildFailedError(
+            f"lane {lane.index} faulted {streak} times in a row (last: {cause}); it is "
+            f"rebuilt again in {delay:.3g} s"
+        )
+        with lane.lock:
+            if lane.stopping:
+                return
+            waiting = lane.hold_off(refusal)
+        logger.warning(
+            "lane %d: %d faults in a row (last: %s); holding the rebuild back for %.3g s",
+            lane.index,
+            streak,
+            cause,
+            delay,
+        )
+        for item in waiting:
+            answer(lane.index, item, outcome.Error(refusal), Phases())
+
+    def _give_up(self, lane: _Lane, left: int) -> None:
+        """The lane left more threads behind than tolerated: dead for good."""
+        cause = (
+            f"{left} threads it abandoned are still running (an env.close() or env call "
+            "that does not return)"
+        )
+        refusal = LaneDeadError(
+            f"lane {lane.index} is given up after repeated faults: {cause}; restart the "
+            "server to get it back"
+        )
+        with lane.lock:
+            if lane.stopping or lane.state is not LaneState.REBUILDING:
+                return
+            lane.given_up = True
+            waiting = lane.dead(refusal, cause)
+        logger.error(
+            "lane %d: given up, not rebuilt again: %s (at most %d tolerated)",
+            lane.index,
+            cause,
+            self._max_left_behind,
+        )
+        for item in waiting:
+            answer(lane.index, item, outcome.Error(refusal), Phases())
 
     def _next_attempt(self, lane: _Lane) -> None:
         """A DEAD lane's backoff is over: try the factory again."""

@@ -15,7 +15,12 @@ from time import perf_counter_ns
 
 import outcome
 
-from .._errors import ContractMismatchError, LaneDeadError, LaneNeedsResetError
+from .._errors import (
+    ContractMismatchError,
+    LaneDeadError,
+    LaneNeedsResetError,
+    LaneRebuildFailedError,
+)
 from .._jobs import Job, LaneFault, Phases, ResetJob, StepJob
 from ._contract import EnvFacts, contract_differences
 from ._lane import (
@@ -152,11 +157,12 @@ class LaneThreads:
             if inc.detached or lane.stopping:
                 return
             cause = f"{type(exc).__name__}: {exc}"
-            refusal = LaneDeadError(
-                f"lane {lane.index} could not be rebuilt (attempt {lane.attempt}): {cause}"
+            delay = self._rebuild_delay(lane.attempt)
+            refusal = LaneRebuildFailedError(
+                f"lane {lane.index} could not be rebuilt (attempt {lane.attempt}): {cause}; "
+                f"the next attempt is in {delay:.3g} s"
             )
             waiting = lane.dead(refusal, cause)
-        delay = self._rebuild_delay(lane.attempt)
         logger.error(
             "lane %d: rebuild attempt %d failed (%s); next attempt in %.3g s",
             lane.index,
@@ -174,6 +180,7 @@ class LaneThreads:
         index = lane.index
         rebuilds = self._rebuilds
         fresh = inc.number > 0  # a rebuilt env: the client has not reset it yet
+        unproven = fresh  # ... nor has it answered a step (the supervisor's storm check)
         while True:
             retried = 0
             item: _Item | _Stop
@@ -234,6 +241,9 @@ class LaneThreads:
                 return
             if fresh and isinstance(job, ResetJob) and isinstance(result, outcome.Value):
                 fresh = False
+            if unproven and isinstance(job, StepJob) and isinstance(result, outcome.Value):
+                unproven = False
+                lane.proven = True
             answer(index, item, result, phases)
             del job, result, item, _reply
 

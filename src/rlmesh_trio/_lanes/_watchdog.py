@@ -101,9 +101,12 @@ class Wedges:
             lane.wedges += 1
             queued: list[_Item] = []
             killed = False
+            # Where the env is stuck, taken before anything interrupts it (item 8).
+            stack = lane.incarnation.stack()
             if self._rebuilds:
                 lane.current = None
                 inc = lane.rebuilding()
+                lane.last_cause = f"TimeoutError: {error}"
                 killed = inc.interrupt()  # under the lock: never seen detached, not abandoned
             else:
                 inc = lane.incarnation
@@ -113,19 +116,20 @@ class Wedges:
                 )
                 queued = lane.wedged(refusal, take=answer)
         if self._rebuilds:
-            self._interrupted(lane, inc, killed, verb, age, error)
+            self._interrupted(lane, inc, killed, verb, age, error, stack)
             fault = LaneFault(lane=lane.index, error=f"TimeoutError: {error}")
             _answer_error(lane, item, error, fault)
             self._wake(lane.index)
             return
         logger.warning(
             "lane %d: env.%s has run for %.3g s (%s) on thread %r; the lane refuses jobs "
-            "until it returns",
+            "until it returns. It is stuck in:\n%s",
             lane.index,
             verb,
             age / 1e9,
             error,
             thread_name(inc),
+            stack,
         )
         if answer:
             _answer_error(lane, item, error)
@@ -140,30 +144,33 @@ class Wedges:
         verb: str,
         age: int,
         error: LaneTimeoutError,
+        stack: str,
     ) -> None:
         name = thread_name(inc)
         if killed:
             logger.warning(
                 "lane %d: env.%s has run for %.3g s (%s); killed its process %s and "
-                "rebuilding the lane in a fresh one",
+                "rebuilding the lane in a fresh one. It was stuck in:\n%s",
                 lane.index,
                 verb,
                 age / 1e9,
                 error,
                 inc.pid,
+                stack,
             )
             return
         self._ledger.add(lane, inc)
         logger.warning(
             "lane %d: env.%s has run for %.3g s (%s); abandoning thread %r with its "
             "env and rebuilding the lane on a fresh thread (%d abandoned lane "
-            "threads in this process)",
+            "threads in this process). It is stuck in:\n%s",
             lane.index,
             verb,
             age / 1e9,
             error,
             name,
             self._ledger.count,
+            stack,
         )
 
     def build_overran(self, lane: _Lane, seconds: float) -> None:

@@ -26,6 +26,7 @@ and no later request is looked at until it has been answered.
 
 from __future__ import annotations
 
+import json
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -36,7 +37,14 @@ import betterproto2
 import outcome
 
 from .._codec import Candidate, from_meta_map, to_meta_map
-from .._errors import ActionError, LaneClosedError, LaneDeadError, LaneWedgedError, env_error
+from .._errors import (
+    ActionError,
+    LaneClosedError,
+    LaneDeadError,
+    LaneNeedsResetError,
+    LaneWedgedError,
+    env_error,
+)
 from .._jobs import (
     Job,
     LaneFault,
@@ -148,6 +156,8 @@ class Session:
         self._finished = False
         self._half_closed = False  # no more requests will come: end once all are answered
         self._truncate = endpoint.on_lane_fault == "truncate"
+        # Policy ``rebuild``/``truncate``: a faulted lane's error is CRASHED, recoverable.
+        self._supervised = endpoint.on_lane_fault != "error"
         # Policy ``truncate``: each lane's last observation, for a faulted step's answer.
         self._last_obs: list[list[bytes] | None] = [None] * self._n
 
@@ -745,6 +755,14 @@ class Session:
             if isinstance(reply.outcome, outcome.Error):
                 error = reply.outcome.error
                 code, message, recoverable = env_error(op.verb, error)
+                debug = ""
+                if self._supervised and reply.fault is not None:
+                    if not isinstance(error, LaneNeedsResetError):
+                        code, recoverable = Code.CRASHED, True
+                        message = self._crash_message(op, reply.lane, message)
+                    debug = self._crash_debug(op)
+                elif code == Code.CRASHED:
+                    debug = self._crash_debug(op)
                 if code == Code.INVALID_ACTION:
                     kind = "rejected"
                 elif isinstance(error, (LaneDeadError, LaneWedgedError, LaneClosedError)):
@@ -752,7 +770,7 @@ class Session:
                 else:
                     kind = "fault"
                 actions: list[Action] = [
-                    self._error(op.request_id, op.started_ns, code, message, recoverable),
+                    self._error(op.request_id, op.started_ns, code, message, recoverable, debug),
                     Report(kind, op.verb, op.request_id, (reply.lane,), code, message, error),
                 ]
                 if not recoverable and op.serial:
@@ -778,6 +796,31 @@ class Session:
             return [Send(response)]
         total = response.endpoint_total_ns or 0
         return [Send(response), Done(op.verb, tuple(op.lanes), total, phases.user_ns)]
+
+    def _crash_message(self, op: _Op, lane: int, base: str) -> str:
+        """Policy ``rebuild``/``truncate``: a faulted lane's request (docs/supervision.md):
+        ``base`` (what policy ``error`` answers) and that the lane needs a reset."""
+        others = op.verb == "step" and len(op.lanes) > 1
+        return (
+            f"{base} (lane {lane} faulted and was rebuilt: reset it to go on"
+            f"{'; the other lanes of this request stepped, their results are dropped' if others else ''})"
+        )
+
+    def _crash_debug(self, op: _Op) -> str:
+        """``EnvError.debug_info`` of a CRASHED reply: every faulted lane of ``op``, as
+        ``{"rlmesh_trio.lane_fault": [{"error": ..., "lane": i, "rebuilt": true}, ...]}``
+        (a lane still being rebuilt: ``"rebuilt": false``), so that a client can tell
+        which lanes need a reset."""
+        faults: list[dict[str, Any]] = []
+        for reply in op.replies:
+            if reply is None or not isinstance(reply.outcome, outcome.Error):
+                continue
+            if reply.fault is not None:
+                faults.append(reply.fault.info())
+            elif env_error(op.verb, reply.outcome.error)[0] == Code.CRASHED:
+                cause = str(reply.outcome.error)
+                faults.append({"error": cause, "lane": reply.lane, "rebuilt": False})
+        return json.dumps({LANE_FAULT_KEY: faults}, sort_keys=True)
 
     def _place_warnings(
         self, op: _Op, results: Sequence[ResetResult | StepResult]
@@ -889,8 +932,11 @@ class Session:
         code: env_v1.EnvErrorCode,
         message: str,
         recoverable: bool,
+        debug: str = "",
     ) -> Send:
-        error = env_v1.EnvError(code=code, message=message, is_recoverable=recoverable)
+        error = env_v1.EnvError(
+            code=code, message=message, is_recoverable=recoverable, debug_info=debug
+        )
         return Send(
             env_v1.JoinResponse(
                 request_id=rid, error=error, endpoint_total_ns=self._elapsed(read_ns)

@@ -23,6 +23,7 @@ from ._errors import EndpointError as EndpointError
 from ._errors import EnvError as EnvError
 from ._errors import ErrorCode as ErrorCode
 from ._errors import HandshakeError as HandshakeError
+from ._errors import RequestTimeoutError as RequestTimeoutError
 from ._errors import RpcError as RpcError
 from ._gym import Env as Env
 from ._gym import VectorEnv as VectorEnv
@@ -42,6 +43,7 @@ __all__ = [
     "ErrorCode",
     "HandshakeError",
     "ProbeResult",
+    "RequestTimeoutError",
     "RpcError",
     "VectorEnv",
     "open_endpoint",

@@ -22,7 +22,9 @@ from ._core import (
     call_failure,
     check_timeouts,
     contract_from_handshake,
+    late,
     metadata,
+    reply_deadline,
     result_of,
     tls_context,
     tls_failure,
@@ -241,36 +243,67 @@ class BlockingEndpoint:
         kinds: Sequence[str],
         *,
         deadline: float | None = None,
+        timeout_ms: int | None = None,
     ) -> list[Reply]:
         """Send one request per builder (``builder(request_id) -> bytes``) at once and
         return their replies in the same order; the first error is raised after all
         have been answered (so none is left in flight)."""
+        replies: list[Reply] = []
+        for answer in self.roundtrip_each(
+            builders, kinds, deadline=deadline, timeout_ms=timeout_ms
+        ):
+            if isinstance(answer, EndpointError):
+                raise answer
+            replies.append(answer)
+        return replies
+
+    def roundtrip_each(
+        self,
+        builders: Sequence[object],
+        kinds: Sequence[str],
+        *,
+        deadline: float | None = None,
+        timeout_ms: int | None = None,
+    ) -> list[Reply | EndpointError]:
+        """As :meth:`roundtrip`, but each request's reply or error, in order.
+        ``timeout_ms``: the requests' own deadline; a request not answered within it plus
+        the grace gets :class:`RequestTimeoutError` (its reply abandoned)."""
         state = self.state
+        if timeout_ms:
+            limit = reply_deadline(timeout_ms)
+            assert limit is not None
+            mine = time.monotonic() + limit
+            deadline = mine if deadline is None else min(deadline, mine)
         slots: list[tuple[str, Slot]] = []
         for build in builders:
             rid = state.next_id()
             assert callable(build)
             slots.append((rid, state.submit(build(rid), rid, _noop)))
         self._link.flush()
-        self._link.pump(
-            lambda: all(s.reply is not None or s.error is not None for _, s in slots),
-            deadline,
-            "request",
-        )
+        try:
+            self._link.pump(
+                lambda: all(s.reply is not None or s.error is not None for _, s in slots),
+                deadline,
+                "request",
+            )
+        except ConnectionLostError:
+            if timeout_ms is None or self._link.conn.lost is not None:
+                raise
+            # Past the caller's own deadline (timeout_ms plus the grace): give up.
+            for rid, slot in slots:
+                if slot.reply is None and slot.error is None:
+                    state.abandon(rid)
+                    slot.error = late(kinds[0] if len(set(kinds)) == 1 else "request", timeout_ms)
         for _rid, slot in slots:
             if slot.reply is None and slot.error is None:
                 state.process()
-        replies: list[Reply] = []
-        first: BaseException | None = None
+        answers: list[Reply | EndpointError] = []
         for (_rid, slot), kind in zip(slots, kinds, strict=True):
             try:
-                replies.append(result_of(slot, kind))
+                answers.append(result_of(slot, kind))
             except EndpointError as exc:
-                if first is None:
-                    first = exc
-        if first is not None:
-            raise first
-        return replies
+                answers.append(exc)
+        return answers
 
     def close(self, reason: str = "client close") -> list[Episode]:
         if self._closed is not None:

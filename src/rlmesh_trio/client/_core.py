@@ -33,6 +33,7 @@ from ._errors import (
     EnvError,
     ErrorCode,
     HandshakeError,
+    RequestTimeoutError,
     RpcError,
 )
 from ._grpc import Call, GrpcConnection
@@ -465,6 +466,24 @@ def seeds_of(seeds: int | Sequence[int | None] | None, k: int) -> list[int]:
     return [int(s) for s in values]  # type: ignore[arg-type]
 
 
+REPLY_GRACE = 3.0
+"""Seconds past a call's ``timeout_ms`` the client waits for the server's reply (its own
+``TIMEOUT`` included) before it gives up on the call itself (:class:`RequestTimeoutError`)."""
+
+
+def reply_deadline(timeout_ms: int) -> float | None:
+    """Seconds the client waits for the reply to a call with ``timeout_ms`` (None: no
+    deadline of its own, the keep-alive PINGs still watch the connection)."""
+    return timeout_ms / 1000.0 + REPLY_GRACE if timeout_ms else None
+
+
+def late(verb: str, timeout_ms: int) -> RequestTimeoutError:
+    return RequestTimeoutError(
+        f"no reply to the {verb} within {timeout_ms}ms plus the client's {REPLY_GRACE:g} s "
+        "grace (the server did not answer its own deadline); the call was given up"
+    )
+
+
 def timeout_of(timeout_ms: int | None) -> int:
     if timeout_ms is None:
         return 0
@@ -500,6 +519,8 @@ class JoinState:
         self.failure: EndpointError | None = None
         """Set once the endpoint is unusable; new requests raise EndpointClosedError from it."""
         self.closing = False
+        self.abandoned: set[str] = set()
+        """Request ids given up by their callers whose replies have not come yet."""
         self._ids = itertools.count(1)
         self.completed: collections.deque[Any] = collections.deque(maxlen=MAX_COMPLETED)
         """Episodes reported by step replies, not yet popped (the most recent ones)."""
@@ -527,8 +548,10 @@ class JoinState:
         return slot
 
     def abandon(self, request_id: str) -> None:
-        """A waiter gave up (cancelled): its reply, if it comes, is dropped."""
-        self.pending.pop(request_id, None)
+        """A waiter gave up (cancelled, or past its deadline): its reply, if it comes, is
+        dropped."""
+        if self.pending.pop(request_id, None) is not None:
+            self.abandoned.add(request_id)
 
     def process(self) -> None:
         """Route every reply that arrived; fail everyone if the stream or connection ended."""
@@ -543,7 +566,14 @@ class JoinState:
                 return
             slot = self.pending.pop(reply.request_id, None)
             if slot is None:
-                continue  # the reply of an abandoned (cancelled) request
+                if reply.request_id in self.abandoned:
+                    self.abandoned.discard(reply.request_id)
+                    continue  # the late reply of an abandoned (cancelled) request
+                if self.failure is not None:
+                    continue  # pending requests were failed already
+                self.fail(_malformed(f"a reply to request_id {reply.request_id!r}, never sent"))
+                self.conn.cancel(join)
+                return
             if reply.kind == "error":
                 error = EnvError(
                     reply.error_message,

@@ -33,7 +33,9 @@ from ._core import (
     contract_from_handshake,
     decode_frame,
     lanes_of,
+    late,
     metadata,
+    reply_deadline,
     result_of,
     seeds_of,
     step_arrays,
@@ -174,14 +176,15 @@ class Endpoint:
         lanes = lanes_of(env_indices, state.contract.num_envs)
         k = state.contract.num_envs if lanes is None else len(lanes)
         rid = state.next_id()
+        timeout = timeout_of(timeout_ms)
         payload = reset_request(
             rid,
             seeds=seeds_of(seeds, k),
             options=check_options(options),
-            timeout_ms=timeout_of(timeout_ms),
+            timeout_ms=timeout,
             env_indices=lanes or (),
         )
-        reply = result_of(await self._call(payload, rid), "reset")
+        reply = result_of(await self._call(payload, rid, "reset", timeout), "reset")
         return state.codecs.observation_batch(reply.leaves, k), reply.infos
 
     async def step(
@@ -200,10 +203,9 @@ class Endpoint:
         k = state.contract.num_envs if lanes is None else len(lanes)
         leaves = state.codecs.encode_actions(actions, k)
         rid = state.next_id()
-        payload = step_request(
-            rid, leaves, timeout_ms=timeout_of(timeout_ms), env_indices=lanes or ()
-        )
-        reply = result_of(await self._call(payload, rid), "step")
+        timeout = timeout_of(timeout_ms)
+        payload = step_request(rid, leaves, timeout_ms=timeout, env_indices=lanes or ())
+        reply = result_of(await self._call(payload, rid, "step", timeout), "step")
         rewards, terminated, truncated = step_arrays(reply, k)
         state.completed.extend(reply.episodes)
         observations = state.codecs.observation_batch(reply.leaves, k)
@@ -217,8 +219,9 @@ class Endpoint:
         state = self._joined()
         lanes_of([lane], state.contract.num_envs)
         rid = state.next_id()
-        payload = render_request(rid, [int(lane)], timeout_ms=timeout_of(timeout_ms))
-        return decode_frame(result_of(await self._call(payload, rid), "render"))
+        timeout = timeout_of(timeout_ms)
+        payload = render_request(rid, [int(lane)], timeout_ms=timeout)
+        return decode_frame(result_of(await self._call(payload, rid, "render", timeout), "render"))
 
     async def aclose(self, reason: str = "client close") -> list[Episode]:
         """Close the session: the server reports every episode not yet reported
@@ -317,12 +320,18 @@ class Endpoint:
             return call.messages[0]
         raise call_failure(call, f"{path.rsplit('/', 1)[-1]} failed")
 
-    async def _call(self, payload: bytes, rid: str) -> Slot:
+    async def _call(self, payload: bytes, rid: str, verb: str, timeout_ms: int) -> Slot:
+        """Send a request and wait for its reply: within ``timeout_ms`` plus the grace
+        when it has one (else :class:`RequestTimeoutError`, the reply abandoned)."""
         state = self._joined()
         slot = state.submit(payload, rid, _noop)
         self._arm_keepalive()
         await self._flush()
-        await self._wait_slot(slot, rid)
+        limit = reply_deadline(timeout_ms)
+        with trio.move_on_after(math.inf if limit is None else limit) as scope:
+            await self._wait_slot(slot, rid)
+        if scope.cancelled_caught:
+            raise late(verb, timeout_ms)
         return slot
 
     async def _wait_slot(self, slot: Slot, rid: str) -> None:

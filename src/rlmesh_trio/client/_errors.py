@@ -9,6 +9,7 @@ connection, a gRPC status, the handshake) are mapped onto the same codes so one
 from __future__ import annotations
 
 import enum
+import json
 from typing import Any
 
 __all__ = [
@@ -18,8 +19,14 @@ __all__ = [
     "EnvError",
     "ErrorCode",
     "HandshakeError",
+    "RequestTimeoutError",
     "RpcError",
 ]
+
+
+LANE_FAULT_KEY = "rlmesh_trio.lane_fault"
+"""The key of a faulted lane's record, in a step's info (``truncate``) and in a CRASHED
+error's ``debug_info`` (``rebuild``/``truncate``)."""
 
 
 class ErrorCode(enum.IntEnum):
@@ -101,6 +108,21 @@ class EnvError(EndpointError):
         self.request_id = request_id
         self.debug_info = debug_info
 
+    @property
+    def lane_faults(self) -> list[dict[str, Any]]:
+        """The lanes a rlmesh-trio server under ``--on-lane-fault rebuild|truncate``
+        names in this error (its ``debug_info``): one ``{"lane": i, "error": "<Type>:
+        <message>", "rebuilt": bool}`` per faulted lane, which must be reset before it
+        steps again (docs/supervision.md). Empty for any other error or server."""
+        try:
+            info = json.loads(self.debug_info) if self.debug_info.startswith("{") else None
+        except ValueError:
+            return []
+        faults = info.get(LANE_FAULT_KEY) if isinstance(info, dict) else None
+        if not isinstance(faults, list):
+            return []
+        return [f for f in faults if isinstance(f, dict) and isinstance(f.get("lane"), int)]
+
 
 class RpcError(EndpointError):
     """A call ended with a non-OK gRPC status (``grpc_status``, ``grpc_message``), e.g.
@@ -115,6 +137,16 @@ class RpcError(EndpointError):
         super().__init__(f"gRPC status {grpc_status}: {grpc_message}", code=code)
         self.grpc_status = grpc_status
         self.grpc_message = grpc_message
+
+
+class RequestTimeoutError(EndpointError):
+    """No reply within the client's own deadline for a call: its ``timeout_ms`` plus
+    :data:`~rlmesh_trio.client._core.REPLY_GRACE` seconds (a server answers ``TIMEOUT``
+    itself at ``timeout_ms``; this is for one that does not). ``TIMEOUT``, recoverable:
+    the endpoint stays open, and the late reply, if it ever comes, is dropped."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code=ErrorCode.TIMEOUT, is_recoverable=True)
 
 
 class HandshakeError(EndpointError):

@@ -26,7 +26,7 @@ from ._endpoint import (
     DEFAULT_PING_INTERVAL,
     DEFAULT_PING_TIMEOUT,
 )
-from ._errors import EnvError
+from ._errors import LANE_FAULT_KEY, EndpointError, EnvError
 from ._messages import Episode, Reply, render_request, reset_request, step_request
 
 __all__ = ["Env", "VectorEnv"]
@@ -144,7 +144,9 @@ class VectorEnv(gym.vector.VectorEnv):
             )
             for group, group_seeds in groups
         ]
-        replies = self._ep.roundtrip(builders, ["reset"] * len(builders))
+        replies = self._ep.roundtrip(
+            builders, ["reset"] * len(builders), timeout_ms=self._timeout_ms
+        )
         out: dict[int, tuple[Any, dict[str, Any]]] = {}
         for (group, _), reply in zip(groups, replies, strict=True):
             out.update(self._per_lane_reset(group, reply))
@@ -269,10 +271,19 @@ class VectorEnv(gym.vector.VectorEnv):
                 )
             )
             kinds.append("reset")
-        replies = self._ep.roundtrip(builders, kinds)
+        answers = self._ep.roundtrip_each(builders, kinds, timeout_ms=self._timeout_ms)
+        for answer in answers:
+            if isinstance(answer, EndpointError) and not _lane_crash(answer):
+                raise answer
         stepped: dict[int, tuple[Any, float, bool, bool, dict[str, Any]]] = {}
-        if step_lanes:
-            reply = replies[0]
+        step_answer = answers[0] if step_lanes else None
+        if isinstance(step_answer, EnvError):
+            # A lane faulted (rlmesh-trio under --on-lane-fault rebuild/truncate): every
+            # lane of the request ends its episode truncated on its last observation (the
+            # others' results were dropped with the request); the next step resets them.
+            stepped.update(self._crashed(step_lanes, step_answer))
+        elif isinstance(step_answer, Reply):
+            reply = step_answer
             k = len(step_lanes)
             rewards, terminated, truncated = step_arrays(reply, k)
             observations = codecs.observations(reply.leaves, k)
@@ -285,7 +296,13 @@ class VectorEnv(gym.vector.VectorEnv):
                     bool(truncated[j]),
                     infos_k[j],
                 )
-        reset_results = self._per_lane_reset(reset_lanes, replies[-1]) if reset_lanes else {}
+        reset_results: dict[int, tuple[Any, dict[str, Any]]] = {}
+        reset_answer = answers[-1] if reset_lanes else None
+        if isinstance(reset_answer, EnvError):
+            # The autoreset of a lane that faulted: still done, tried again next step.
+            stepped.update(self._crashed(reset_lanes, reset_answer))
+        elif isinstance(reset_answer, Reply):
+            reset_results = self._per_lane_reset(reset_lanes, reset_answer)
         finished: dict[int, tuple[Any, dict[str, Any]]] = {}
         if mode == AutoresetMode.SAME_STEP:
             done = [i for i in step_lanes if stepped[i][2] or stepped[i][3]]
@@ -314,6 +331,20 @@ class VectorEnv(gym.vector.VectorEnv):
             np.copy(self._truncations),
             infos,
         )
+
+    def _crashed(
+        self, lanes: Sequence[int], error: EnvError
+    ) -> dict[int, tuple[Any, float, bool, bool, dict[str, Any]]]:
+        """A request for ``lanes`` answered CRASHED: each lane truncated on its last
+        observation, reward 0; the faulted lanes' info carries ``rlmesh_trio.lane_fault``."""
+        faults = {fault["lane"]: fault for fault in error.lane_faults}
+        out: dict[int, tuple[Any, float, bool, bool, dict[str, Any]]] = {}
+        for lane in lanes:
+            info: dict[str, Any] = {}
+            if lane in faults:
+                info[LANE_FAULT_KEY] = faults[lane]
+            out[lane] = (self._env_obs[lane], 0.0, False, True, info)
+        return out
 
     def _observations(self) -> Any:
         if self._state.codecs.fast_observation is not None:
@@ -402,13 +433,16 @@ class Env(gym.Env):
                 )
             ],
             ["reset"],
+            timeout_ms=self._timeout_ms,
         )[0]
         return self._state.codecs.observations(reply.leaves, 1)[0], reply.infos
 
     def step(self, action: Any) -> tuple[Any, SupportsFloat, bool, bool, dict[str, Any]]:
         leaves = self._state.codecs.encode_single_action(action)
         reply = self._ep.roundtrip(
-            [partial(_step_builder, leaves=leaves, timeout_ms=self._timeout_ms, lanes=[])], ["step"]
+            [partial(_step_builder, leaves=leaves, timeout_ms=self._timeout_ms, lanes=[])],
+            ["step"],
+            timeout_ms=self._timeout_ms,
         )[0]
         rewards, terminated, truncated = step_arrays(reply, 1)
         obs = self._state.codecs.observations(reply.leaves, 1)[0]
@@ -428,6 +462,12 @@ class Env(gym.Env):
         ep = getattr(self, "_ep", None)
         if ep is not None:
             ep._teardown()
+
+
+def _lane_crash(error: EndpointError) -> bool:
+    """A recoverable error naming faulted lanes (rlmesh-trio's rebuild/truncate): the
+    session goes on once those lanes are reset."""
+    return isinstance(error, EnvError) and error.is_recoverable and bool(error.lane_faults)
 
 
 def _reset_builder(
