@@ -30,13 +30,12 @@ import json
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import betterproto2
 import outcome
 
-from .._codec import Candidate, from_meta_map, to_meta_map
+from .._codec import from_meta_map, to_meta_map
 from .._errors import (
     ActionError,
     LaneClosedError,
@@ -73,7 +72,9 @@ from ._actions import (
 from ._edition import edition_matches, rust_debug_str
 from ._endpoint import Endpoint
 from ._episodes import Episode
-from ._results import CONFORMANCE_KEY, LANE_FAULT_KEY, batch_infos, fold_phases, warning_value
+from ._ops import Op, Waiting
+from ._replies import Replies
+from ._results import LANE_FAULT_KEY, fold_phases
 
 _UNRECOGNIZED = (
     "empty or unrecognized Join request (a newer-edition arm this build does not implement?)"
@@ -83,44 +84,6 @@ Code = env_v1.EnvErrorCode
 
 
 # --------------------------------------------------------------------------- session
-
-
-@dataclass
-class _Waiting:
-    """A request read from the stream and not dispatched yet."""
-
-    request: env_v1.JoinRequest
-    read_ns: int
-    token: int
-    timeout_ms: int
-    timer_started: bool = False
-    close_wait: bool = False  # a Close waiting for lane jobs, with its own bound
-
-
-@dataclass(slots=True)
-class _Op:
-    """A reset, step or render whose lane jobs are out."""
-
-    token: int
-    request_id: str
-    verb: str  # "reset" | "step" | "render"
-    lanes: list[int]
-    serial: bool
-    started_ns: int
-    echo_indices: list[int] | None = None
-    seeds: list[int | None] = field(default_factory=list)
-    episode_ids: list[str] = field(default_factory=list)
-    pre_decode_ns: int = 0
-    jobs: Sequence[Job] = ()
-    replies: list[LaneReply | None] = field(default_factory=list)
-    remaining: int = 0  # lane replies still to come
-    unsettled: int = 0  # positions without an answer (a synthesized one counts)
-    timeout_ms: int = 0
-    timer_started: bool = False  # the deadline started while the request waited
-    timed_out: bool = False
-    # lane position -> (episode, terminated, truncated, end_ns) of an episode completed by this op
-    completions: dict[int, tuple[Episode, bool, bool, int]] = field(default_factory=dict)
-    lane_step: bool = False  # one lane's step, posted and answered by the straight line
 
 
 class Session:
@@ -142,13 +105,14 @@ class Session:
         self._endpoint = endpoint
         self._observe = observe
         self._clock_ns = clock_ns
+        self._replies = Replies(endpoint, clock_ns)
         self._wall_ns = wall_ns
         self._n = endpoint.num_envs
-        self._pending: deque[_Waiting] = deque()
-        self._entry: _Waiting | None = None  # the request being dispatched right now
+        self._pending: deque[Waiting] = deque()
+        self._entry: Waiting | None = None  # the request being dispatched right now
         self._verb = ""  # its kind, for reports
-        self._ops: dict[int, _Op] = {}
-        self._serial: _Op | None = None
+        self._ops: dict[int, Op] = {}
+        self._serial: Op | None = None
         self._outstanding = 0  # lane jobs posted and not answered yet (timed-out ones too)
         self._tokens = endpoint.tokens  # unique over the endpoint's sessions
         self._episodes: list[Episode | None] = [None] * self._n
@@ -189,7 +153,7 @@ class Session:
         else:
             body = request.render
         timeout_ms = body.timeout_ms if body is not None else 0
-        entry = _Waiting(request, self._clock_ns(), next(self._tokens), timeout_ms)
+        entry = Waiting(request, self._clock_ns(), next(self._tokens), timeout_ms)
         self._pending.append(entry)
         actions = self._pump()
         if timeout_ms and self._pending and self._pending[-1] is entry:
@@ -277,7 +241,9 @@ class Session:
             actions.extend(self._pump())
             return actions
         actions += [
-            self._error(op.request_id, op.started_ns, Code.TIMEOUT, message, recoverable=True),
+            self._replies.error(
+                op.request_id, op.started_ns, Code.TIMEOUT, message, recoverable=True
+            ),
             Report(
                 "timeout", op.verb, op.request_id, lanes or tuple(op.lanes), Code.TIMEOUT, message
             ),
@@ -300,12 +266,14 @@ class Session:
                 message = f"env.{verb} timed out after {entry.timeout_ms}ms"
                 rid = entry.request.request_id
                 return [
-                    self._error(rid, entry.read_ns, Code.TIMEOUT, message, recoverable=True),
+                    self._replies.error(
+                        rid, entry.read_ns, Code.TIMEOUT, message, recoverable=True
+                    ),
                     Report("timeout", verb, rid, (), Code.TIMEOUT, message),
                 ]
         return []
 
-    def _close_anyway(self, entry: _Waiting) -> list[Action]:
+    def _close_anyway(self, entry: Waiting) -> list[Action]:
         """A Close waited ``close_timeout`` for lane jobs still running: answer it without
         them (their lanes are named in the log) and end the stream."""
         busy = sorted(
@@ -388,10 +356,10 @@ class Session:
 
     def _new_op(
         self, rid: str, verb: str, lanes: list[int], serial: bool, read_ns: int, timeout_ms: int
-    ) -> _Op:
+    ) -> Op:
         entry = self._entry
         assert entry is not None  # only called while _pump dispatches a request
-        op = _Op(
+        op = Op(
             token=entry.token,
             request_id=rid,
             verb=verb,
@@ -405,7 +373,7 @@ class Session:
         op.remaining = op.unsettled = len(lanes)
         return op
 
-    def _launch(self, op: _Op, jobs: Sequence[Job]) -> list[Action]:
+    def _launch(self, op: Op, jobs: Sequence[Job]) -> list[Action]:
         """Post one job per lane of ``op``; a lane that refuses answers at once."""
         self._ops[op.token] = op
         op.jobs = jobs
@@ -455,7 +423,7 @@ class Session:
             actions.extend(self._complete(op))
         return actions
 
-    def _settle(self, op: _Op, pos: int, reply: LaneReply) -> None:
+    def _settle(self, op: Op, pos: int, reply: LaneReply) -> None:
         op.replies[pos] = reply
         op.unsettled -= 1
         if isinstance(reply.outcome, outcome.Value):
@@ -463,7 +431,7 @@ class Session:
 
     # ----------------------------------------------------------------- lane faults
 
-    def _faulted(self, op: _Op, pos: int, reply: LaneReply) -> LaneReply:
+    def _faulted(self, op: Op, pos: int, reply: LaneReply) -> LaneReply:
         """A lane lost its env (policy ``rebuild``/``truncate``): a step is answered as a
         truncation (``truncate``, when the lane's last observation is known); otherwise
         the error stands and the lane's episode is reported interrupted (SPEC §7.7)."""
@@ -478,12 +446,12 @@ class Session:
         self._last_obs[lane] = None
         return reply
 
-    def _can_truncate(self, op: _Op, positions: Sequence[int]) -> bool:
+    def _can_truncate(self, op: Op, positions: Sequence[int]) -> bool:
         if not self._truncate or op.verb != "step":
             return False
         return all(self._last_obs[op.lanes[pos]] is not None for pos in positions)
 
-    def _truncation(self, op: _Op, pos: int, fault: LaneFault, phases: Phases) -> LaneReply:
+    def _truncation(self, op: Op, pos: int, fault: LaneFault, phases: Phases) -> LaneReply:
         """The lane's step answered as a truncation: its last observation, reward 0, and
         ``rlmesh_trio.lane_fault`` in its info (so in the episode's ``final_info``)."""
         lane = op.lanes[pos]
@@ -560,7 +528,7 @@ class Session:
         lane = body.env_indices[0]
         self._verb = "step"
         assert body.action is not None
-        op = _Op(
+        op = Op(
             token=token,
             request_id=rid,
             verb="step",
@@ -582,9 +550,9 @@ class Session:
             return [StartTimer(token, op.timeout_ms / 1000.0), Post(lane, job)]
         return [Post(lane, job)]
 
-    def _lane_step_done(self, op: _Op, reply: LaneReply, result: StepResult) -> list[Action]:
+    def _lane_step_done(self, op: Op, reply: LaneReply, result: StepResult) -> list[Action]:
         """A lane step's successful, warning-free result, straight to its Send (what
-        _deliver, _account, _complete and _step_response do for it)."""
+        _deliver, _account, _complete and Replies.step_response do for it)."""
         token = op.token
         self._outstanding -= 1
         del self._ops[token]
@@ -627,7 +595,7 @@ class Session:
             encode_ns=phases.encode_ns,
             queue_ns=phases.queue_ns,
         )
-        response.endpoint_total_ns = self._elapsed(op.started_ns)
+        response.endpoint_total_ns = self._replies.elapsed(op.started_ns)
         actions: list[Action] = [CancelTimer(token)] if op.timeout_ms else []
         actions.append(Send(response))
         if self._observe:
@@ -696,7 +664,7 @@ class Session:
         response = env_v1.JoinResponse(
             request_id=rid,
             configure=env_v1.ConfigureEnvResponse(),
-            endpoint_total_ns=self._elapsed(read_ns),
+            endpoint_total_ns=self._replies.elapsed(read_ns),
         )
         return [Send(response)]
 
@@ -711,13 +679,13 @@ class Session:
         response = env_v1.JoinResponse(
             request_id=rid,
             close=env_v1.CloseEnvsResponse(final_episodes=final),
-            endpoint_total_ns=self._elapsed(read_ns),
+            endpoint_total_ns=self._replies.elapsed(read_ns),
         )
         return [Send(response), *self._end()]
 
     # ----------------------------------------------------------------- results
 
-    def _account(self, op: _Op, pos: int, result: object) -> None:
+    def _account(self, op: Op, pos: int, result: object) -> None:
         """Episode bookkeeping for one lane's successful result, in lane order (SPEC §7.7)."""
         lane = op.lanes[pos]
         if self._truncate and isinstance(result, (ResetResult, StepResult)):
@@ -747,7 +715,7 @@ class Session:
                     self._wall_ns(),
                 )
 
-    def _complete(self, op: _Op) -> list[Action]:
+    def _complete(self, op: Op) -> list[Action]:
         if op.serial:
             self._serial = None
         replies = [r for r in op.replies if r is not None]
@@ -770,7 +738,9 @@ class Session:
                 else:
                     kind = "fault"
                 actions: list[Action] = [
-                    self._error(op.request_id, op.started_ns, code, message, recoverable, debug),
+                    self._replies.error(
+                        op.request_id, op.started_ns, code, message, recoverable, debug
+                    ),
                     Report(kind, op.verb, op.request_id, (reply.lane,), code, message, error),
                 ]
                 if not recoverable and op.serial:
@@ -787,17 +757,17 @@ class Session:
                 else env_v1.RenderResponse(frame=render.frame, format=env_v1.RenderFormat.PNG)
             )
             response = env_v1.JoinResponse(request_id=op.request_id, render=body)
-            self._stamp(response, op, phases, None, decode=False)
+            self._replies.stamp(response, op, phases, None, decode=False)
         elif op.verb == "reset":
-            response = self._reset_response(op, results, phases, skew)
+            response = self._replies.reset_response(op, results, phases, skew)
         else:
-            response = self._step_response(op, results, phases, skew)
+            response = self._replies.step_response(op, results, phases, skew, self._interrupted)
         if not self._observe:
             return [Send(response)]
         total = response.endpoint_total_ns or 0
         return [Send(response), Done(op.verb, tuple(op.lanes), total, phases.user_ns)]
 
-    def _crash_message(self, op: _Op, lane: int, base: str) -> str:
+    def _crash_message(self, op: Op, lane: int, base: str) -> str:
         """Policy ``rebuild``/``truncate``: a faulted lane's request (docs/supervision.md):
         ``base`` (what policy ``error`` answers) and that the lane needs a reset."""
         others = op.verb == "step" and len(op.lanes) > 1
@@ -806,7 +776,7 @@ class Session:
             f"{'; the other lanes of this request stepped, their results are dropped' if others else ''})"
         )
 
-    def _crash_debug(self, op: _Op) -> str:
+    def _crash_debug(self, op: Op) -> str:
         """``EnvError.debug_info`` of a CRASHED reply: every faulted lane of ``op``, as
         ``{"rlmesh_trio.lane_fault": [{"error": ..., "lane": i, "rebuilt": true}, ...]}``
         (a lane still being rebuilt: ``"rebuilt": false``), so that a client can tell
@@ -822,126 +792,7 @@ class Session:
                 faults.append({"error": cause, "lane": reply.lane, "rebuilt": False})
         return json.dumps({LANE_FAULT_KEY: faults}, sort_keys=True)
 
-    def _place_warnings(
-        self, op: _Op, results: Sequence[ResetResult | StepResult]
-    ) -> tuple[list[spaces_v1.MetaMap], list[Candidate]]:
-        """Put conformance entries into the lane maps; return the maps and the list N."""
-        candidates = []
-        for result in results:
-            cands = []
-            if isinstance(result, StepResult) and result.action_warning is not None:
-                cands.append(result.action_warning)
-            if result.obs_warning is not None:
-                cands.append(result.obs_warning)
-            candidates.append(cands)
-        maps = [result.info for result in results]
-        if not any(candidates):
-            return maps, []
-        survivors, fresh = self._endpoint.ledger.place(op.lanes, candidates)
-        for info, kept in zip(maps, survivors, strict=True):
-            if kept:
-                info.entries[CONFORMANCE_KEY] = warning_value(kept)
-        if fresh and len(maps) == 1:
-            maps[0].entries[CONFORMANCE_KEY] = warning_value(fresh)
-        return maps, fresh
-
-    def _infos(
-        self, maps: list[spaces_v1.MetaMap], fresh: list[Candidate], done: Sequence[bool] | None
-    ) -> spaces_v1.MetaMap:
-        if len(maps) == 1:
-            return maps[0]
-        infos = batch_infos(maps, done)
-        if fresh:
-            infos.entries[CONFORMANCE_KEY] = warning_value(fresh)
-        return infos
-
-    def _observation(self, results: Sequence[ResetResult | StepResult]) -> list[bytes]:
-        """The lanes' one-lane observation leaves as one k-lane value, in reply order."""
-        if len(results) == 1:
-            return results[0].observation
-        return self._endpoint.contract.observation_codec.join([r.observation for r in results])
-
-    def _reset_response(
-        self, op: _Op, results: Sequence[Any], phases: Phases, skew: int | None
-    ) -> env_v1.JoinResponse:
-        observation = self._observation(results)
-        maps, fresh = self._place_warnings(op, results)
-        body = env_v1.ResetResponse(
-            observation=spaces_v1.SpaceValue(leaves=observation),
-            infos=self._infos(maps, fresh, None),
-        )
-        response = env_v1.JoinResponse(request_id=op.request_id, reset=body)
-        self._stamp(response, op, phases, skew, decode=True)
-        return response
-
-    def _step_response(
-        self, op: _Op, results: Sequence[Any], phases: Phases, skew: int | None
-    ) -> env_v1.JoinResponse:
-        observation = self._observation(results)
-        terminated = [bool(r.terminated) for r in results]
-        truncated = [bool(r.truncated) for r in results]
-        maps, fresh = self._place_warnings(op, results)
-        done = [t or u for t, u in zip(terminated, truncated, strict=True)]
-        completed = list(self._interrupted)
-        self._interrupted.clear()
-        for pos in sorted(op.completions):
-            episode, term, trunc, end_ns = op.completions[pos]
-            completed.append(
-                episode.record(end_ns, terminated=term, truncated=trunc, final_info=maps[pos])
-            )
-        body = env_v1.StepResponse(
-            observation=spaces_v1.SpaceValue(leaves=observation),
-            rewards=[float(r.reward) for r in results],
-            terminated_mask=bytes(terminated),
-            truncated_mask=bytes(truncated),
-            infos=self._infos(maps, fresh, done),
-            completed_episodes=completed,
-            env_indices=op.echo_indices or [],
-        )
-        response = env_v1.JoinResponse(request_id=op.request_id, step=body)
-        self._stamp(response, op, phases, skew, decode=True)
-        return response
-
     # ----------------------------------------------------------------- helpers
-
-    def _elapsed(self, read_ns: int) -> int:
-        return max(self._clock_ns() - read_ns, 1)
-
-    def _stamp(
-        self,
-        response: env_v1.JoinResponse,
-        op: _Op,
-        phases: Phases,
-        skew: int | None,
-        *,
-        decode: bool,
-    ) -> None:
-        if decode:
-            response.decode_ns = phases.decode_ns + op.pre_decode_ns
-        response.user_ns = phases.user_ns
-        response.encode_ns = phases.encode_ns
-        response.queue_ns = phases.queue_ns
-        if skew is not None:
-            response.lane_skew_ns = skew
-        response.endpoint_total_ns = self._elapsed(op.started_ns)
-
-    def _error(
-        self,
-        rid: str,
-        read_ns: int,
-        code: env_v1.EnvErrorCode,
-        message: str,
-        recoverable: bool,
-        debug: str = "",
-    ) -> Send:
-        error = env_v1.EnvError(
-            code=code, message=message, is_recoverable=recoverable, debug_info=debug
-        )
-        return Send(
-            env_v1.JoinResponse(
-                request_id=rid, error=error, endpoint_total_ns=self._elapsed(read_ns)
-            )
-        )
 
     def _reject(
         self,
@@ -954,7 +805,7 @@ class Session:
         """A request refused before any lane ran it: the error reply, and a report."""
         verb = self._verb
         return [
-            self._error(rid, read_ns, code, message, recoverable),
+            self._replies.error(rid, read_ns, code, message, recoverable),
             Report("rejected", verb, rid, (), code, message),
         ]
 

@@ -1,0 +1,156 @@
+"""What a session sends: a reset's or a step's JoinResponse built from its lanes' results
+(observation slab, infos batched in gymnasium's layout, conformance warnings placed once,
+completed episodes), the timing stamps, error replies (SPEC §5, §7.5, §8). Sans-IO."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .._codec import Candidate
+from .._jobs import Phases, ResetResult, StepResult
+from .._proto.rlmesh.env import v1 as env_v1
+from .._proto.rlmesh.spaces import v1 as spaces_v1
+from ._actions import Send
+from ._endpoint import Endpoint
+from ._ops import Op
+from ._results import CONFORMANCE_KEY, batch_infos, warning_value
+
+__all__ = ["Replies"]
+
+
+class Replies:
+    """Builds one session's replies; holds the endpoint (contract, conformance ledger)
+    and the session's clock."""
+
+    __slots__ = ("_clock_ns", "_endpoint")
+
+    def __init__(self, endpoint: Endpoint, clock_ns: Callable[[], int]) -> None:
+        self._endpoint = endpoint
+        self._clock_ns = clock_ns
+
+    def place_warnings(
+        self, op: Op, results: Sequence[ResetResult | StepResult]
+    ) -> tuple[list[spaces_v1.MetaMap], list[Candidate]]:
+        """Put conformance entries into the lane maps; return the maps and the list N."""
+        candidates = []
+        for result in results:
+            cands = []
+            if isinstance(result, StepResult) and result.action_warning is not None:
+                cands.append(result.action_warning)
+            if result.obs_warning is not None:
+                cands.append(result.obs_warning)
+            candidates.append(cands)
+        maps = [result.info for result in results]
+        if not any(candidates):
+            return maps, []
+        survivors, fresh = self._endpoint.ledger.place(op.lanes, candidates)
+        for info, kept in zip(maps, survivors, strict=True):
+            if kept:
+                info.entries[CONFORMANCE_KEY] = warning_value(kept)
+        if fresh and len(maps) == 1:
+            maps[0].entries[CONFORMANCE_KEY] = warning_value(fresh)
+        return maps, fresh
+
+    def infos(
+        self, maps: list[spaces_v1.MetaMap], fresh: list[Candidate], done: Sequence[bool] | None
+    ) -> spaces_v1.MetaMap:
+        if len(maps) == 1:
+            return maps[0]
+        infos = batch_infos(maps, done)
+        if fresh:
+            infos.entries[CONFORMANCE_KEY] = warning_value(fresh)
+        return infos
+
+    def observation(self, results: Sequence[ResetResult | StepResult]) -> list[bytes]:
+        """The lanes' one-lane observation leaves as one k-lane value, in reply order."""
+        if len(results) == 1:
+            return results[0].observation
+        return self._endpoint.contract.observation_codec.join([r.observation for r in results])
+
+    def reset_response(
+        self, op: Op, results: Sequence[Any], phases: Phases, skew: int | None
+    ) -> env_v1.JoinResponse:
+        observation = self.observation(results)
+        maps, fresh = self.place_warnings(op, results)
+        body = env_v1.ResetResponse(
+            observation=spaces_v1.SpaceValue(leaves=observation),
+            infos=self.infos(maps, fresh, None),
+        )
+        response = env_v1.JoinResponse(request_id=op.request_id, reset=body)
+        self.stamp(response, op, phases, skew, decode=True)
+        return response
+
+    def step_response(
+        self,
+        op: Op,
+        results: Sequence[Any],
+        phases: Phases,
+        skew: int | None,
+        interrupted: list[env_v1.EpisodeMetadata],
+    ) -> env_v1.JoinResponse:
+        """The reply to a step; ``interrupted`` (episodes lost to a rebuild, reported with
+        the next step) is taken and emptied."""
+        observation = self.observation(results)
+        terminated = [bool(r.terminated) for r in results]
+        truncated = [bool(r.truncated) for r in results]
+        maps, fresh = self.place_warnings(op, results)
+        done = [t or u for t, u in zip(terminated, truncated, strict=True)]
+        completed = list(interrupted)
+        interrupted.clear()
+        for pos in sorted(op.completions):
+            episode, term, trunc, end_ns = op.completions[pos]
+            completed.append(
+                episode.record(end_ns, terminated=term, truncated=trunc, final_info=maps[pos])
+            )
+        body = env_v1.StepResponse(
+            observation=spaces_v1.SpaceValue(leaves=observation),
+            rewards=[float(r.reward) for r in results],
+            terminated_mask=bytes(terminated),
+            truncated_mask=bytes(truncated),
+            infos=self.infos(maps, fresh, done),
+            completed_episodes=completed,
+            env_indices=op.echo_indices or [],
+        )
+        response = env_v1.JoinResponse(request_id=op.request_id, step=body)
+        self.stamp(response, op, phases, skew, decode=True)
+        return response
+
+    def elapsed(self, read_ns: int) -> int:
+        return max(self._clock_ns() - read_ns, 1)
+
+    def stamp(
+        self,
+        response: env_v1.JoinResponse,
+        op: Op,
+        phases: Phases,
+        skew: int | None,
+        *,
+        decode: bool,
+    ) -> None:
+        if decode:
+            response.decode_ns = phases.decode_ns + op.pre_decode_ns
+        response.user_ns = phases.user_ns
+        response.encode_ns = phases.encode_ns
+        response.queue_ns = phases.queue_ns
+        if skew is not None:
+            response.lane_skew_ns = skew
+        response.endpoint_total_ns = self.elapsed(op.started_ns)
+
+    def error(
+        self,
+        rid: str,
+        read_ns: int,
+        code: env_v1.EnvErrorCode,
+        message: str,
+        recoverable: bool,
+        debug: str = "",
+    ) -> Send:
+        error = env_v1.EnvError(
+            code=code, message=message, is_recoverable=recoverable, debug_info=debug
+        )
+        return Send(
+            env_v1.JoinResponse(
+                request_id=rid, error=error, endpoint_total_ns=self.elapsed(read_ns)
+            )
+        )
