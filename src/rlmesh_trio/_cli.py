@@ -33,6 +33,7 @@ import trio
 
 from ._address import DEFAULT_ADDRESS, parse_address
 from ._crash import CrashWitness
+from ._entrypoint import load_entrypoint
 from ._lanes import UNKNOWN_ENV_ID
 from ._logging import JsonFormatter
 from ._logging import configure as configure_logging
@@ -580,7 +581,7 @@ def _configure(args: argparse.Namespace, address: str) -> _Config:
     if args.env is not None:
         make_env = label = args.env
     else:
-        make_env = _load_entrypoint(args.entrypoint)
+        make_env = load_entrypoint(args.entrypoint)
         label = args.entrypoint
     if args.lane_isolation == "process" and args.package:
         from ._lanes._process import ImportFirst
@@ -617,18 +618,6 @@ def _configure(args: argparse.Namespace, address: str) -> _Config:
         ready_fd=args.ready_fd,
         log_format=args.log_format,
     )
-
-
-def _load_entrypoint(spec: str) -> Callable[..., Any]:
-    module_name, sep, attr_path = spec.partition(":")
-    if not sep or not module_name or not attr_path:
-        raise ValueError(f"--entrypoint must be module:callable, got {spec!r}")
-    target: Any = importlib.import_module(module_name)
-    for part in attr_path.split("."):
-        target = getattr(target, part)
-    if not callable(target):
-        raise TypeError(f"{spec} is not callable")
-    return target  # type: ignore[no-any-return]
 
 
 async def _run(config: _Config) -> int:

@@ -30,7 +30,7 @@ def add_fleet_parser(
     fd: Any,
     positive_seconds: Any,
 ) -> argparse.ArgumentParser:
-    """Register ``fleet`` on the ``rlmesh-trio`` subparsers (types from ``_cli``)."""
+    """Register ``fleet`` on the ``rlmesh-trio`` subparsers (argparse types passed in by ``_cli``)."""
     fleet = commands.add_parser(
         "fleet",
         help="launch K endpoints of N lanes on Ray and keep them up",
@@ -184,10 +184,10 @@ def fleet_command(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     env: Any = args.env
     if args.entrypoint is not None:
-        from .._cli import _load_entrypoint
+        from .._entrypoint import load_entrypoint
 
         try:
-            env = _load_entrypoint(args.entrypoint)
+            env = load_entrypoint(args.entrypoint)
         except Exception as exc:
             print(f"{PROG}: error: cannot load {args.entrypoint}: {exc}", file=sys.stderr)
             return EXIT_FAILED
