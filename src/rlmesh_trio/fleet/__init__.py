@@ -14,14 +14,14 @@ endpoints, merged into one result with each seed exactly once).
   (the ``ray`` extra: ``pip install '.[ray]'`` from a clone).
 """
 
-from ._core import Endpoint as Endpoint
 from ._core import Fleet as Fleet
-from ._core import FleetError as FleetError
-from ._core import FleetRunResult as FleetRunResult
-from ._core import Health as Health
-from ._core import Retry as Retry
-from ._core import ShardRun as ShardRun
-from ._core import State as State
+from ._records import Endpoint as Endpoint
+from ._records import FleetError as FleetError
+from ._records import FleetRunResult as FleetRunResult
+from ._records import Health as Health
+from ._records import Retry as Retry
+from ._records import ShardRun as ShardRun
+from ._records import State as State
 from ._run import run_fleet as run_fleet
 
 __all__ = [

@@ -4,13 +4,46 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
-from ._core import Endpoint, FleetError, FleetRunResult, ShardRun, _Abort, _Done, _renumber
+from .._tls import TlsSetting
+from ._records import (
+    Endpoint,
+    FleetError,
+    FleetRunResult,
+    Health,
+    ShardRun,
+    _Abort,
+    _Done,
+    _Outcome,
+    _renumber,
+)
 
-if TYPE_CHECKING:
-    from ._core import Fleet
+
+class Fleet(Protocol):
+    """What ``run_fleet`` needs of a :class:`~rlmesh_trio.fleet.Fleet` (no import of
+    ``_core``, which calls this module from ``Fleet.run``)."""
+
+    @property
+    def auth_token(self) -> str | None: ...
+
+    @property
+    def tls(self) -> TlsSetting: ...
+
+    def health(self, timeout: float = ...) -> list[Health]: ...
+
+    def _schedule(
+        self,
+        tasks: list[list[int]],
+        runner: Callable[[str, Endpoint, list[int], _Done], None],
+        retries: int,
+        recover_timeout: float,
+        *,
+        split: bool,
+        owners: Sequence[int] | None = None,
+    ) -> _Outcome: ...
+
 
 _REFUSED = {
     "episodes": "the fleet runs exactly one episode per seed; leave episodes out",

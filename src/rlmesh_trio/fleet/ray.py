@@ -41,7 +41,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from .._address import TcpAddress, parse_address
 from .._options import ServeOptions, stop_bound, tls_files
 from .._tls import TlsSetting
-from ._core import Fleet, Health, _Member
+from ._core import Fleet, _Member
+from ._records import Health
 
 __all__ = ["RayFleet", "SupervisorStats", "launch"]
 
