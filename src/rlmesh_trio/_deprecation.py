@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-REMOVAL = "0.3"
+REMOVAL = "0.2"
 """The release the deprecated names go away in."""
 
 Rename = str | tuple[str, Callable[[Any], Any]]
