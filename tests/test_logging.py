@@ -3,6 +3,7 @@ rejected requests rate-limited, the JSON format, and which loggers the CLI turns
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 from collections.abc import Iterator
@@ -92,14 +93,38 @@ def test_json_lines_carry_the_context_and_the_traceback() -> None:
         "rlmesh_trio.env", logging.ERROR, __file__, 1, "lane %s failed", ("3",), None
     )
     record.exc_info = (type(error), error, error.__traceback__)
-    record.lane = "3"
+    record.lane = 3
     record.request_id = "abc"
     data = json.loads(JsonFormatter().format(record))
     assert data["level"] == "ERROR"
     assert data["logger"] == "rlmesh_trio.env"
     assert data["message"] == "lane 3 failed"
-    assert data["lane"] == "3" and data["request_id"] == "abc"
+    assert data["lane"] == 3 and data["request_id"] == "abc"
     assert "ValueError: bad" in data["traceback"]
+
+
+def test_json_time_is_utc_with_milliseconds_and_a_zone() -> None:
+    record = logging.LogRecord("rlmesh_trio.serve", logging.INFO, __file__, 1, "hi", (), None)
+    record.created = 1796145431.0429  # 2026-12-01T17:17:11.042 UTC
+    data = json.loads(JsonFormatter().format(record))
+    assert data["time"] == "2026-12-01T17:17:11.042Z"
+    parsed = datetime.datetime.fromisoformat(data["time"].replace("Z", "+00:00"))
+    assert parsed.utcoffset() == datetime.timedelta(0)
+
+
+@pytest.mark.parametrize(("lanes", "expected"), [((2,), 2), ((0, 2), [0, 2]), ((), None)])
+def test_json_lane_is_a_number_or_a_list_of_numbers(
+    lanes: tuple[int, ...], expected: int | list[int] | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    item = Report(
+        "rejected", "step", "r-1", lanes, env_v1.EnvErrorCode.INVALID_ACTION, "bad action"
+    )
+    with caplog.at_level(logging.WARNING, logger="rlmesh_trio"):
+        report(item, RateLimit())
+    [record] = caplog.records
+    data = json.loads(JsonFormatter().format(record))
+    assert data.get("lane") == expected
+    assert data["verb"] == "step" and data["request_id"] == "r-1"
 
 
 @pytest.fixture

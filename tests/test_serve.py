@@ -243,6 +243,25 @@ async def test_returns_after_the_idle_timeout() -> None:
     assert server_threads() == []
 
 
+@pytest.mark.parametrize("how", ["cancelled", "idle"])
+async def test_every_stop_logs_its_reason(how: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="rlmesh_trio.serve")
+    idle = 0.2 if how == "idle" else None
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(
+                functools.partial(
+                    serve_env, "CartPole-v1", options=ServeOptions(idle_timeout_seconds=idle)
+                )
+            )
+            if how == "cancelled":
+                nursery.cancel_scope.cancel()
+    stops = [r.getMessage() for r in caplog.records if r.getMessage().startswith("server stopped")]
+    expected = "cancelled" if how == "cancelled" else "idle for 0.2 s"
+    assert stops == [f"server stopped: {expected}"]
+    assert server_threads() == []
+
+
 async def test_cancel_drains_an_inflight_request_before_closing_the_lanes() -> None:
     recorder = Recorder(envs.make_slow)
     options = ServeOptions(drain_timeout_seconds=BOUND)

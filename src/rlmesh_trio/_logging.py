@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import re
@@ -78,9 +79,18 @@ class RateLimit:
 _OUTCOME = {"timeout": "timed out", "refused": "refused by its lane"}
 
 
+def lane_field(lanes: tuple[int, ...]) -> int | list[int] | None:
+    """The ``lane`` of a log record: the lane's number, a list of them, or None (no lane,
+    e.g. a request refused before it named one)."""
+    if not lanes:
+        return None
+    return lanes[0] if len(lanes) == 1 else list(lanes)
+
+
 def report(item: Report, limit: RateLimit) -> None:
     """Log one session report (see the module docstring)."""
     lanes = ",".join(str(lane) for lane in item.lanes) or "-"
+    context = {"lane": lane_field(item.lanes), "verb": item.verb, "request_id": item.request_id}
     if item.kind in ("fault", "truncated"):
         error = item.error
         exc_info = None if error is None else (type(error), error, error.__traceback__)
@@ -91,7 +101,7 @@ def report(item: Report, limit: RateLimit) -> None:
             item.request_id,
             item.message,
             exc_info=exc_info,
-            extra={"lane": lanes, "verb": item.verb, "request_id": item.request_id},
+            extra=context,
         )
         return
     held = limit.allow()
@@ -106,7 +116,7 @@ def report(item: Report, limit: RateLimit) -> None:
         item.code.name,
         item.message,
         suffix,
-        extra={"lane": lanes, "verb": item.verb, "request_id": item.request_id},
+        extra=context,
     )
 
 
@@ -177,22 +187,31 @@ def protect_credentials(secret: str | None = None) -> CredentialFilter:
     return _credentials
 
 
+def utc_timestamp(created: float) -> str:
+    """RFC 3339 in UTC with milliseconds: ``2026-12-01T17:17:11.042Z``."""
+    moment = datetime.datetime.fromtimestamp(created, tz=datetime.timezone.utc)
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message, and the context fields
-    (``lane``, ``verb``, ``request_id``) and traceback when there are any."""
+    """One JSON object per line: ``time`` (UTC, milliseconds, ``Z``), ``level``,
+    ``logger``, ``message``, and the context fields when a record has them: ``lane`` (a
+    number, or a list of numbers for a request over several lanes), ``verb``,
+    ``request_id``, and ``traceback``."""
 
     _EXTRA = ("lane", "verb", "request_id")
 
     def format(self, record: logging.LogRecord) -> str:
         data: dict[str, Any] = {
-            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
+            "time": utc_timestamp(record.created),
             "level": record.levelname,
             "logger": record.name,
             "message": record.getMessage(),
         }
         for name in self._EXTRA:
-            if hasattr(record, name):
-                data[name] = getattr(record, name)
+            value = getattr(record, name, None)
+            if value is not None:
+                data[name] = value
         if record.exc_info:
             data["traceback"] = self.formatException(record.exc_info)
         return json.dumps(data, ensure_ascii=False)

@@ -292,6 +292,7 @@ async def _run_transport(
         # The transport has stopped (or was abandoned): now the lanes (and the metrics).
         _stop_lanes(engine, clock)
         clock.transport_done.set()
-    reason = service.stop_reason or "stopped"
-    reasons.append(reason)
-    log.info("server stopped: %s", reason)
+        # Every way out says why, a cancellation (a signal, the embedding program) too.
+        reason = service.stop_reason or "stopped"
+        reasons.append(reason)
+        log.info("server stopped: %s", reason)
