@@ -12,6 +12,8 @@ from ._errors import CodecError as CodecError
 from ._errors import ContractMismatchError as ContractMismatchError
 from ._errors import RlmeshTrioError as RlmeshTrioError
 from ._errors import UnsupportedSpaceError as UnsupportedSpaceError
+from ._exports import fix as _fix
+from ._exports import publish as _publish
 from ._options import ServeOptions as ServeOptions
 from ._version import __version__ as __version__
 
@@ -26,7 +28,9 @@ def __getattr__(name: str) -> Any:
     if name in ("serve_env", "ServerInfo"):
         from . import _serve
 
-        return getattr(_serve, name)
+        value = getattr(_serve, name)
+        _fix(value, __name__)
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -40,3 +44,5 @@ __all__ = [
     "__version__",
     "serve_env",
 ]
+
+_publish(__name__, globals())
