@@ -19,8 +19,7 @@ import pytest
 from support import wire
 from support.refserver import ROOT, TESTS_DIR
 
-from rlmesh_trio import _cli
-from rlmesh_trio._cli import build_parser, main
+from rlmesh_trio._cli import _hints, _serve, build_parser, main
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -144,15 +143,15 @@ def test_unix_transport_addresses(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     parser = build_parser()
     args = parser.parse_args(["serve", "--env", "A", "--transport", "unix", "--address", "x.sock"])
     monkeypatch.chdir(tmp_path)
-    assert _cli._resolve_address(args) == "unix://x.sock"
+    assert _serve._resolve_address(args) == "unix://x.sock"
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     args = parser.parse_args(["serve", "--env", "My/Env-v1", "--transport", "unix"])
-    assert _cli._resolve_address(args) == (
+    assert _serve._resolve_address(args) == (
         f"unix://{tmp_path}/rlmesh-trio/rlmesh-trio-my_env-v1.sock"
     )
     assert (tmp_path / "rlmesh-trio").stat().st_mode & 0o777 == 0o700
     args = parser.parse_args(["serve", "--env", "A"])
-    assert _cli._resolve_address(args) == "tcp://127.0.0.1:0"
+    assert _serve._resolve_address(args) == "tcp://127.0.0.1:0"
 
 
 def test_a_non_ascii_token_is_a_startup_error(capsys: pytest.CaptureFixture[str]) -> None:
@@ -395,7 +394,7 @@ def test_app_dir_makes_a_local_module_importable(
     args = build_parser().parse_args(
         ["serve", "--entrypoint", "appdir_probe_mod:make", "--app-dir", str(tmp_path)]
     )
-    config = _cli._configure(args, "tcp://127.0.0.1:0")
+    config = _serve._configure(args, "tcp://127.0.0.1:0")
     assert callable(config.make_env) and config.make_env.__module__ == "appdir_probe_mod"
     monkeypatch.delitem(sys.modules, "appdir_probe_mod")
 
@@ -405,16 +404,16 @@ def test_an_unregistered_namespace_names_the_fix() -> None:
 
     with pytest.raises(gymnasium.error.NamespaceNotFound) as info:
         gymnasium.make("ALE/Pong-v5")
-    text = _cli._describe(info.value)
+    text = _hints.describe(info.value)
     assert text.startswith("NamespaceNotFound: Namespace ALE not found")
     assert "--package ale_py" in text and "ale_py:ALE/" in text
-    other = _cli._describe(gymnasium.error.NamespaceNotFound("Namespace Nope not found."))
+    other = _hints.describe(gymnasium.error.NamespaceNotFound("Namespace Nope not found."))
     assert "--package PACKAGE" in other
-    minigrid = _cli._describe(
+    minigrid = _hints.describe(
         gymnasium.error.NameNotFound("Environment `MiniGrid-Empty-5x5` doesn't exist.")
     )
     assert "--package minigrid" in minigrid
-    assert "--package" not in _cli._describe(
+    assert "--package" not in _hints.describe(
         gymnasium.error.NameNotFound("Environment `NoSuch` doesn't exist.")
     )
 
@@ -472,7 +471,7 @@ def test_json_log_format_is_one_object_per_line(procs: list[subprocess.Popen[byt
     said = [r["message"] for r in records if r["logger"] == "rlmesh_trio.cli"]
     assert said[0].startswith("serving support.envs:make_boom (no env spec")
     (fault,) = [r for r in records if r["logger"] == "rlmesh_trio.env"]
-    assert fault["level"] == "ERROR" and fault["lane"] == "0" and fault["verb"] == "step"
+    assert fault["level"] == "ERROR" and fault["lane"] == 0 and fault["verb"] == "step"
     assert "RuntimeError: boom in step" in fault["traceback"]
     assert records[-1]["message"] == "stopped: idle for 1 s"
     assert not [r for r in records if r["logger"].startswith(("hpack", "h2", "grpclib"))]

@@ -1,7 +1,10 @@
 """``rlmesh-trio fleet``: launch K endpoints of N lanes on Ray, print them, stay up.
 
-Kept apart from ``rlmesh_trio._cli`` (which only registers the subcommand and calls
-:func:`fleet_command`): Ray is imported only when the command runs.
+Ray (and :mod:`rlmesh_trio.fleet.ray`) is imported only when the command runs. stdout
+carries only the addresses (or ``--json``'s objects): while the command runs, anything
+else written to ``sys.stdout`` -- Ray's driver prints its ``(raylet) ...`` lines there --
+goes to stderr. When stdout's reader goes away (``rlmesh-trio fleet --json | head -1``)
+the fleet is stopped and the command exits quietly (:data:`~rlmesh_trio._cli.EXIT_BROKEN_PIPE`).
 """
 
 from __future__ import annotations
@@ -10,27 +13,41 @@ import argparse
 import json
 import logging
 import os
+import select
 import signal
+import stat
 import sys
 import threading
-from typing import Any
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, TextIO
 
-PROG = "rlmesh-trio fleet"
+from ._args import (
+    PROG,
+    UsageError,
+    add_env_source,
+    check_fd,
+    fd,
+    int_at_least,
+    load_env,
+    seconds,
+    write_ready_fd,
+)
+from ._hints import describe
+
+__all__ = ["add_fleet_parser", "fleet_command"]
+
+COMMAND = f"{PROG} fleet"
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 
+DEFAULT_HEALTH_PERIOD_SECONDS = 5.0
 
-def add_fleet_parser(
-    commands: Any,
-    *,
-    num_envs: Any,
-    json_object: Any,
-    fd: Any,
-    positive_seconds: Any,
-) -> argparse.ArgumentParser:
-    """Register ``fleet`` on the ``rlmesh-trio`` subparsers (argparse types passed in by ``_cli``)."""
+
+def add_fleet_parser(commands: Any) -> None:
+    """Register ``fleet`` on the ``rlmesh-trio`` subparsers."""
     fleet = commands.add_parser(
         "fleet",
         help="launch K endpoints of N lanes on Ray and keep them up",
@@ -38,24 +55,20 @@ def add_fleet_parser(
         "(placement group, restarts, health supervision), print their addresses, and "
         "keep them up until Ctrl-C (SIGINT) or SIGTERM. Needs the ray extra.",
     )
-    source = fleet.add_mutually_exclusive_group(required=True)
-    source.add_argument("--env", metavar="ID", help="gymnasium env id, e.g. CartPole-v1")
-    source.add_argument(
-        "--entrypoint",
-        metavar="MODULE:CALLABLE",
-        help="env factory in module:callable form (importable on every Ray node)",
+    add_env_source(
+        fleet,
+        where="called once per lane, on the Ray nodes (--package and the module must be "
+        "importable there too)",
     )
     fleet.add_argument(
-        "--endpoints", type=num_envs, required=True, metavar="K", help="how many endpoints"
+        "--endpoints", type=int_at_least(1), required=True, metavar="K", help="how many endpoints"
     )
     fleet.add_argument(
-        "--num-envs", type=num_envs, default=1, metavar="N", help="lanes per endpoint (default 1)"
-    )
-    fleet.add_argument(
-        "--kwargs-json",
-        type=json_object,
-        metavar="JSON",
-        help="JSON object of keyword arguments for gymnasium.make / the entrypoint",
+        "--num-envs",
+        type=int_at_least(1, "--num-envs"),
+        default=1,
+        metavar="N",
+        help="lanes per endpoint (default 1)",
     )
     fleet.add_argument(
         "--ray-address",
@@ -65,9 +78,11 @@ def add_fleet_parser(
     )
     fleet.add_argument(
         "--bind",
-        default="node",
+        default="auto",
         metavar="HOST",
-        help="node (default: each node's IP as Ray reports it), 127.0.0.1, 0.0.0.0, ...",
+        help="auto (default: 127.0.0.1 when the Ray cluster is local -- started by this "
+        "command, or one node on this machine -- else each node's IP), node (each node's "
+        "IP as Ray reports it), 127.0.0.1, 0.0.0.0, ...",
     )
     fleet.add_argument(
         "--cpus-per-endpoint",
@@ -91,10 +106,11 @@ def add_fleet_parser(
     )
     fleet.add_argument(
         "--health-period-seconds",
-        type=positive_seconds,
-        default=5.0,
+        type=seconds(minimum_exclusive=True),
+        default=DEFAULT_HEALTH_PERIOD_SECONDS,
         metavar="S",
-        help="how often the supervisor probes each endpoint (default 5)",
+        help="how often the supervisor probes each endpoint "
+        f"(default {DEFAULT_HEALTH_PERIOD_SECONDS:g})",
     )
     fleet.add_argument(
         "--auth-token",
@@ -142,55 +158,56 @@ def add_fleet_parser(
         metavar="FD",
         help="write the addresses, one per line, to this file descriptor, then close it",
     )
-    fleet.add_argument("--json", action="store_true", help="print the endpoints as JSON")
+    fleet.add_argument(
+        "--json", action="store_true", help="print the endpoints as JSON (one object per report)"
+    )
     fleet.add_argument(
         "--log-level",
         choices=("debug", "info", "warning", "error"),
         default="warning",
         help="logging level (default: warning; restarts are logged at warning)",
     )
-    return fleet  # type: ignore[no-any-return]
 
 
 def fleet_command(args: argparse.Namespace) -> int:
     """Run ``rlmesh-trio fleet``; returns the exit code."""
-    logging.basicConfig(level=args.log_level.upper(), format="%(name)s: %(message)s")
-    token = args.auth_token or os.environ.get("RLMESH_TRIO_AUTH_TOKEN") or None
-    if args.no_auth and (token or args.token_file):
-        return _usage("--no-auth contradicts --auth-token / --token-file")
-    if not args.cpus_per_endpoint > 0:
-        return _usage("--cpus-per-endpoint must be > 0")
-    if args.max_restarts < -1:
-        return _usage("--max-restarts must be >= -1")
-    if args.ready_fd is not None:
-        try:
-            os.fstat(args.ready_fd)
-        except OSError as exc:
-            return _usage(f"--ready-fd {args.ready_fd}: {exc.strerror}")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(name)s: %(message)s", stream=sys.stderr
+    )
+    auth_token = args.auth_token or os.environ.get("RLMESH_TRIO_AUTH_TOKEN") or None
     try:
+        if args.no_auth and (auth_token or args.token_file):
+            raise UsageError("--no-auth contradicts --auth-token / --token-file")
+        if not args.cpus_per_endpoint > 0:
+            raise UsageError("--cpus-per-endpoint must be > 0")
+        if args.max_restarts < -1:
+            raise UsageError("--max-restarts must be >= -1")
+        if args.ready_fd is not None:
+            check_fd(args.ready_fd)
         probe_tls = _probe_tls(args)
-    except ValueError as exc:
+    except (UsageError, ValueError) as exc:
         return _usage(str(exc))
+    with _stdout_for_reports_only() as out:
+        return _run(args, auth_token, probe_tls, out)
+
+
+def _run(args: argparse.Namespace, auth_token: str | None, probe_tls: Any, out: TextIO) -> int:
     try:
         import ray
 
-        from .ray import _is_loopback, launch
+        from ..fleet.ray import _is_loopback, launch, resolve_bind
     except ImportError as exc:
         print(
-            f"{PROG}: error: needs Ray: pip install ray (the ray extra; from a clone of "
+            f"{COMMAND}: error: needs Ray: pip install ray (the ray extra; from a clone of "
             f"rlmesh-trio: pip install '.[ray]') ({exc})",
             file=sys.stderr,
         )
         return EXIT_FAILED
-    env: Any = args.env
-    if args.entrypoint is not None:
-        from .._entrypoint import load_entrypoint
-
-        try:
-            env = load_entrypoint(args.entrypoint)
-        except Exception as exc:
-            print(f"{PROG}: error: cannot load {args.entrypoint}: {exc}", file=sys.stderr)
-            return EXIT_FAILED
+    try:
+        env = load_env(args, in_other_processes=True)
+    except Exception as exc:
+        print(f"{COMMAND}: error: cannot load the environment: {describe(exc)}", file=sys.stderr)
+        return EXIT_FAILED
 
     started_ray = False
     try:
@@ -200,12 +217,12 @@ def fleet_command(args: argparse.Namespace) -> int:
             else:
                 ray.init(include_dashboard=False, log_to_driver=False)
                 started_ray = True
-        node_ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call,unused-ignore]
-        host = node_ip if args.bind == "node" else args.bind
-        beyond = not _is_loopback(host)
-        if beyond and not (token or args.token_file or args.no_auth):
+        host = resolve_bind(args.bind)
+        beyond = host == "node" or not _is_loopback(host)
+        if beyond and not (auth_token or args.token_file or args.no_auth):
+            shown = "each node's IP" if host == "node" else host
             print(
-                f"{PROG}: error: the endpoints bind beyond loopback ({host}): give "
+                f"{COMMAND}: error: the endpoints bind beyond loopback ({shown}): give "
                 "--auth-token (or RLMESH_TRIO_AUTH_TOKEN), --token-file PATH to have one "
                 "generated, or --no-auth on a network you trust",
                 file=sys.stderr,
@@ -214,27 +231,27 @@ def fleet_command(args: argparse.Namespace) -> int:
         fleet = launch(
             env,
             endpoints=args.endpoints,
-            lanes=args.num_envs,
+            num_envs=args.num_envs,
             env_kwargs=args.kwargs_json,
             resources={"CPU": args.cpus_per_endpoint},
             placement=args.placement,
             max_restarts=args.max_restarts,
-            health_period_s=args.health_period_seconds,
-            bind=args.bind,
-            auth_token=token,
-            require_auth=False if args.no_auth else (True if token or beyond else None),
+            health_period_seconds=args.health_period_seconds,
+            bind=host,
+            auth_token=auth_token,
+            require_auth=False if args.no_auth else (True if auth_token or beyond else None),
             tls=probe_tls,
             tls_cert_file=args.tls_cert_file,
             tls_key_file=args.tls_key_file,
             tls_client_ca_file=args.tls_client_ca_file,
         )
     except KeyboardInterrupt:  # Ctrl-C while launching: launch() removed what it made
-        print(f"{PROG}: interrupted while launching", file=sys.stderr)
+        print(f"{COMMAND}: interrupted while launching", file=sys.stderr)
         if started_ray:
             ray.shutdown()
         return 128 + signal.SIGINT
     except Exception as exc:
-        print(f"{PROG}: error: cannot launch the fleet: {_first_line(exc)}", file=sys.stderr)
+        print(f"{COMMAND}: error: cannot launch the fleet: {describe(exc)}", file=sys.stderr)
         if started_ray:
             ray.shutdown()
         return EXIT_FAILED
@@ -245,27 +262,32 @@ def fleet_command(args: argparse.Namespace) -> int:
     }
     try:
         if args.token_file and fleet.auth_token:
-            fd = os.open(args.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as file:
+            token_fd = os.open(args.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(token_fd, "w") as file:
                 file.write(fleet.auth_token + "\n")
-        _report(fleet, args.json)
+        _report(fleet, args.json, out)
         if args.ready_fd is not None:
-            _write_ready(args.ready_fd, fleet.addresses)
+            write_ready_fd(args.ready_fd, fleet.addresses)
         print(
-            f"rlmesh-trio: fleet of {len(fleet)} x{args.num_envs} lanes up; Ctrl-C stops it",
+            f"{PROG}: fleet of {len(fleet)} x{args.num_envs} lanes up; Ctrl-C stops it",
             file=sys.stderr,
             flush=True,
         )
         states = [(e.address, e.state) for e in fleet.endpoints]
         while not stop.wait(1.0):
+            if _reader_gone(out):
+                raise BrokenPipeError("stdout's reader went away")
             now = [(e.address, e.state) for e in fleet.endpoints]
             if now != states:  # restarts move addresses: say so, machine-readably
                 states = now
-                _report(fleet, args.json)
-        print("rlmesh-trio: stopping the fleet", file=sys.stderr, flush=True)
+                _report(fleet, args.json, out)
+        print(f"{PROG}: stopping the fleet", file=sys.stderr, flush=True)
         return EXIT_OK
+    except BrokenPipeError:  # stdout is gone: stop the fleet, exit as the CLI does then
+        print(f"{PROG}: stdout closed: stopping the fleet", file=sys.stderr, flush=True)
+        raise
     except OSError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        print(f"{COMMAND}: error: {exc}", file=sys.stderr)
         return EXIT_FAILED
     finally:
         for sig, handler in previous.items():
@@ -273,6 +295,34 @@ def fleet_command(args: argparse.Namespace) -> int:
         fleet.close()
         if started_ray:
             ray.shutdown()
+
+
+@contextmanager
+def _stdout_for_reports_only() -> Iterator[TextIO]:
+    """The real stdout, for the reports; ``sys.stdout`` is stderr meanwhile (Ray's driver
+    threads print worker and raylet lines to ``sys.stdout``)."""
+    out = sys.stdout
+    sys.stdout = sys.stderr
+    try:
+        yield out
+    finally:
+        sys.stdout = out
+
+
+def _reader_gone(out: TextIO) -> bool:
+    """Whether ``out`` is a pipe or socket whose reader closed it (poll says POLLERR)."""
+    if not hasattr(select, "poll"):
+        return False
+    try:
+        fileno = out.fileno()
+        mode = os.fstat(fileno).st_mode
+    except (AttributeError, OSError, ValueError):
+        return False
+    if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
+        return False
+    poller = select.poll()
+    poller.register(fileno, 0)  # POLLERR and POLLHUP are reported whatever the mask
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
 
 
 def _probe_tls(args: argparse.Namespace) -> Any:
@@ -296,40 +346,26 @@ def _probe_tls(args: argparse.Namespace) -> Any:
     )
 
 
-def _report(fleet: Any, as_json: bool) -> None:
+def _report(fleet: Any, as_json: bool, out: TextIO) -> None:
     if as_json:
         rows = [
             {
                 "index": e.index,
                 "address": e.address,
-                "lanes": e.lanes,
+                "num_envs": e.num_envs,
+                "lanes": e.num_envs,  # the old key, until 0.2
                 "state": e.state,
                 "restarts": e.restarts,
                 "node": e.node,
             }
             for e in fleet.endpoints
         ]
-        print(json.dumps({"endpoints": rows}), flush=True)
+        print(json.dumps({"endpoints": rows}), file=out, flush=True)
     else:
         for endpoint in fleet.endpoints:
-            print(endpoint.address, flush=True)
-
-
-def _write_ready(fd: int, addresses: list[str]) -> None:
-    payload = "".join(f"{a}\n" for a in addresses).encode()
-    try:
-        written = 0
-        while written < len(payload):
-            written += os.write(fd, payload[written:])
-    finally:
-        os.close(fd)
+            print(endpoint.address, file=out, flush=True)
 
 
 def _usage(message: str) -> int:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
+    print(f"{COMMAND}: error: {message}", file=sys.stderr)
     return EXIT_USAGE
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__

@@ -14,157 +14,60 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import importlib
-import json
 import logging
-import math
 import os
 import re
 import shutil
 import signal
-import ssl
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 import trio
 
-from ._address import DEFAULT_ADDRESS, parse_address
-from ._crash import CrashWitness
-from ._entrypoint import load_entrypoint
-from ._lanes import UNKNOWN_ENV_ID
-from ._logging import JsonFormatter
-from ._logging import configure as configure_logging
-from ._options import DEFAULT_MAX_ABANDONED_LANES, ServeOptions
-from ._serve import ServerInfo, serve_env
-from ._version import __version__
+from .._address import DEFAULT_ADDRESS, parse_address
+from .._crash import CrashWitness
+from .._lanes import UNKNOWN_ENV_ID
+from .._logging import JsonFormatter
+from .._logging import configure as configure_logging
+from .._options import DEFAULT_MAX_ABANDONED_LANES, ServeOptions
+from .._serve import ServerInfo, serve_env
+from ._args import (
+    PROG,
+    UsageError,
+    add_env_source,
+    check_fd,
+    fd,
+    int_at_least,
+    load_env,
+    seconds,
+    write_ready_fd,
+)
+from ._hints import describe
 
-PROG = "rlmesh-trio"
+__all__ = ["add_serve_parser", "serve_command"]
+
 log = logging.getLogger("rlmesh_trio.cli")
 
-_LOG_LEVELS = ("debug", "info", "warning", "error")
-
-NAMESPACE_PACKAGES = {
-    "ALE": "ale_py",
-    "MetaWorld": "metaworld",
-    "GymV21": "shimmy",
-    "GymV26": "shimmy",
-}
-"""Env-id namespaces (``NS/Name-v0``) registered by a package that must be imported first."""
-
-NAME_PREFIX_PACKAGES = {"MiniGrid-": "minigrid", "BabyAI-": "minigrid"}
-"""Env ids without a namespace, registered by a package when it is imported."""
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-class _UsageError(Exception):
-    """A bad argument combination found after parsing (exit code 2)."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.print_usage(sys.stderr)
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def _int_at_least(minimum: int, flag: str = "") -> Callable[[str], int]:
-    """An argparse type: an int >= ``minimum`` (the message names ``flag`` when given)."""
-
-    def parse(value: str) -> int:
-        try:
-            parsed = int(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid int value: {value!r}") from None
-        if parsed < minimum:
-            name = f"{flag} " if flag else ""
-            raise argparse.ArgumentTypeError(f"{name}must be >= {minimum}, got {parsed}")
-        return parsed
-
-    return parse
-
-
-def _json_object(value: str) -> dict[str, Any]:
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"invalid JSON: {exc}") from None
-    if not isinstance(parsed, dict):
-        raise argparse.ArgumentTypeError("--kwargs-json must be a JSON object")
-    return parsed
-
-
-def _seconds(minimum_exclusive: bool) -> Callable[[str], float]:
-    def parse(value: str) -> float:
-        try:
-            parsed = float(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid number: {value!r}") from None
-        if not math.isfinite(parsed) or parsed < 0 or (minimum_exclusive and parsed == 0):
-            bound = "> 0" if minimum_exclusive else ">= 0"
-            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {value!r}")
-        return parsed
-
-    return parse
-
-
-def _fd(value: str) -> int:
-    try:
-        parsed = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid file descriptor: {value!r}") from None
-    if parsed < 0:
-        raise argparse.ArgumentTypeError(f"invalid file descriptor: {value!r}")
-    return parsed
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The ``rlmesh-trio`` argument parser (one subcommand: ``serve``)."""
-    parser = _Parser(
-        prog=PROG,
-        description="Serve gymnasium environments over rlmesh-wire-v1 (rlmesh 0.1.0 clients).",
-    )
-    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    commands.required = True
+def add_serve_parser(commands: Any) -> None:
+    """Register ``serve`` on the ``rlmesh-trio`` subparsers."""
     serve = commands.add_parser(
         "serve",
         help="serve an env as the lanes of one endpoint",
         description="Serve N copies of a gymnasium env as the lanes of one rlmesh endpoint.",
     )
-    source = serve.add_mutually_exclusive_group(required=True)
-    source.add_argument("--env", metavar="ID", help="gymnasium env id, e.g. CartPole-v1")
-    source.add_argument(
-        "--entrypoint",
-        metavar="MODULE:CALLABLE",
-        help="env factory in module:callable form, called once per lane",
-    )
+    add_env_source(serve, where="called once per lane")
     serve.add_argument(
         "--num-envs",
-        type=_int_at_least(1, "--num-envs"),
+        type=int_at_least(1, "--num-envs"),
         default=1,
         metavar="N",
         help="how many envs (lanes) to serve (default: 1)",
-    )
-    serve.add_argument(
-        "--kwargs-json",
-        type=_json_object,
-        metavar="JSON",
-        help="JSON object of keyword arguments for gymnasium.make / the entrypoint",
-    )
-    serve.add_argument(
-        "--package",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="import this package first (e.g. one that registers env ids); repeatable",
-    )
-    serve.add_argument(
-        "--app-dir",
-        default=".",
-        metavar="DIR",
-        help="put DIR first on sys.path before importing --package / --entrypoint "
-        "modules (default: the current directory)",
     )
     serve.add_argument(
         "--transport",
@@ -181,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--ready-fd",
-        type=_fd,
+        type=fd,
         metavar="FD",
         help="write the bound address and a newline to this file descriptor, then close it",
     )
@@ -198,19 +101,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--idle-timeout-seconds",
-        type=_seconds(minimum_exclusive=True),
+        type=seconds(minimum_exclusive=True),
         metavar="S",
         help="stop after this long without Join activity (default: never)",
     )
     serve.add_argument(
         "--drain-timeout-seconds",
-        type=_seconds(minimum_exclusive=False),
+        type=seconds(minimum_exclusive=False),
         metavar="S",
         help="at stop, how long open streams may still be served (default: 5)",
     )
     serve.add_argument(
         "--close-timeout-seconds",
-        type=_seconds(minimum_exclusive=False),
+        type=seconds(minimum_exclusive=False),
         metavar="S",
         help="at stop, how long the lanes together may take to close their envs (default: 5)",
     )
@@ -232,14 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--lane-timeout-seconds",
-        type=_seconds(minimum_exclusive=True),
+        type=seconds(minimum_exclusive=True),
         metavar="S",
         help="a lane job running longer is wedged: answered TIMEOUT (with rebuild/truncate "
         "its thread is abandoned and the lane rebuilt); default: none",
     )
     serve.add_argument(
         "--max-abandoned-lanes",
-        type=_int_at_least(0),
+        type=int_at_least(0),
         metavar="N",
         default=DEFAULT_MAX_ABANDONED_LANES,
         help="abandoned (wedged) lane threads tolerated before health reports NOT_SERVING "
@@ -247,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--min-serving-lanes",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         metavar="N",
         default=1,
         help="health reports NOT_SERVING while fewer lanes than N can serve (dead or "
@@ -299,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--log-level",
-        choices=_LOG_LEVELS,
+        choices=LOG_LEVELS,
         default="warning",
         help="logging level (default: warning); debug also turns on the debug logs of "
         "the libraries underneath (h2, hpack, grpclib, asyncio)",
@@ -315,43 +218,34 @@ def build_parser() -> argparse.ArgumentParser:
         default="text",
         help="text (default) or json: one JSON object per line, for log shippers",
     )
-    probe = commands.add_parser(
-        "probe",
-        help="check an endpoint: health, handshake, env contract",
-        description="Check an rlmesh endpoint (rlmesh-trio or rlmesh 0.1.0): health, "
-        "handshake and env contract. Exit 0 when it serves, 1 otherwise (a container "
-        "health command).",
-    )
-    probe.add_argument("address", help="tcp://host:port, host:port, port or unix:///path")
-    probe.add_argument("--json", action="store_true", help="print one JSON object")
-    probe.add_argument(
-        "--timeout",
-        type=_seconds(minimum_exclusive=True),
-        default=5.0,
-        metavar="S",
-        help="seconds each call may take (default: 5)",
-    )
-    probe.add_argument(
-        "--auth-token",
-        metavar="TOKEN",
-        help="bearer token of the endpoint (also: RLMESH_TRIO_AUTH_TOKEN)",
-    )
-    add_client_tls_arguments(probe)
-    _add_fleet(commands)
-    return parser
 
 
-def _add_fleet(commands: Any) -> None:
-    """``rlmesh-trio fleet`` (its own module; Ray is imported only when it runs)."""
-    from .fleet._cli import add_fleet_parser
-
-    add_fleet_parser(
-        commands,
-        num_envs=_int_at_least(1),
-        json_object=_json_object,
-        fd=_fd,
-        positive_seconds=_seconds(minimum_exclusive=True),
+def serve_command(args: argparse.Namespace) -> int:
+    """Run ``rlmesh-trio serve`` until it stops; return the exit code."""
+    debug = args.verbose or args.log_level == "debug"
+    configure_logging(
+        "debug" if debug else args.log_level,
+        fmt=args.log_format,
+        everything=args.log_level == "debug",
     )
+    try:
+        address = _resolve_address(args)
+        if args.ready_fd is not None:
+            check_fd(args.ready_fd)
+    except UsageError as exc:
+        print(f"{PROG} serve: error: {exc} (see '{PROG} serve --help')", file=sys.stderr)
+        return 2
+    try:
+        config = _configure(args, address)
+    except Exception as exc:
+        return _fail("cannot load the environment", exc, debug)
+    witness = CrashWitness(PROG, args.lane_isolation)  # a native crash is not silent
+    try:
+        return trio.run(_run, config)
+    except Exception as exc:
+        return _fail("cannot serve", exc, debug)
+    finally:
+        witness.dismiss()
 
 
 @dataclass(frozen=True)
@@ -375,172 +269,30 @@ def _say(config: _Config, message: str) -> None:
         print(f"{PROG}: {message}", file=sys.stderr, flush=True)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``rlmesh-trio``; return the process exit code."""
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help (0) or a parse error (2, message already printed)
-        return exc.code if isinstance(exc.code, int) else 2
-    if args.command == "probe":
-        return _probe_command(args)
-    if args.command == "fleet":
-        from .fleet._cli import fleet_command
-
-        return fleet_command(args)
-    debug = args.verbose or args.log_level == "debug"
-    configure_logging(
-        "debug" if debug else args.log_level,
-        fmt=args.log_format,
-        everything=args.log_level == "debug",
-    )
-    try:
-        address = _resolve_address(args)
-        if args.ready_fd is not None:
-            _check_fd(args.ready_fd)
-    except _UsageError as exc:
-        print(f"{PROG} serve: error: {exc} (see '{PROG} serve --help')", file=sys.stderr)
-        return 2
-    try:
-        config = _configure(args, address)
-    except Exception as exc:
-        return _fail("cannot load the environment", exc, debug)
-    witness = CrashWitness(PROG, args.lane_isolation)  # a native crash is not silent
-    try:
-        return trio.run(_run, config)
-    except Exception as exc:
-        return _fail("cannot serve", exc, debug)
-    finally:
-        witness.dismiss()
-
-
-def _probe_command(args: argparse.Namespace) -> int:
-    from .client import probe
-
-    try:
-        parse_address(args.address)
-        tls = client_tls_from_args(args)
-    except ValueError as exc:
-        print(f"{PROG} probe: error: {exc}", file=sys.stderr)
-        return 2
-    token = args.auth_token or os.environ.get("RLMESH_TRIO_AUTH_TOKEN") or None
-    try:
-        result = probe(args.address, timeout=args.timeout, token=token, tls=tls)
-    except ValueError as exc:  # e.g. --tls with a unix:// address
-        print(f"{PROG} probe: error: {exc}", file=sys.stderr)
-        return 2
-    report = result.report()
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        width = max(len(key) for key in report) + 1
-        for key, value in report.items():
-            shown = (
-                ", ".join(f"{k}={v}" for k, v in value.items())
-                if isinstance(value, dict)
-                else value
-            )
-            if isinstance(value, list):
-                shown = ", ".join(str(v) for v in value)
-            print(f"{key + ':':<{width}} {shown}")
-    return 0 if result.serving else 1
-
-
-def add_client_tls_arguments(parser: argparse.ArgumentParser) -> None:
-    """A client's TLS flags (``probe``, ``fleet``): system trust, a CA, a client cert."""
-    parser.add_argument(
-        "--tls", action="store_true", help="connect with TLS, trusting the system's CAs"
-    )
-    parser.add_argument(
-        "--tls-ca-file",
-        metavar="FILE",
-        help="connect with TLS, trusting this CA (PEM) instead of the system's",
-    )
-    parser.add_argument(
-        "--tls-cert-file",
-        metavar="FILE",
-        help="mTLS: present this client certificate (PEM; with --tls-key-file)",
-    )
-    parser.add_argument(
-        "--tls-key-file", metavar="FILE", help="the private key of --tls-cert-file (PEM)"
-    )
-
-
-def client_tls_from_args(args: argparse.Namespace) -> ssl.SSLContext | None:
-    """The client context the TLS flags ask for (None: plaintext); ValueError if unusable."""
-    from ._tls import client_context_from_files
-
-    if not (args.tls or args.tls_ca_file or args.tls_cert_file or args.tls_key_file):
-        return None
-    return client_context_from_files(
-        args.tls_ca_file,
-        args.tls_cert_file,
-        args.tls_key_file,
-        flags="--tls-cert-file and --tls-key-file",
-    )
-
-
 def _fail(what: str, exc: BaseException, debug: bool) -> int:
     if debug:
         log.exception("%s", what)
-    print(f"{PROG}: error: {what}: {_describe(exc)}", file=sys.stderr)
+    print(f"{PROG}: error: {what}: {describe(exc)}", file=sys.stderr)
     return 1
-
-
-def _describe(exc: BaseException) -> str:
-    inner = getattr(exc, "exceptions", None)  # an exception group from a nursery
-    if isinstance(inner, tuple) and len(inner) == 1 and isinstance(inner[0], BaseException):
-        return _describe(inner[0])
-    text = str(exc).strip().splitlines()
-    first = text[0] if text else ""
-    described = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-    return described + _namespace_hint(exc)
-
-
-def _namespace_hint(exc: BaseException) -> str:
-    """What to do about gymnasium's NamespaceNotFound (or NameNotFound for ids a known
-    package registers): import the registering package."""
-    if type(exc).__name__ == "NameNotFound":
-        for prefix, registrar in NAME_PREFIX_PACKAGES.items():
-            if f"`{prefix}" in str(exc):
-                return (
-                    f" (these envs are registered by the {registrar} package: install it in "
-                    f"this environment and add --package {registrar})"
-                )
-        return ""
-    if type(exc).__name__ != "NamespaceNotFound":
-        return ""
-    match = re.search(r"Namespace (\S+) not found", str(exc))
-    namespace = match.group(1) if match else None
-    package = NAMESPACE_PACKAGES.get(namespace or "")
-    if package is None:
-        return (
-            " (import the package that registers this namespace first: "
-            "--package PACKAGE, or --env PACKAGE:NAMESPACE/ENV)"
-        )
-    return (
-        f" (the {namespace} envs are registered by the {package} package: install it in "
-        f"this environment and add --package {package}, or use --env {package}:{namespace}/...)"
-    )
 
 
 def _resolve_address(args: argparse.Namespace) -> str:
     address: str | None = args.address
     if args.transport == "unix":
         if os.name == "nt":
-            raise _UsageError("unix sockets are not supported on Windows; use --transport tcp")
+            raise UsageError("unix sockets are not supported on Windows; use --transport tcp")
         if address is None:
             address = "unix://" + _default_unix_path(args.env or args.entrypoint)
         elif "://" not in address:
             address = "unix://" + address
         elif not address.startswith("unix://"):
-            raise _UsageError(f"--transport unix needs a socket path, got {address!r}")
+            raise UsageError(f"--transport unix needs a socket path, got {address!r}")
     elif address is None:
         address = DEFAULT_ADDRESS
     try:
         parse_address(address)
     except ValueError as exc:
-        raise _UsageError(str(exc)) from None
+        raise UsageError(str(exc)) from None
     return address
 
 
@@ -562,31 +314,9 @@ def _default_unix_path(source: str) -> str:
     return os.path.join(private, filename)
 
 
-def _check_fd(fd: int) -> None:
-    try:
-        os.fstat(fd)
-    except OSError as exc:
-        raise _UsageError(f"--ready-fd {fd}: {exc.strerror}") from None
-
-
 def _configure(args: argparse.Namespace, address: str) -> _Config:
-    # As uvicorn's --app-dir: `rlmesh-trio serve --entrypoint mymod:make` finds mymod in
-    # the current directory, as `python -m rlmesh_trio` does.
-    app_dir = os.path.abspath(args.app_dir)
-    if app_dir not in sys.path:
-        sys.path.insert(0, app_dir)
-    for name in args.package:
-        importlib.import_module(name)
-    make_env: str | Callable[..., Any]
-    if args.env is not None:
-        make_env = label = args.env
-    else:
-        make_env = load_entrypoint(args.entrypoint)
-        label = args.entrypoint
-    if args.lane_isolation == "process" and args.package:
-        from ._lanes._process import ImportFirst
-
-        make_env = ImportFirst(tuple(args.package), make_env)  # each lane's process too
+    make_env = load_env(args, in_other_processes=args.lane_isolation == "process")
+    label = args.env if args.env is not None else args.entrypoint
     edition = args.workflow_edition or os.environ.get("RLMESH_WORKFLOW_EDITION") or None
     options = ServeOptions(
         allow_remote_shutdown=args.allow_remote_shutdown,
@@ -659,7 +389,7 @@ async def _run(config: _Config) -> int:
                         _say(config, f"metrics on http{info.metrics_address[3:]}/metrics")
                     if config.ready_fd is not None:
                         try:
-                            _write_ready_fd(config.ready_fd, info.address)
+                            write_ready_fd(config.ready_fd, [info.address])
                         except OSError as exc:
                             print(
                                 f"{PROG}: error: cannot write to --ready-fd {config.ready_fd}: "
@@ -690,14 +420,3 @@ async def _watch_signals(
             _say(config, f"second {name}: exiting now")
             sys.stdout.flush()
             os._exit(128 + signum)
-
-
-def _write_ready_fd(fd: int, address: str) -> None:
-    """Machine-readable readiness: one line with the address, then EOF."""
-    payload = f"{address}\n".encode()
-    try:
-        written = 0
-        while written < len(payload):
-            written += os.write(fd, payload[written:])
-    finally:
-        os.close(fd)
