@@ -209,7 +209,9 @@ class Fleet:
         if state == "dead":
             return Health(index, address, False, "dead", "the endpoint is dead")
         # Two calls (Check, then Handshake), each within half the deadline.
-        result = probe(address, timeout=timeout / 2, token=self._auth_token, tls=self._tls_context)
+        result = probe(
+            address, timeout_seconds=timeout / 2, auth_token=self._auth_token, tls=self._tls_context
+        )
         lanes = result.num_envs or None
         health = Health(index, address, result.serving, result.health, result.error, lanes)
         with self._lock:
