@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import os
@@ -510,7 +511,7 @@ def test_probe_fails_without_a_server_or_the_token(procs: list[subprocess.Popen[
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         free = sock.getsockname()[1]
-    code, out, _ = run_probe(f"127.0.0.1:{free}", "--timeout", "2")
+    code, out, _ = run_probe(f"127.0.0.1:{free}", "--timeout-seconds", "2")
     assert code == 1 and "unreachable" in out
     _, address = start_serving(procs, "--env", "CartPole-v1", "--auth-token", "t0k")
     code, out, _ = run_probe(address, "--json")
@@ -636,3 +637,216 @@ def test_min_serving_lanes_is_checked(procs: list[subprocess.Popen[bytes]]) -> N
     proc = spawn("serve", "--env", "CartPole-v1", "--min-serving-lanes", "0")
     _, err = proc.communicate(timeout=BOUND)
     assert proc.returncode == 2 and b"--min-serving-lanes" in err
+
+
+# --------------------------------------------------------------------------- stdout closed early
+
+QUIET_EXIT = 128 + signal.SIGPIPE
+"""What the CLI exits with when stdout's reader went away (what a shell reports for a
+command SIGPIPE killed)."""
+
+NOISE = (b"Traceback", b"BrokenPipeError", b"Exception ignored")
+
+
+def spawn_into_pipe(*args: str, read: int) -> tuple[int, bytes, bytes]:
+    """Run ``rlmesh-trio ARGS`` with stdout a pipe of which we read ``read`` bytes and then
+    close the read end (0: close it before the command can write anything, so that its
+    first write fails for certain); return the exit code, what was read, and stderr."""
+    read_fd, write_fd = os.pipe()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS_DIR), env.get("PYTHONPATH")) if p)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rlmesh_trio", *args],
+            stdin=subprocess.DEVNULL,
+            stdout=write_fd,
+            stderr=subprocess.PIPE,
+            env=env,
+            cwd=ROOT,
+        )
+    finally:
+        os.close(write_fd)
+    got = b""
+    with os.fdopen(read_fd, "rb", buffering=0) as reader:
+        while len(got) < read:
+            readable, _, _ = select.select([reader], [], [], BOUND)
+            assert readable, "nothing on stdout"
+            chunk = reader.read(read - len(got))
+            if not chunk:
+                break
+            got += chunk
+    _, err = proc.communicate(timeout=BOUND)
+    return proc.returncode, got, err
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "args",
+    [["--version"], ["--help"], ["probe", "{address}"], ["probe", "{address}", "--json"]],
+    ids=["version", "help", "probe", "probe-json"],
+)
+def test_stdout_closed_early_exits_quietly(
+    procs: list[subprocess.Popen[bytes]], args: list[str]
+) -> None:
+    """``rlmesh-trio probe ADDR | head -1`` printed a BrokenPipeError traceback in 2 of 10
+    runs. A reader that is gone before the first write makes the failure certain (exit
+    141, nothing on stderr); one that reads a byte and leaves races the writer, as head
+    does: whichever wins, stderr stays clean -- ten times over."""
+    if any("{address}" in a for a in args):
+        _, address = start_serving(procs, "--env", "CartPole-v1")
+        args = [a.format(address=address) for a in args]
+    code, got, err = spawn_into_pipe(*args, read=0)
+    assert (code, got) == (QUIET_EXIT, b""), err
+    assert err == b""
+    for _ in range(10):
+        code, got, err = spawn_into_pipe(*args, read=1)
+        assert len(got) == 1
+        assert code in (0, QUIET_EXIT), err
+        assert not [n for n in NOISE if n in err], err.decode()
+
+
+def test_stdout_closed_early_through_a_shell_pipeline(procs: list[subprocess.Popen[bytes]]) -> None:
+    """The user's own words: ``... | head -1``, through a shell."""
+    _, address = start_serving(procs, "--env", "CartPole-v1")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS_DIR), env.get("PYTHONPATH")) if p)
+    command = f'set -o pipefail; "{sys.executable}" -m rlmesh_trio probe {address} | head -1'
+    done = subprocess.run(
+        ["bash", "-c", command], capture_output=True, env=env, cwd=ROOT, timeout=BOUND
+    )
+    assert done.returncode in (0, QUIET_EXIT), done.stderr
+    assert done.stdout.decode().startswith("address: ") and address in done.stdout.decode()
+    assert done.stderr == b""
+
+
+# --------------------------------------------------------------------------- the documented path
+
+DOCUMENTED = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def documented_commands() -> list[tuple[str, str, list[str]]]:
+    """Every ``rlmesh-trio ...`` command line the README and docs/ show (a ``$`` line of a
+    console block, with its ``\\`` continuations; in the README an inline code span too:
+    elsewhere those are fragments in prose), as argv, the optional ``[...]`` parts left
+    out; with the whole span (synopses included)."""
+    import re
+    import shlex
+
+    found: list[tuple[str, str, list[str]]] = []
+    for path in DOCUMENTED:
+        text = path.read_text(encoding="utf-8")
+        lines = re.sub(r"\\\n\s*", " ", text).splitlines()
+        spans = [line[2:] for line in lines if line.startswith("$ rlmesh-trio ")]
+        if path.name == "README.md":
+            inline = r"`((?:[A-Z_]+=\S+ )*rlmesh-trio (?:serve|probe|fleet) [^`]*)`"
+            spans += re.findall(inline, text)
+        for whole in spans:
+            span = whole
+            while re.search(r"\[[^\[\]]*\]", span):
+                span = re.sub(r"\s*\[[^\[\]]*\]", "", span)
+            argv = shlex.split(span)
+            while "=" in argv[0]:  # MUJOCO_GL=egl rlmesh-trio ...
+                argv.pop(0)
+            found.append((f"{path.name}: {span}", whole, argv[1:]))
+    return found
+
+
+def test_the_documented_commands_parse(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each command line the README and docs/ show is one the parser takes, with no
+    deprecated flag (a deprecated flag says so on stderr); each flag a synopsis names
+    (``[--json]``) is one the subcommand shows in its help."""
+    import re
+
+    commands = documented_commands()
+    assert len(commands) >= 10, commands
+    assert any(argv[0] == "fleet" for _, _, argv in commands)
+    subcommands = next(
+        a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)
+    )
+    for where, whole, argv in commands:
+        code: object = 0
+        try:
+            build_parser().parse_args(argv)
+        except SystemExit as exc:  # --help: 0
+            code = exc.code
+        err = capsys.readouterr().err
+        assert code == 0 and err == "", f"{where}: {err}"
+        shown = {
+            flag
+            for action in subcommands.choices[argv[0]]._actions
+            if action.help != argparse.SUPPRESS
+            for flag in action.option_strings
+        }
+        named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", whole))
+        assert named <= shown, f"{where}: {sorted(named - shown)}"
+
+
+def test_the_readme_first_command_as_written(procs: list[subprocess.Popen[bytes]]) -> None:
+    """``rlmesh-trio serve --env CartPole-v1 --num-envs 4`` through the console script
+    the package installs, saying what the README says it says."""
+    import re
+    import shutil
+
+    script = shutil.which("rlmesh-trio", path=os.path.dirname(sys.executable))
+    if script is None:
+        pytest.skip("no rlmesh-trio console script next to this python")
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "$ rlmesh-trio serve --env CartPole-v1 --num-envs 4\n" in readme
+    said = re.search(
+        r"^rlmesh-trio: serving CartPole-v1 x4 lanes on tcp://127\.0\.0\.1:", readme, re.M
+    )
+    assert said is not None
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS_DIR), env.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen(
+        [script, "serve", "--env", "CartPole-v1", "--num-envs", "4"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=ROOT,
+    )
+    procs.append(proc)
+    assert proc.stderr is not None
+    readable, _, _ = select.select([proc.stderr], [], [], BOUND)
+    assert readable, "no serving line"
+    line = proc.stderr.readline().decode()
+    assert re.fullmatch(
+        r"rlmesh-trio: serving CartPole-v1 x4 lanes on tcp://127\.0\.0\.1:\d+\n", line
+    )
+    address = line.rsplit(" ", 1)[1].strip()
+    code, out, _ = run_probe(address, "--json")
+    assert code == 0 and '"num_envs": 4' in out
+    proc.send_signal(signal.SIGINT)
+    out_bytes, err = proc.communicate(timeout=BOUND)
+    assert proc.returncode == 0, err
+    assert out_bytes == b""  # serve says everything on stderr
+
+
+def test_probe_timeout_seconds_and_its_deprecated_spelling(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = build_parser().parse_args(["probe", "127.0.0.1:1"])
+    assert args.timeout_seconds == 5.0  # the default
+    assert capsys.readouterr().err == ""
+    args = build_parser().parse_args(["probe", "127.0.0.1:1", "--timeout-seconds", "2.5"])
+    assert args.timeout_seconds == 2.5
+    assert capsys.readouterr().err == ""
+    args = build_parser().parse_args(["probe", "127.0.0.1:1", "--timeout", "3"])
+    assert args.timeout_seconds == 3.0  # the old flag still does its job ...
+    err = capsys.readouterr().err
+    assert "--timeout is deprecated" in err and "--timeout-seconds" in err  # ... and says so
+    assert main(["probe", "--help"]) == 0
+    shown = capsys.readouterr().out
+    assert "--timeout-seconds" in shown and "--timeout " not in shown  # hidden from help
+    assert main(["probe", "127.0.0.1:1", "--timeout", "0"]) == 2  # and checked as before
+
+
+def test_fleet_defaults_name_the_fields() -> None:
+    """The fleet's flags parse onto launch()'s field names, --bind defaulting to auto."""
+    args = build_parser().parse_args(["fleet", "--env", "CartPole-v1", "--endpoints", "4"])
+    assert args.bind == "auto"
+    assert args.num_envs == 1
+    assert args.health_period_seconds == 5.0
+    assert args.package == [] and args.app_dir == "." and args.kwargs_json is None
+    assert args.auth_token is None and not args.no_auth and not args.json

@@ -356,11 +356,12 @@ def test_overlay_command_lines_run_locally(name: str, tmp_path: Path, pki: Any, 
         done = run(container[kind]["exec"]["command"])
         assert done.returncode == 0, (kind, done.stdout, done.stderr)
         assert b"SERVING" in done.stdout and b"CartPole-v1" in done.stdout
-    plaintext = run(["rlmesh-trio", "probe", f"localhost:{port}", "--timeout", "3"])
+        assert b"deprecated" not in done.stderr, (kind, done.stderr)
+    plaintext = run(["rlmesh-trio", "probe", f"localhost:{port}", "--timeout-seconds", "3"])
     assert plaintext.returncode == 1 and b"TLS" in plaintext.stdout
     if name == "mtls":
         command = container["readinessProbe"]["exec"]["command"]
-        refused = run([*command[: command.index("--tls-cert-file")], "--timeout", "3"])
+        refused = run([*command[: command.index("--tls-cert-file")], "--timeout-seconds", "3"])
         assert refused.returncode == 1 and b"certificate" in refused.stdout
 
 

@@ -162,6 +162,26 @@ def test_no_import_cycle_among_the_servers_packages() -> None:
     assert cycles == [], " ; ".join(" -> ".join(cycle) for cycle in cycles)
 
 
+def test_the_fleet_is_a_library_without_command_line_code() -> None:
+    """The command line imports the fleet (``_cli._fleet``, Ray's part only when it runs),
+    never the other way round; nothing of the fleet parses arguments."""
+    assert crossings("fleet", {"_cli", "__main__"}) == []
+    offenders = sorted(m for m in graph() if unit(m) == "fleet" and "argparse" in external(m))
+    assert offenders == []
+
+
+def test_no_import_cycle_among_the_command_lines_and_the_fleets_modules() -> None:
+    """Module by module (not only package by package), also from inside a function: the
+    command line's modules and the fleet's import no one that imports them back (the CLI
+    and the fleet's CLI used to import each other)."""
+    mine = {m for m in graph() if unit(m) in ("_cli", "fleet", "__main__")}
+    edges = {m: set(graph()[m]) & mine - {m} for m in mine}
+    cycles = find_cycles(edges)
+    assert cycles == [], " ; ".join(" -> ".join(cycle) for cycle in cycles)
+    assert "rlmesh_trio._cli._args" in edges["rlmesh_trio._cli._serve"]  # it sees the edges
+    assert "rlmesh_trio._cli._args" in edges["rlmesh_trio._cli._fleet"]
+
+
 def test_only_the_transport_package_imports_asyncio_grpclib_or_h2() -> None:
     """STYLE 2: the wire format, the session, the lanes, the bridge and serve never
     import the asyncio stack; the transport package holds all of it. The one exception:

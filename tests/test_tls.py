@@ -326,7 +326,7 @@ def test_serve_and_probe_cli_over_tls(procs: list[subprocess.Popen[bytes]], pki:
     report = json.loads(out)
     assert report["serving"] is True and report["health"] == "SERVING"
     assert report["env_id"] == "CartPole-v1"
-    code, out, _ = run_probe(address, "--timeout", "5")  # plaintext probe of a TLS server
+    code, out, _ = run_probe(address, "--timeout-seconds", "5")  # plaintext probe of a TLS server
     assert code == 1 and "unreachable" in out and "TLS" in out
     code, out, _ = run_probe(address, "--tls")  # system trust: not our CA
     assert code == 1 and "certificate verification failed" in out

@@ -11,7 +11,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import IO, Any, NoReturn
 
 __all__ = [
     "PROG",
@@ -37,11 +37,18 @@ class UsageError(Exception):
 
 
 class Parser(argparse.ArgumentParser):
-    """Usage and the message on stderr, exit code 2, for every parse error."""
+    """Usage and the message on stderr, exit code 2, for every parse error; a write that
+    fails (stdout closed early) raises."""
 
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def _print_message(self, message: str, file: IO[str] | None = None) -> None:
+        # argparse's own swallows OSError: ``--help | head -c1`` would lose the output
+        # silently and exit 0; the CLI's BrokenPipeError handling decides instead.
+        if message:
+            (file or sys.stderr).write(message)
 
 
 class DeprecatedFlag(argparse.Action):
