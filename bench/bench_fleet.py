@@ -70,7 +70,7 @@ def _steps_per_s(run: Any) -> float:
 def _wait_serving(address: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if probe(address, timeout=0.5).serving:
+        if probe(address, timeout_seconds=0.5).serving:
             return
         time.sleep(0.02)
     raise TimeoutError(f"{address} not serving after {timeout} s")

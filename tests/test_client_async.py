@@ -193,7 +193,9 @@ async def test_a_frozen_server_is_noticed_by_keepalive(servers: ServerPool) -> N
     srv = await server(servers, "ours", fresh=True, entrypoint="support.envs:make_slow")
     try:
         with trio.fail_after(BOUND):
-            async with open_endpoint(srv.address, ping_interval=0.2, ping_timeout=0.5) as ep:
+            async with open_endpoint(
+                srv.address, ping_interval_seconds=0.2, ping_timeout_seconds=0.5
+            ) as ep:
                 await ep.reset()
                 srv.freeze()
                 with pytest.raises(ConnectionLostError, match="PING"):
@@ -230,14 +232,14 @@ async def test_connect_failures_are_clear_and_bounded(tmp_path: Any) -> None:
         with pytest.raises(ConnectionLostError, match="cannot connect"):
             async with open_endpoint(f"unix://{tmp_path}/missing.sock"):
                 pass
-        # A peer that accepts but never speaks HTTP/2: connect_timeout bounds it.
+        # A peer that accepts but never speaks HTTP/2: connect_timeout_seconds bounds it.
         silent = trio.socket.socket()
         await silent.bind(("127.0.0.1", 0))
         silent.listen(1)
         try:
-            with pytest.raises(ConnectionLostError, match="connect_timeout"):
+            with pytest.raises(ConnectionLostError, match="connect_timeout_seconds=0.5"):
                 async with open_endpoint(
-                    f"127.0.0.1:{silent.getsockname()[1]}", connect_timeout=0.5
+                    f"127.0.0.1:{silent.getsockname()[1]}", connect_timeout_seconds=0.5
                 ):
                     pass
         finally:
@@ -282,11 +284,11 @@ async def test_serve_and_client_in_one_nursery_with_a_token() -> None:
                 )
             )
             with pytest.raises(RpcError) as refused:
-                async with open_endpoint(info.address, token="wrong"):
+                async with open_endpoint(info.address, auth_token="wrong"):
                     pass
             assert refused.value.grpc_status == 16
             assert refused.value.grpc_message == "invalid env token"
-            async with open_endpoint(info.address, token="s3cret") as ep:
+            async with open_endpoint(info.address, auth_token="s3cret") as ep:
                 obs, _ = await ep.reset(seeds=[3, 4], env_indices=[1, 0])
                 assert obs.shape == (2, 4)
                 with pytest.raises(ValueError, match="out of range"):
@@ -304,7 +306,7 @@ async def test_aclose_is_bounded_and_fails_pending_calls(servers: ServerPool, ki
     srv = await server(servers, kind, fresh=True, entrypoint="support.envs:make_hang", num_envs=2)
     outcome: list[BaseException] = []
     try:
-        async with open_endpoint(srv.address, close_timeout=0.5) as ep:
+        async with open_endpoint(srv.address, close_timeout_seconds=0.5) as ep:
             await ep.reset()
             sent = trio.Event()
 

@@ -158,7 +158,7 @@ def test_vector_env_never_waits_past_its_request_timeout(servers: ServerPool) ->
         env=(("RLMESH_FAULTY_HANG_SECONDS", "8"),),
     )
     srv = servers.fresh("ref", cfg)
-    env = VectorEnv(srv.address, request_timeout_ms=300)
+    env = VectorEnv(srv.address, request_timeout_seconds=0.3)
     try:
         env.reset(seed=1)
         with pytest.raises(RequestTimeoutError):

@@ -278,7 +278,7 @@ def test_vector_env_against_a_server_that_vanishes(servers: ServerPool, kind: st
 
 def test_env_against_a_frozen_server(servers: ServerPool) -> None:
     server = servers.fresh("ours", ServerConfig(entrypoint="support.envs:make_slow"))
-    env = Env(server.address, ping_interval=0.2, ping_timeout=0.5)
+    env = Env(server.address, ping_interval_seconds=0.2, ping_timeout_seconds=0.5)
     try:
         env.reset()
         server.freeze()

@@ -322,6 +322,7 @@ class _StubJoin:
 
 class _StubConn:
     lost = None
+    shutting_down = False
 
     def __init__(self) -> None:
         self.cancelled: list[object] = []

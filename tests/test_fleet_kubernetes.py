@@ -198,7 +198,7 @@ def pod(tmp_path: Path) -> Iterator[Any]:
 def test_pod_command_health_without_token_everything_else_with_it(pod: Any) -> None:
     token = "k8s-secret-token-for-tests"
     address = pod(token)
-    anonymous = probe(address, timeout=5.0)
+    anonymous = probe(address, timeout_seconds=5.0)
     assert anonymous.health == "SERVING"  # what the kubelet's probe sees: no token needed
     assert not anonymous.serving
     assert "UNAUTHENTICATED" in (anonymous.error or "")

@@ -250,7 +250,7 @@ def test_token_generated_beyond_loopback_unless_refused() -> None:
         assert [h.serving for h in fleet.health()] == [True]  # the fleet sends it
         from rlmesh_trio.client import probe
 
-        anonymous = probe(fleet.addresses[0], timeout=5.0)
+        anonymous = probe(fleet.addresses[0], timeout_seconds=5.0)
         assert anonymous.health == "SERVING"  # health needs no token
         assert not anonymous.serving and "UNAUTHENTICATED" in (anonymous.error or "")
         with pytest.raises(Exception, match="token"):
@@ -304,7 +304,7 @@ def test_a_launched_fleet_serves_mtls_from_files_shipped_to_the_actors(
         assert [h.serving for h in fleet.health()] == [True]  # the supervisor's probes too
         assert fleet.stats().failed_probes == 0
         address = fleet.addresses[0]
-        assert not probe(address, tls=paths["ca"], timeout=5.0).serving  # no client cert
+        assert not probe(address, tls=paths["ca"], timeout_seconds=5.0).serving  # no client cert
         env = VectorEnv(address, tls=fleet.tls)
         try:
             assert env.reset(seed=0)[0].shape == (2, 4)

@@ -207,7 +207,7 @@ async def test_plaintext_and_tls_mismatches_fail_at_once_with_a_clear_error(pki:
                 await _a_session(info.address)
         with pytest.raises(ConnectionLostError, match="TLS"):
             await in_thread(VectorEnv, info.address)
-        result = await in_thread(probe, info.address, timeout=5.0)
+        result = await in_thread(probe, info.address, timeout_seconds=5.0)
         assert not result.serving and "TLS" in (result.error or "")
         assert await _a_session(info.address, tls=pki.ca) == 2
     async with serving(ServeOptions()) as info:  # TLS client, plaintext server
@@ -223,11 +223,11 @@ async def test_the_token_is_still_enforced_under_tls(pki: Pki) -> None:
         with pytest.raises(RpcError) as caught:
             await _a_session(info.address, tls=pki.ca)
         assert caught.value.grpc_status == 16  # UNAUTHENTICATED
-        assert await _a_session(info.address, tls=pki.ca, token="s3cret") == 2
+        assert await _a_session(info.address, tls=pki.ca, auth_token="s3cret") == 2
         anonymous = await in_thread(probe, info.address, tls=pki.ca)
         assert anonymous.health == "SERVING"  # the health check needs no token
         assert not anonymous.serving and "UNAUTHENTICATED" in (anonymous.error or "")
-        assert (await in_thread(probe, info.address, tls=pki.ca, token="s3cret")).serving
+        assert (await in_thread(probe, info.address, tls=pki.ca, auth_token="s3cret")).serving
 
 
 # ---------------------------------------------------------------------------- mTLS

@@ -425,7 +425,7 @@ def _probe_command(args: argparse.Namespace) -> int:
         return 2
     token = args.auth_token or os.environ.get("RLMESH_TRIO_AUTH_TOKEN") or None
     try:
-        result = probe(args.address, timeout=args.timeout, token=token, tls=tls)
+        result = probe(args.address, timeout_seconds=args.timeout, auth_token=token, tls=tls)
     except ValueError as exc:  # e.g. --tls with a unix:// address
         print(f"{PROG} probe: error: {exc}", file=sys.stderr)
         return 2

@@ -1,7 +1,7 @@
 """The package's error hierarchy, and the one place errors are mapped onto the wire.
 
-Each class carries its wire meaning (as h11 carries ``error_status_hint`` on the error
-itself): the gRPC status a unary call or a stream ends with (``grpc_status``), or the
+Each server-side class (a :class:`MappedError`) carries its wire meaning (as h11
+carries ``error_status_hint`` on the error itself): the gRPC status a unary call or a stream ends with (``grpc_status``), or the
 ``EnvError`` code and recoverability of an in-band Join reply (``env_code``,
 ``recoverable``). Two functions read them, and nothing else in the package decides a
 status or a code for an exception:
@@ -33,7 +33,20 @@ UNAUTHENTICATED = 16
 
 
 class RlmeshTrioError(Exception):
-    """Base class of every error rlmesh-trio raises on purpose."""
+    """Base class of every error rlmesh-trio raises on purpose: the server's, the
+    client's (:class:`rlmesh_trio.client.EndpointError`) and the fleet's
+    (:class:`rlmesh_trio.fleet.FleetError`). It carries no wire meaning of its own."""
+
+
+class MappedError(RlmeshTrioError):
+    """An error of the server side, carrying its wire meaning: the gRPC status a call
+    ends with when it escapes a handler (``grpc_status``), or the in-band ``EnvError``
+    code and recoverability of a failed lane job (``env_code``, ``recoverable``).
+
+    Kept off :class:`RlmeshTrioError` so the client's errors, which describe what a
+    server *answered* (``EndpointError.is_recoverable``, ``RpcError.grpc_status``), do
+    not also carry a server's defaults under the same names.
+    """
 
     grpc_status: ClassVar[int] = INTERNAL
     env_code: ClassVar[EnvErrorCode] = EnvErrorCode.INTERNAL
@@ -43,7 +56,7 @@ class RlmeshTrioError(Exception):
 # --------------------------------------------------------------------------- codec
 
 
-class CodecError(RlmeshTrioError, ValueError):
+class CodecError(MappedError, ValueError):
     """A value or a space could not be converted to or from its wire form."""
 
 
@@ -65,7 +78,7 @@ class ActionError(CodecError):
     recoverable = True
 
 
-class PolicyViolation(RlmeshTrioError):
+class PolicyViolation(MappedError):
     """A soft conformance violation turned into an error by the ``strict`` policy.
 
     ``str(error)`` is the violation's ``detail`` text (SPEC §3.7.8). ``kind`` says
@@ -78,14 +91,14 @@ class PolicyViolation(RlmeshTrioError):
         self.kind = kind
 
 
-class ContractMismatchError(RlmeshTrioError):
+class ContractMismatchError(MappedError):
     """Two lanes of one endpoint do not serve the same env contract."""
 
 
 # --------------------------------------------------------------------------- lanes
 
 
-class LaneError(RlmeshTrioError):
+class LaneError(MappedError):
     """A job could not be delivered to a lane, or the lane died before answering."""
 
 
@@ -140,7 +153,7 @@ class LaneRebuildFailedError(LaneDeadError):
 # --------------------------------------------------------------------------- wire
 
 
-class WireError(RlmeshTrioError):
+class WireError(MappedError):
     """Bytes from the network that are not a well-formed request."""
 
 
@@ -183,13 +196,13 @@ class MessageTooLarge(WireError):
 # --------------------------------------------------------------------------- requests
 
 
-class InvalidRequestError(RlmeshTrioError):
+class InvalidRequestError(MappedError):
     """A unary request the server cannot serve (e.g. "handshake request missing base")."""
 
     grpc_status = INVALID_ARGUMENT
 
 
-class AlreadyJoinedError(RlmeshTrioError):
+class AlreadyJoinedError(MappedError):
     """A second Join while one is active (SPEC §1.10, §7.1)."""
 
     grpc_status = FAILED_PRECONDITION
@@ -201,7 +214,7 @@ class AlreadyJoinedError(RlmeshTrioError):
         )
 
 
-class ServerStoppingError(RlmeshTrioError):
+class ServerStoppingError(MappedError):
     """A new Join while the server drains."""
 
     grpc_status = UNAVAILABLE
@@ -210,7 +223,7 @@ class ServerStoppingError(RlmeshTrioError):
         super().__init__("server is shutting down")
 
 
-class UnauthenticatedError(RlmeshTrioError):
+class UnauthenticatedError(MappedError):
     """A request without the configured bearer token (the reference's native wording)."""
 
     grpc_status = UNAUTHENTICATED
@@ -219,7 +232,7 @@ class UnauthenticatedError(RlmeshTrioError):
         super().__init__("invalid env token")
 
 
-class UnknownMethodError(RlmeshTrioError):
+class UnknownMethodError(MappedError):
     """A path the server does not serve; answered with an empty message (SPEC §1.2)."""
 
     grpc_status = UNIMPLEMENTED
@@ -228,7 +241,7 @@ class UnknownMethodError(RlmeshTrioError):
         super().__init__("")
 
 
-class CompressedRequestError(RlmeshTrioError):
+class CompressedRequestError(MappedError):
     """A request with a ``grpc-encoding`` other than identity (SPEC §1.7)."""
 
     grpc_status = UNIMPLEMENTED
@@ -237,7 +250,7 @@ class CompressedRequestError(RlmeshTrioError):
         super().__init__(f"Content is compressed with `{encoding}` which isn't supported")
 
 
-class UnknownServiceError(RlmeshTrioError):
+class UnknownServiceError(MappedError):
     """A grpc.health.v1 Check for a service this server does not host."""
 
     grpc_status = NOT_FOUND
@@ -257,7 +270,7 @@ def grpc_status(exc: BaseException) -> tuple[int, str]:
     Our own errors carry their status; anything else is a bug of ours and gets a bare
     INTERNAL (its details go to the log, not to the client).
     """
-    if isinstance(exc, RlmeshTrioError):
+    if isinstance(exc, MappedError):
         return exc.grpc_status, str(exc)
     return INTERNAL, INTERNAL_SERVER_ERROR
 

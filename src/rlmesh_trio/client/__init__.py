@@ -10,7 +10,10 @@
   :class:`ProbeResult` (what ``rlmesh-trio probe`` prints).
 
 Errors are one family rooted at :class:`EndpointError` (``code``, ``is_recoverable``,
-``message``). Works against rlmesh-trio and rlmesh 0.1.0's server, over TCP and unix
+``message``), itself a :class:`rlmesh_trio.RlmeshTrioError`; a gRPC status is named
+(``UNAUTHENTICATED: invalid env token``). Durations are ``*_seconds`` (float); the
+0.1 keywords (``token``, ``connect_timeout``, ``request_timeout_ms``, ...) still work
+with a ``DeprecationWarning`` until 0.2. Works against rlmesh-trio and rlmesh 0.1.0's server, over TCP and unix
 sockets, plaintext or TLS (``tls=``: True, a CA file, or an ``ssl.SSLContext``).
 """
 
@@ -49,3 +52,25 @@ __all__ = [
     "open_endpoint",
     "probe",
 ]
+
+# Reprs, pickles and docs name the public module, not the private one a name is defined in.
+for _public in (
+    ConnectionLostError,
+    Contract,
+    Endpoint,
+    EndpointClosedError,
+    EndpointError,
+    Env,
+    EnvError,
+    Episode,
+    ErrorCode,
+    HandshakeError,
+    ProbeResult,
+    RequestTimeoutError,
+    RpcError,
+    VectorEnv,
+    open_endpoint,
+    probe,
+):
+    _public.__module__ = __name__
+del _public

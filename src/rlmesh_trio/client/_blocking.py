@@ -24,6 +24,7 @@ from ._core import (
     contract_from_handshake,
     late,
     metadata,
+    no_ping_answer,
     reply_deadline,
     result_of,
     tls_context,
@@ -49,20 +50,22 @@ class BlockingConnection:
         self,
         target: Target,
         *,
-        token: str | None,
+        auth_token: str | None,
         tls: TlsSetting,
-        connect_timeout: float,
-        ping_interval: float,
-        ping_timeout: float,
+        connect_timeout_seconds: float,
+        ping_interval_seconds: float,
+        ping_timeout_seconds: float,
     ) -> None:
         self.target = target
         self._tls = tls_context(target, tls)
-        self._ping_interval = ping_interval
-        self._ping_timeout = ping_timeout
-        self.conn = GrpcConnection(target.authority, metadata(token), tls=self._tls is not None)
+        self._ping_interval = ping_interval_seconds
+        self._ping_timeout = ping_timeout_seconds
+        self.conn = GrpcConnection(
+            target.authority, metadata(auth_token), tls=self._tls is not None
+        )
         self.after: Callable[[], None] = _noop
         self._quickack = False
-        self.sock: socket.socket | None = self._connect(connect_timeout)
+        self.sock: socket.socket | None = self._connect(connect_timeout_seconds)
 
     def _connect(self, timeout: float) -> socket.socket:
         target = self.target
@@ -138,7 +141,7 @@ class BlockingConnection:
                 data = sock.recv(_READ_SIZE)
             except TimeoutError:
                 if ping_deadline is not None and time.monotonic() >= ping_deadline:
-                    conn.lose(f"no answer to a keep-alive PING within {self._ping_timeout:g} s")
+                    conn.lose(no_ping_answer(self._ping_interval, self._ping_timeout))
                     self.after()
                     return
                 if ping_deadline is None and (deadline is None or time.monotonic() < deadline):
@@ -182,11 +185,11 @@ class BlockingConnection:
             sock.close()
 
 
-def unary_result(call: Call) -> bytes | None:
+def unary_result(call: Call, *, shutting_down: bool = False) -> bytes | None:
     """The reply of an OK unary call; raises what ended it otherwise."""
     if call.status == 0 and call.messages:
         return call.messages[0]
-    raise call_failure(call, f"{call.path.rsplit('/', 1)[-1]} failed")
+    raise call_failure(call, f"{call.path.rsplit('/', 1)[-1]} failed", shutting_down=shutting_down)
 
 
 class BlockingEndpoint:
@@ -196,41 +199,50 @@ class BlockingEndpoint:
         self,
         address: str,
         *,
-        token: str | None,
+        auth_token: str | None,
         tls: TlsSetting = None,
-        connect_timeout: float,
-        ping_interval: float,
-        ping_timeout: float,
-        close_timeout: float,
+        connect_timeout_seconds: float,
+        ping_interval_seconds: float,
+        ping_timeout_seconds: float,
+        close_timeout_seconds: float,
     ) -> None:
         check_timeouts(
-            connect_timeout=connect_timeout,
-            ping_interval=ping_interval,
-            ping_timeout=ping_timeout,
-            close_timeout=close_timeout,
+            connect_timeout_seconds=connect_timeout_seconds,
+            ping_interval_seconds=ping_interval_seconds,
+            ping_timeout_seconds=ping_timeout_seconds,
+            close_timeout_seconds=close_timeout_seconds,
         )
         self.target = Target.parse(address)
-        self._close_timeout = close_timeout
+        self._close_timeout = close_timeout_seconds
         self._closed: list[Episode] | None = None
-        deadline = time.monotonic() + connect_timeout
+        deadline = time.monotonic() + connect_timeout_seconds
         self._link = BlockingConnection(
             self.target,
-            token=token,
+            auth_token=auth_token,
             tls=tls,
-            connect_timeout=connect_timeout,
-            ping_interval=ping_interval,
-            ping_timeout=ping_timeout,
+            connect_timeout_seconds=connect_timeout_seconds,
+            ping_interval_seconds=ping_interval_seconds,
+            ping_timeout_seconds=ping_timeout_seconds,
         )
         self._conn = self._link.conn
         try:
             self._link.flush(deadline)
-            contract = contract_from_handshake(
-                unary_result(self._link.unary(HANDSHAKE_PATH, handshake_request(), deadline))
-            )
-            join = self._conn.open(JOIN_PATH)
-            self.state = JoinState(self._conn, join, contract)
-            self._link.after = self.state.process
-            self.roundtrip([configure_request], ["configure"], deadline=deadline)
+            try:
+                call = self._link.unary(HANDSHAKE_PATH, handshake_request(), deadline)
+                contract = contract_from_handshake(
+                    unary_result(call, shutting_down=self._conn.shutting_down)
+                )
+                join = self._conn.open(JOIN_PATH)
+                self.state = JoinState(self._conn, join, contract)
+                self._link.after = self.state.process
+                self.roundtrip([configure_request], ["configure"], deadline=deadline)
+            except ConnectionLostError:
+                if time.monotonic() < deadline or self._conn.lost is not None:
+                    raise
+                raise ConnectionLostError(
+                    f"no session with {self.target} within "
+                    f"connect_timeout_seconds={connect_timeout_seconds:g}"
+                ) from None
         except BaseException:
             self._link.close()
             raise
@@ -244,13 +256,14 @@ class BlockingEndpoint:
         *,
         deadline: float | None = None,
         timeout_ms: int | None = None,
+        lanes: Sequence[Sequence[int] | None] | None = None,
     ) -> list[Reply]:
         """Send one request per builder (``builder(request_id) -> bytes``) at once and
         return their replies in the same order; the first error is raised after all
         have been answered (so none is left in flight)."""
         replies: list[Reply] = []
         for answer in self.roundtrip_each(
-            builders, kinds, deadline=deadline, timeout_ms=timeout_ms
+            builders, kinds, deadline=deadline, timeout_ms=timeout_ms, lanes=lanes
         ):
             if isinstance(answer, EndpointError):
                 raise answer
@@ -264,10 +277,13 @@ class BlockingEndpoint:
         *,
         deadline: float | None = None,
         timeout_ms: int | None = None,
+        lanes: Sequence[Sequence[int] | None] | None = None,
     ) -> list[Reply | EndpointError]:
         """As :meth:`roundtrip`, but each request's reply or error, in order.
         ``timeout_ms``: the requests' own deadline; a request not answered within it plus
-        the grace gets :class:`RequestTimeoutError` (its reply abandoned)."""
+        the grace gets :class:`RequestTimeoutError` (its reply abandoned). ``lanes``: the
+        lanes each request addresses (None: every lane; omitted: none, a session
+        request), to name them in errors."""
         state = self.state
         if timeout_ms:
             limit = reply_deadline(timeout_ms)
@@ -275,10 +291,11 @@ class BlockingEndpoint:
             mine = time.monotonic() + limit
             deadline = mine if deadline is None else min(deadline, mine)
         slots: list[tuple[str, Slot]] = []
-        for build in builders:
+        for i, (build, kind) in enumerate(zip(builders, kinds, strict=True)):
             rid = state.next_id()
             assert callable(build)
-            slots.append((rid, state.submit(build(rid), rid, _noop)))
+            addressed = () if lanes is None else lanes[i]
+            slots.append((rid, state.submit(build(rid), rid, _noop, verb=kind, lanes=addressed)))
         self._link.flush()
         try:
             self._link.pump(

@@ -10,9 +10,13 @@ from __future__ import annotations
 import collections
 import io
 import itertools
+import math
+import numbers
+import re
 import ssl
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 import gymnasium as gym
@@ -118,20 +122,78 @@ def tls_failure(target: Target, exc: BaseException) -> ConnectionLostError:
     return ConnectionLostError(f"TLS handshake with {target} failed: {why}")
 
 
+DEFAULT_CONNECT_TIMEOUT_SECONDS = 10.0
+DEFAULT_PING_INTERVAL_SECONDS = 10.0
+DEFAULT_PING_TIMEOUT_SECONDS = 20.0
+DEFAULT_CLOSE_TIMEOUT_SECONDS = 5.0
+
+OLD_CONNECTION_KEYWORDS = {
+    "token": "auth_token",
+    "connect_timeout": "connect_timeout_seconds",
+    "ping_interval": "ping_interval_seconds",
+    "ping_timeout": "ping_timeout_seconds",
+    "close_timeout": "close_timeout_seconds",
+}
+"""The connection keywords of 0.1 (deprecated, removed in 0.2) and their new names."""
+
+
 def check_timeouts(**timeouts: float) -> None:
-    """Every one of the connection's timeouts must be a number > 0."""
+    """Every one of the connection's timeouts must be a number > 0 (and finite)."""
     for name, value in timeouts.items():
-        if not value > 0:
-            raise ValueError(f"{name} must be > 0")
+        if not value > 0 or math.isinf(value):
+            raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
 
 
-def metadata(token: str | None) -> list[tuple[str, str]]:
-    if token is None:
+def no_ping_answer(interval: float, timeout: float) -> str:
+    """Why a connection whose keep-alive PING went unanswered was given up."""
+    return (
+        f"no answer to a keep-alive PING (sent after {interval:g} s of silence) "
+        f"within {timeout:g} s"
+    )
+
+
+def metadata(auth_token: str | None) -> list[tuple[str, str]]:
+    """The ``authorization: Bearer`` header for ``auth_token`` (none for None)."""
+    if auth_token is None:
         return []
-    if not isinstance(token, str) or not token or any(c in token for c in "\r\n\x00"):
-        raise ValueError("token must be a non-empty string without line breaks")
-    protect_credentials(token)  # hpack's DEBUG lines would print the header
-    return [("authorization", f"Bearer {token}")]
+    if (
+        not isinstance(auth_token, str)
+        or not auth_token
+        or any(c in auth_token for c in "\r\n\x00")
+    ):
+        raise ValueError("auth_token must be a non-empty string without line breaks")
+    protect_credentials(auth_token)  # hpack's DEBUG lines would print the header
+    return [("authorization", f"Bearer {auth_token}")]
+
+
+def request_timeout_ms(seconds: float | None) -> int:
+    """The wire's ``timeout_ms`` for ``request_timeout_seconds`` (0: no deadline).
+
+    Converted as rlmesh 0.1.0's ``RemoteEnv`` converts its ``request_timeout_seconds``
+    (measured on its wire): rounded to the nanosecond, then whole milliseconds, the rest
+    dropped (2.5 -> 2500, 0.0015 -> 1, 0.0019999999 -> 2). None and 0 mean no deadline.
+    A positive value under one millisecond is refused: the reference would send 0, no
+    deadline at all, the opposite of what was asked.
+    """
+    if seconds is None:
+        return 0
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
+        raise TypeError(f"request_timeout_seconds must be a number, not {type(seconds).__name__}")
+    value = float(seconds)
+    if not value >= 0 or math.isinf(value):
+        raise ValueError(f"request_timeout_seconds must be >= 0, got {seconds!r}")
+    ms = round(Fraction(value) * 1_000_000_000) // 1_000_000
+    if value and ms < 1:
+        raise ValueError(
+            f"request_timeout_seconds={seconds!r} is under the wire's 1 ms resolution "
+            "(0 or None: no deadline)"
+        )
+    return int(ms)
+
+
+def seconds_of_ms(ms: int | None) -> float | None:
+    """The deprecated ``request_timeout_ms`` as ``request_timeout_seconds``."""
+    return None if ms is None else int(ms) / 1000
 
 
 # ---------------------------------------------------------------------------- contract
@@ -220,13 +282,41 @@ def contract_from_handshake(data: bytes | None) -> Contract:
     )
 
 
-def call_failure(call: Call, what: str) -> EndpointError:
-    """Why ``call`` ended without (more) replies."""
+def call_failure(call: Call, what: str, *, shutting_down: bool = False) -> EndpointError:
+    """Why ``call`` ended without (more) replies; ``shutting_down``: the server had sent
+    a graceful GOAWAY before, so a call cut without a status was cut by its shutdown."""
     if call.status is not None and call.status != 0:
         return RpcError(call.status, call.status_message)
-    if call.lost is not None:
-        return ConnectionLostError(f"{what}: {call.lost}")
-    return ConnectionLostError(f"{what}: the server ended the stream")
+    why = call.lost if call.lost is not None else "the server ended the stream"
+    if shutting_down:
+        return ConnectionLostError(f"{what}: {SHUTTING_DOWN} ({why})")
+    return ConnectionLostError(f"{what}: {why}")
+
+
+SHUTTING_DOWN = "the server is shutting down (GOAWAY received)"
+"""How a request cut by a server's shutdown is told (after a graceful GOAWAY)."""
+
+_LANE_STOPPED = re.compile(r"lane \d+ (?:stopped before answering|is no longer running)")
+"""What a rlmesh-trio server answers for a lane job its stop cut short (the lane wound
+down before answering, or no longer takes jobs)."""
+
+
+def _lanes_text(lanes: Sequence[int]) -> str:
+    if not lanes:
+        return "it"
+    if len(lanes) == 1:
+        return f"lane {lanes[0]}"
+    if list(lanes) == list(range(lanes[0], lanes[0] + len(lanes))):
+        return f"lanes {lanes[0]}-{lanes[-1]}"
+    shown = ", ".join(str(lane) for lane in lanes[:8])
+    return f"lanes {shown}" + (f", ... ({len(lanes)} lanes)" if len(lanes) > 8 else "")
+
+
+def shutdown_error(slot: Slot, detail: str) -> ConnectionLostError:
+    """The error of a request a shutting-down server did not answer: which lanes, what."""
+    return ConnectionLostError(
+        f"{SHUTTING_DOWN} before {_lanes_text(slot.lanes)} answered the {slot.verb} ({detail})"
+    )
 
 
 # ---------------------------------------------------------------------------- codecs
@@ -497,14 +587,19 @@ def timeout_of(timeout_ms: int | None) -> int:
 
 
 class Slot:
-    """One pending request: its reply or the error it ends with."""
+    """One pending request: its reply or the error it ends with, and what it asked
+    (``verb``, the ``lanes`` it addressed: empty for a session request) to say so."""
 
-    __slots__ = ("error", "reply", "wake")
+    __slots__ = ("error", "lanes", "reply", "verb", "wake")
 
-    def __init__(self, wake: Callable[[], None]) -> None:
+    def __init__(
+        self, wake: Callable[[], None], verb: str = "request", lanes: Sequence[int] = ()
+    ) -> None:
         self.reply: Reply | None = None
         self.error: BaseException | None = None
         self.wake = wake
+        self.verb = verb
+        self.lanes = tuple(lanes)
 
 
 class JoinState:
@@ -534,10 +629,19 @@ class JoinState:
         if self.closing:
             raise EndpointClosedError()
 
-    def submit(self, payload: bytes, request_id: str, wake: Callable[[], None]) -> Slot:
-        """Queue a request (whole, on the Join stream) and register its slot."""
+    def submit(
+        self,
+        payload: bytes,
+        request_id: str,
+        wake: Callable[[], None],
+        *,
+        verb: str = "request",
+        lanes: Sequence[int] | None = (),
+    ) -> Slot:
+        """Queue a request (whole, on the Join stream) and register its slot. ``verb``
+        and ``lanes`` (None: every lane; empty: a session request) name it in errors."""
         self.check_open()
-        slot = Slot(wake)
+        slot = Slot(wake, verb, range(self.contract.num_envs) if lanes is None else lanes)
         self.pending[request_id] = slot
         try:
             self.conn.send(self.join, payload)
@@ -582,6 +686,16 @@ class JoinState:
                     request_id=reply.request_id,
                     debug_info=reply.error_debug,
                 )
+                if self._cut_by_shutdown(error):
+                    lost = shutdown_error(slot, f"the server said: {error.message}")
+                    lost.__cause__ = error
+                    slot.error = lost
+                    slot.wake()
+                    self.fail(
+                        ConnectionLostError(f"{SHUTTING_DOWN}: {error.message}"),
+                        detail="the server's stop cut the requests in flight short",
+                    )
+                    continue
                 slot.error = error
                 slot.wake()
                 if not error.is_recoverable:
@@ -592,14 +706,33 @@ class JoinState:
         if join.ended or self.conn.lost is not None:
             self.fail(call_failure(join, "the Join stream ended"))
 
-    def fail(self, error: EndpointError) -> None:
-        """Make the endpoint unusable; every pending request fails."""
+    def _cut_by_shutdown(self, error: EnvError) -> bool:
+        """A rlmesh-trio server that sent a graceful GOAWAY answers the lane jobs its stop
+        cut short with a fatal INTERNAL "lane <i> stopped before answering": that is
+        the shutdown, not a fault of the env."""
+        return (
+            self.conn.shutting_down
+            and not error.is_recoverable
+            and error.code == ErrorCode.INTERNAL
+            and _LANE_STOPPED.fullmatch(error.message) is not None
+        )
+
+    def fail(self, error: EndpointError, *, detail: str | None = None) -> None:
+        """Make the endpoint unusable; every pending request fails. A connection lost
+        after the server's graceful GOAWAY is told as its shutdown, to each request
+        with the lanes it was waiting for (and ``detail``, else why it was lost)."""
+        shutdown = isinstance(error, ConnectionLostError) and self.conn.shutting_down
+        if shutdown and not error.message.startswith(SHUTTING_DOWN):
+            error = ConnectionLostError(f"{SHUTTING_DOWN}: {error.message}")
         if self.failure is None:
             self.failure = error
         pending, self.pending = self.pending, {}
         for slot in pending.values():
             if slot.error is None and slot.reply is None:
-                if isinstance(error, EnvError):
+                if shutdown:
+                    why = error.message.removeprefix(SHUTTING_DOWN).removeprefix(": ")
+                    slot.error = shutdown_error(slot, detail or why)
+                elif isinstance(error, EnvError):
                     closed = EndpointClosedError(
                         f"the endpoint was closed by a fatal error: {error}"
                     )

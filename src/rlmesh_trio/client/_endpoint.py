@@ -19,10 +19,16 @@ import gymnasium as gym
 import numpy as np
 import trio
 
+from .._deprecation import renamed_kwargs
 from .._tls import TlsSetting, check_alpn
 from ._core import (
+    DEFAULT_CLOSE_TIMEOUT_SECONDS,
+    DEFAULT_CONNECT_TIMEOUT_SECONDS,
+    DEFAULT_PING_INTERVAL_SECONDS,
+    DEFAULT_PING_TIMEOUT_SECONDS,
     HANDSHAKE_PATH,
     JOIN_PATH,
+    OLD_CONNECTION_KEYWORDS,
     Contract,
     JoinState,
     Slot,
@@ -35,6 +41,7 @@ from ._core import (
     lanes_of,
     late,
     metadata,
+    no_ping_answer,
     reply_deadline,
     result_of,
     seeds_of,
@@ -61,10 +68,6 @@ if sys.version_info < (3, 11):  # pragma: no cover - trio depends on the backpor
 
 __all__ = ["Endpoint", "open_endpoint"]
 
-DEFAULT_CONNECT_TIMEOUT = 10.0
-DEFAULT_PING_INTERVAL = 10.0
-DEFAULT_PING_TIMEOUT = 20.0
-DEFAULT_CLOSE_TIMEOUT = 5.0
 WRITE_TIMEOUT = 60.0
 """Seconds one socket write may block (a server that stops reading) before the
 connection is declared lost."""
@@ -96,15 +99,15 @@ class Endpoint:
     def __init__(
         self,
         target: Target,
-        token: str | None,
+        auth_token: str | None,
         *,
         tls: ssl.SSLContext | None = None,
-        ping_interval: float,
-        ping_timeout: float,
-        close_timeout: float,
+        ping_interval_seconds: float,
+        ping_timeout_seconds: float,
+        close_timeout_seconds: float,
     ) -> None:
         self._target = target
-        self._conn = GrpcConnection(target.authority, metadata(token), tls=tls is not None)
+        self._conn = GrpcConnection(target.authority, metadata(auth_token), tls=tls is not None)
         self._tls = tls
         self._stream: trio.abc.Stream | None = None
         self._socket_stream: trio.SocketStream | None = None
@@ -114,9 +117,9 @@ class Endpoint:
         self._quickack = False
         self._unary: dict[int, trio.Event] = {}
         self._state: JoinState | None = None
-        self._ping_interval = ping_interval
-        self._ping_timeout = ping_timeout
-        self._close_timeout = close_timeout
+        self._ping_interval = ping_interval_seconds
+        self._ping_timeout = ping_timeout_seconds
+        self._close_timeout = close_timeout_seconds
         self._reader_done = trio.Event()
         self._closed: list[Episode] | None = None
 
@@ -184,7 +187,7 @@ class Endpoint:
             timeout_ms=timeout,
             env_indices=lanes or (),
         )
-        reply = result_of(await self._call(payload, rid, "reset", timeout), "reset")
+        reply = result_of(await self._call(payload, rid, "reset", timeout, lanes), "reset")
         return state.codecs.observation_batch(reply.leaves, k), reply.infos
 
     async def step(
@@ -205,7 +208,7 @@ class Endpoint:
         rid = state.next_id()
         timeout = timeout_of(timeout_ms)
         payload = step_request(rid, leaves, timeout_ms=timeout, env_indices=lanes or ())
-        reply = result_of(await self._call(payload, rid, "step", timeout), "step")
+        reply = result_of(await self._call(payload, rid, "step", timeout, lanes), "step")
         rewards, terminated, truncated = step_arrays(reply, k)
         state.completed.extend(reply.episodes)
         observations = state.codecs.observation_batch(reply.leaves, k)
@@ -221,7 +224,8 @@ class Endpoint:
         rid = state.next_id()
         timeout = timeout_of(timeout_ms)
         payload = render_request(rid, [int(lane)], timeout_ms=timeout)
-        return decode_frame(result_of(await self._call(payload, rid, "render", timeout), "render"))
+        slot = await self._call(payload, rid, "render", timeout, [int(lane)])
+        return decode_frame(result_of(slot, "render"))
 
     async def aclose(self, reason: str = "client close") -> list[Episode]:
         """Close the session: the server reports every episode not yet reported
@@ -241,7 +245,7 @@ class Endpoint:
                 ):
                     rid = state.next_id()
                     try:
-                        slot = state.submit(close_request(rid, reason), rid, _noop)
+                        slot = state.submit(close_request(rid, reason), rid, _noop, verb="close")
                         self._arm_keepalive()
                         state.closing = True
                         await self._flush()
@@ -285,7 +289,7 @@ class Endpoint:
         join = self._conn.open(JOIN_PATH)
         self._state = state = JoinState(self._conn, join, contract)
         rid = state.next_id()
-        slot = state.submit(configure_request(rid), rid, _noop)
+        slot = state.submit(configure_request(rid), rid, _noop, verb="configure")
         self._arm_keepalive()
         await self._flush()
         await self._wait_slot(slot, rid)
@@ -318,13 +322,18 @@ class Endpoint:
             self._conn.forget(call)
         if call.status == 0 and call.messages:
             return call.messages[0]
-        raise call_failure(call, f"{path.rsplit('/', 1)[-1]} failed")
+        raise call_failure(
+            call, f"{path.rsplit('/', 1)[-1]} failed", shutting_down=self._conn.shutting_down
+        )
 
-    async def _call(self, payload: bytes, rid: str, verb: str, timeout_ms: int) -> Slot:
-        """Send a request and wait for its reply: within ``timeout_ms`` plus the grace
-        when it has one (else :class:`RequestTimeoutError`, the reply abandoned)."""
+    async def _call(
+        self, payload: bytes, rid: str, verb: str, timeout_ms: int, lanes: Sequence[int] | None
+    ) -> Slot:
+        """Send a request (to ``lanes``; None: every lane) and wait for its reply: within
+        ``timeout_ms`` plus the grace when it has one (else :class:`RequestTimeoutError`,
+        the reply abandoned)."""
         state = self._joined()
-        slot = state.submit(payload, rid, _noop)
+        slot = state.submit(payload, rid, _noop, verb=verb, lanes=lanes)
         self._arm_keepalive()
         await self._flush()
         limit = reply_deadline(timeout_ms)
@@ -413,9 +422,7 @@ class Endpoint:
                     _quickack(self._socket_stream)
                 if data is None:
                     if ping_deadline < math.inf:
-                        self._lose(
-                            f"no answer to a keep-alive PING within {self._ping_timeout:g} s"
-                        )
+                        self._lose(no_ping_answer(self._ping_interval, self._ping_timeout))
                         break
                     if not self._waiting():
                         continue
@@ -464,60 +471,66 @@ def _noop() -> None:
     pass
 
 
+@renamed_kwargs(**OLD_CONNECTION_KEYWORDS)
 @contextlib.asynccontextmanager
 async def open_endpoint(
     address: str,
     *,
-    token: str | None = None,
+    auth_token: str | None = None,
     tls: TlsSetting = None,
-    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-    ping_interval: float = DEFAULT_PING_INTERVAL,
-    ping_timeout: float = DEFAULT_PING_TIMEOUT,
-    close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
+    connect_timeout_seconds: float = DEFAULT_CONNECT_TIMEOUT_SECONDS,
+    ping_interval_seconds: float = DEFAULT_PING_INTERVAL_SECONDS,
+    ping_timeout_seconds: float = DEFAULT_PING_TIMEOUT_SECONDS,
+    close_timeout_seconds: float = DEFAULT_CLOSE_TIMEOUT_SECONDS,
 ) -> AsyncIterator[Endpoint]:
     """Connect to ``address`` (``tcp://host:port``, ``host:port``, ``port``,
     ``unix:///path``), Handshake (generation and edition check, the contract), open the
     Join and configure it; yield the :class:`Endpoint`; close it on exit.
 
-    ``token``: sent as ``authorization: Bearer <token>`` on every call.
+    ``auth_token``: sent as ``authorization: Bearer <token>`` on every call.
     ``tls``: None/False plaintext (default); ``True`` TLS trusting the system's CAs; a
     CA file path (PEM) to trust instead; or an :class:`ssl.SSLContext` (a client
     certificate for mTLS goes through it: ``load_cert_chain``). ALPN must agree on
     ``h2``; the server's certificate is checked against the address's host (a DNS name
     against its DNS SANs, an IP address against its IP SANs). TCP addresses only.
-    ``connect_timeout`` bounds connecting, the Handshake and the Join's configure.
-    While requests wait, a PING goes out after ``ping_interval`` seconds of silence and
-    the connection is declared lost if it is not answered within ``ping_timeout``
-    (a vanished server never hangs a caller). Raises :class:`ConnectionLostError`,
-    :class:`RpcError` (e.g. UNAUTHENTICATED, FAILED_PRECONDITION for a second Join) or
-    :class:`HandshakeError`.
+    ``connect_timeout_seconds`` bounds connecting, the Handshake and the Join's
+    configure. While requests wait, a PING goes out after ``ping_interval_seconds`` of
+    silence and the connection is declared lost if it is not answered within
+    ``ping_timeout_seconds`` (a vanished server never hangs a caller).
+    ``close_timeout_seconds`` bounds :meth:`Endpoint.aclose`. Raises
+    :class:`ConnectionLostError`, :class:`RpcError` (e.g. ``UNAUTHENTICATED: invalid env
+    token``, FAILED_PRECONDITION for a second Join) or :class:`HandshakeError`.
+
+    The 0.1 keywords ``token``, ``connect_timeout``, ``ping_interval``,
+    ``ping_timeout`` and ``close_timeout`` still work (deprecated, removed in 0.2).
     """
     target = Target.parse(address)
     check_timeouts(
-        connect_timeout=connect_timeout,
-        ping_interval=ping_interval,
-        ping_timeout=ping_timeout,
-        close_timeout=close_timeout,
+        connect_timeout_seconds=connect_timeout_seconds,
+        ping_interval_seconds=ping_interval_seconds,
+        ping_timeout_seconds=ping_timeout_seconds,
+        close_timeout_seconds=close_timeout_seconds,
     )
     endpoint = Endpoint(
         target,
-        token,
+        auth_token,
         tls=tls_context(target, tls),
-        ping_interval=ping_interval,
-        ping_timeout=ping_timeout,
-        close_timeout=close_timeout,
+        ping_interval_seconds=ping_interval_seconds,
+        ping_timeout_seconds=ping_timeout_seconds,
+        close_timeout_seconds=close_timeout_seconds,
     )
     single: BaseException | None = None
     try:
         async with trio.open_nursery() as nursery:
             try:
-                with trio.fail_after(connect_timeout):
+                with trio.fail_after(connect_timeout_seconds):
                     await endpoint._start(nursery)
             except trio.TooSlowError:
                 await endpoint.aclose()
                 nursery.cancel_scope.cancel()
                 raise ConnectionLostError(
-                    f"no session with {target} within connect_timeout={connect_timeout:g} s"
+                    f"no session with {target} within "
+                    f"connect_timeout_seconds={connect_timeout_seconds:g}"
                 ) from None
             except BaseException:
                 await endpoint.aclose()

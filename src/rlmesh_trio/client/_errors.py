@@ -3,7 +3,8 @@
 In-band env errors (``JoinResponse.error``, SPEC §9) keep the server's code, its
 ``is_recoverable`` flag and its message verbatim. Failures below the Join (the
 connection, a gRPC status, the handshake) are mapped onto the same codes so one
-``except EndpointError as e: if e.is_recoverable: ...`` covers them all.
+``except EndpointError as e: if e.is_recoverable: ...`` covers them all. The family is
+part of the package's one error root, :class:`rlmesh_trio.RlmeshTrioError`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import enum
 import json
 from typing import Any
+
+from .._errors import RlmeshTrioError
 
 __all__ = [
     "ConnectionLostError",
@@ -22,6 +25,35 @@ __all__ = [
     "RequestTimeoutError",
     "RpcError",
 ]
+
+
+GRPC_STATUS_NAMES = (
+    "OK",
+    "CANCELLED",
+    "UNKNOWN",
+    "INVALID_ARGUMENT",
+    "DEADLINE_EXCEEDED",
+    "NOT_FOUND",
+    "ALREADY_EXISTS",
+    "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED",
+    "FAILED_PRECONDITION",
+    "ABORTED",
+    "OUT_OF_RANGE",
+    "UNIMPLEMENTED",
+    "INTERNAL",
+    "UNAVAILABLE",
+    "DATA_LOSS",
+    "UNAUTHENTICATED",
+)
+"""The standard gRPC status codes, by number (https://grpc.github.io/grpc/core/md_doc_statuscodes.html)."""
+
+
+def grpc_status_name(status: int) -> str:
+    """``UNAUTHENTICATED`` for 16; ``gRPC status 17`` for a number outside the standard."""
+    if 0 <= status < len(GRPC_STATUS_NAMES):
+        return GRPC_STATUS_NAMES[status]
+    return f"gRPC status {status}"
 
 
 LANE_FAULT_KEY = "rlmesh_trio.lane_fault"
@@ -52,7 +84,7 @@ class ErrorCode(enum.IntEnum):
             return cls.UNSPECIFIED
 
 
-class EndpointError(Exception):
+class EndpointError(RlmeshTrioError):
     """Base of every error the client raises on purpose.
 
     ``code`` (:class:`ErrorCode`), ``is_recoverable`` (the session is still usable: retry
@@ -125,18 +157,33 @@ class EnvError(EndpointError):
 
 
 class RpcError(EndpointError):
-    """A call ended with a non-OK gRPC status (``grpc_status``, ``grpc_message``), e.g.
-    UNAUTHENTICATED "invalid env token" or FAILED_PRECONDITION for a second Join."""
+    """A call ended with a non-OK gRPC status: ``grpc_status`` (the number),
+    ``grpc_status_name`` (``UNAUTHENTICATED``) and ``grpc_message`` (the server's text).
 
-    _CODES = {4: ErrorCode.TIMEOUT, 9: ErrorCode.BUSY, 12: ErrorCode.UNSUPPORTED}
+    ``str()`` and ``message`` read ``UNAUTHENTICATED: invalid env token`` (the name alone
+    when the server sent no text), e.g. FAILED_PRECONDITION for a second Join. ``code``:
+    ``CANCELLED`` for 1, ``TIMEOUT`` for 4, ``BUSY`` for 9, ``UNSUPPORTED`` for 12,
+    ``CLOSED`` for 14, else ``UNSPECIFIED``; never recoverable.
+    """
+
+    _CODES = {
+        1: ErrorCode.CANCELLED,
+        4: ErrorCode.TIMEOUT,
+        9: ErrorCode.BUSY,
+        12: ErrorCode.UNSUPPORTED,
+        14: ErrorCode.CLOSED,
+    }
 
     def __init__(self, grpc_status: int, grpc_message: str) -> None:
-        code = self._CODES.get(
-            grpc_status, ErrorCode.CLOSED if grpc_status == 14 else ErrorCode.UNSPECIFIED
-        )
-        super().__init__(f"gRPC status {grpc_status}: {grpc_message}", code=code)
+        name = grpc_status_name(grpc_status)
+        text = f"{name}: {grpc_message}" if grpc_message else name
+        super().__init__(text, code=self._CODES.get(grpc_status, ErrorCode.UNSPECIFIED))
         self.grpc_status = grpc_status
+        self.grpc_status_name = name
         self.grpc_message = grpc_message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class RequestTimeoutError(EndpointError):

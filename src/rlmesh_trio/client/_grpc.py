@@ -93,6 +93,10 @@ class GrpcConnection:
         self.lost: str | None = None
         """Set once the connection is gone; every call then fails with it."""
         self.goaway = False
+        """The server sent GOAWAY (of any code)."""
+        self.shutting_down = False
+        """The server sent a graceful GOAWAY (NO_ERROR): it is stopping, and a call it
+        cuts afterwards was cut by its shutdown."""
         self.pings_acked = 0
         self._preface: bytearray | None = bytearray()
         self._h2.local_settings = h2.settings.Settings(
@@ -302,6 +306,8 @@ class GrpcConnection:
     def _goaway(self, event: Any) -> None:
         self.goaway = True
         code = int(event.error_code or 0)
+        if code == 0 and self.lost is None:
+            self.shutting_down = True
         last = event.last_stream_id
         for call in self._calls.values():
             if not call.ended and (code != 0 or last is None or call.id > last):

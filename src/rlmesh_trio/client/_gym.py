@@ -17,14 +17,22 @@ import numpy as np
 from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
+from .._deprecation import Rename, renamed_kwargs
 from .._tls import TlsSetting
 from ._blocking import BlockingEndpoint
-from ._core import JoinState, check_options, decode_frame, lane_infos, step_arrays, timeout_of
-from ._endpoint import (
-    DEFAULT_CLOSE_TIMEOUT,
-    DEFAULT_CONNECT_TIMEOUT,
-    DEFAULT_PING_INTERVAL,
-    DEFAULT_PING_TIMEOUT,
+from ._core import (
+    DEFAULT_CLOSE_TIMEOUT_SECONDS,
+    DEFAULT_CONNECT_TIMEOUT_SECONDS,
+    DEFAULT_PING_INTERVAL_SECONDS,
+    DEFAULT_PING_TIMEOUT_SECONDS,
+    OLD_CONNECTION_KEYWORDS,
+    JoinState,
+    check_options,
+    decode_frame,
+    lane_infos,
+    request_timeout_ms,
+    seconds_of_ms,
+    step_arrays,
 )
 from ._errors import LANE_FAULT_KEY, EndpointError, EnvError
 from ._messages import Episode, Reply, render_request, reset_request, step_request
@@ -32,24 +40,12 @@ from ._messages import Episode, Reply, render_request, reset_request, step_reque
 __all__ = ["Env", "VectorEnv"]
 
 
-def _open(
-    address: str,
-    token: str | None,
-    tls: TlsSetting,
-    connect_timeout: float,
-    ping_interval: float,
-    ping_timeout: float,
-    close_timeout: float,
-) -> BlockingEndpoint:
-    return BlockingEndpoint(
-        address,
-        token=token,
-        tls=tls,
-        connect_timeout=connect_timeout,
-        ping_interval=ping_interval,
-        ping_timeout=ping_timeout,
-        close_timeout=close_timeout,
-    )
+OLD_ADAPTER_KEYWORDS: dict[str, Rename] = {
+    **OLD_CONNECTION_KEYWORDS,
+    "request_timeout_ms": ("request_timeout_seconds", seconds_of_ms),
+}
+"""The adapters' 0.1 keywords (deprecated, removed in 0.2): ``request_timeout_ms`` (int
+milliseconds) becomes ``request_timeout_seconds`` (float seconds)."""
 
 
 class VectorEnv(gym.vector.VectorEnv):
@@ -59,33 +55,47 @@ class VectorEnv(gym.vector.VectorEnv):
     semantics of gymnasium's ``SyncVectorEnv`` (DISABLED: reset finished lanes with
     ``reset(options={"reset_mask": mask})``). The endpoint must be a lane endpoint
     (autoreset DISABLED on the server, the ``subset_step`` capability when it has more
-    than one lane). ``request_timeout_ms`` is sent with every reset and step (the
-    server answers TIMEOUT past it); ``token`` as ``authorization: Bearer``; ``tls`` as
-    :func:`~rlmesh_trio.client.open_endpoint` takes it (True, a CA file, an SSLContext).
-    Infos are what the wire carries (numpy arrays in an env's info arrive as lists).
+    than one lane). ``request_timeout_seconds`` is sent with every reset and step as
+    the wire's ``timeout_ms`` (whole milliseconds, as rlmesh's ``RemoteEnv`` sends it;
+    the server answers TIMEOUT past it; None or 0: no deadline). ``auth_token`` is sent
+    as ``authorization: Bearer``; ``tls``, ``connect_timeout_seconds``,
+    ``ping_interval_seconds``, ``ping_timeout_seconds`` and ``close_timeout_seconds`` as
+    :func:`~rlmesh_trio.client.open_endpoint` takes them. Infos are what the wire
+    carries (numpy arrays in an env's info arrive as lists).
+
+    The 0.1 keywords ``token``, ``request_timeout_ms`` (int milliseconds),
+    ``connect_timeout``, ``ping_interval``, ``ping_timeout`` and ``close_timeout`` still
+    work (deprecated, removed in 0.2).
     """
 
+    @renamed_kwargs(**OLD_ADAPTER_KEYWORDS)
     def __init__(
         self,
         address: str,
         *,
         autoreset_mode: str | AutoresetMode = AutoresetMode.NEXT_STEP,
-        token: str | None = None,
+        auth_token: str | None = None,
         tls: TlsSetting = None,
-        request_timeout_ms: int | None = None,
-        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-        ping_interval: float = DEFAULT_PING_INTERVAL,
-        ping_timeout: float = DEFAULT_PING_TIMEOUT,
-        close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
+        request_timeout_seconds: float | None = None,
+        connect_timeout_seconds: float = DEFAULT_CONNECT_TIMEOUT_SECONDS,
+        ping_interval_seconds: float = DEFAULT_PING_INTERVAL_SECONDS,
+        ping_timeout_seconds: float = DEFAULT_PING_TIMEOUT_SECONDS,
+        close_timeout_seconds: float = DEFAULT_CLOSE_TIMEOUT_SECONDS,
     ) -> None:
         mode = (
             autoreset_mode
             if isinstance(autoreset_mode, AutoresetMode)
             else AutoresetMode(autoreset_mode)
         )
-        self._timeout_ms = timeout_of(request_timeout_ms)
-        self._ep = _open(
-            address, token, tls, connect_timeout, ping_interval, ping_timeout, close_timeout
+        self._timeout_ms = request_timeout_ms(request_timeout_seconds)
+        self._ep = BlockingEndpoint(
+            address,
+            auth_token=auth_token,
+            tls=tls,
+            connect_timeout_seconds=connect_timeout_seconds,
+            ping_interval_seconds=ping_interval_seconds,
+            ping_timeout_seconds=ping_timeout_seconds,
+            close_timeout_seconds=close_timeout_seconds,
         )
         self._state: JoinState = self._ep.state
         contract = self._state.contract
@@ -145,7 +155,10 @@ class VectorEnv(gym.vector.VectorEnv):
             for group, group_seeds in groups
         ]
         replies = self._ep.roundtrip(
-            builders, ["reset"] * len(builders), timeout_ms=self._timeout_ms
+            builders,
+            ["reset"] * len(builders),
+            timeout_ms=self._timeout_ms,
+            lanes=[group for group, _ in groups],
         )
         out: dict[int, tuple[Any, dict[str, Any]]] = {}
         for (group, _), reply in zip(groups, replies, strict=True):
@@ -242,6 +255,7 @@ class VectorEnv(gym.vector.VectorEnv):
         step_lanes = [i for i in range(n) if i not in resetting]
         builders: list[Any] = []
         kinds: list[str] = []
+        addressed: list[Sequence[int]] = []
         if step_lanes:
             whole = len(step_lanes) == n
             if rows is None:
@@ -260,6 +274,7 @@ class VectorEnv(gym.vector.VectorEnv):
                 )
             )
             kinds.append("step")
+            addressed.append(step_lanes)
         if reset_lanes:
             builders.append(
                 partial(
@@ -271,7 +286,10 @@ class VectorEnv(gym.vector.VectorEnv):
                 )
             )
             kinds.append("reset")
-        answers = self._ep.roundtrip_each(builders, kinds, timeout_ms=self._timeout_ms)
+            addressed.append(reset_lanes)
+        answers = self._ep.roundtrip_each(
+            builders, kinds, timeout_ms=self._timeout_ms, lanes=addressed
+        )
         for answer in answers:
             if isinstance(answer, EndpointError) and not _lane_crash(answer):
                 raise answer
@@ -361,7 +379,9 @@ class VectorEnv(gym.vector.VectorEnv):
         frames: list[Any] = []
         for lane in range(self.num_envs):
             try:
-                reply = self._ep.roundtrip([partial(_render_builder, lane=lane)], ["render"])[0]
+                reply = self._ep.roundtrip(
+                    [partial(_render_builder, lane=lane)], ["render"], lanes=[[lane]]
+                )[0]
             except EnvError as exc:
                 if not exc.is_recoverable:
                     raise
@@ -385,24 +405,32 @@ class Env(gym.Env):
     ``reset(seed=...)`` also seeds the adapter's own ``np_random`` (as ``gymnasium.Env``
     does), the env's own randomness lives on the server. ``render()`` returns the
     server's frame as an ``(H, W, 3)`` array (``render_mode`` from the contract).
-    ``token`` and ``tls`` as :class:`VectorEnv` takes them.
+    Every keyword (``auth_token``, ``tls``, ``request_timeout_seconds``, the connection's
+    ``*_seconds``, and the deprecated 0.1 names) as :class:`VectorEnv` takes it.
     """
 
+    @renamed_kwargs(**OLD_ADAPTER_KEYWORDS)
     def __init__(
         self,
         address: str,
         *,
-        token: str | None = None,
+        auth_token: str | None = None,
         tls: TlsSetting = None,
-        request_timeout_ms: int | None = None,
-        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-        ping_interval: float = DEFAULT_PING_INTERVAL,
-        ping_timeout: float = DEFAULT_PING_TIMEOUT,
-        close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
+        request_timeout_seconds: float | None = None,
+        connect_timeout_seconds: float = DEFAULT_CONNECT_TIMEOUT_SECONDS,
+        ping_interval_seconds: float = DEFAULT_PING_INTERVAL_SECONDS,
+        ping_timeout_seconds: float = DEFAULT_PING_TIMEOUT_SECONDS,
+        close_timeout_seconds: float = DEFAULT_CLOSE_TIMEOUT_SECONDS,
     ) -> None:
-        self._timeout_ms = timeout_of(request_timeout_ms)
-        self._ep = _open(
-            address, token, tls, connect_timeout, ping_interval, ping_timeout, close_timeout
+        self._timeout_ms = request_timeout_ms(request_timeout_seconds)
+        self._ep = BlockingEndpoint(
+            address,
+            auth_token=auth_token,
+            tls=tls,
+            connect_timeout_seconds=connect_timeout_seconds,
+            ping_interval_seconds=ping_interval_seconds,
+            ping_timeout_seconds=ping_timeout_seconds,
+            close_timeout_seconds=close_timeout_seconds,
         )
         self._state: JoinState = self._ep.state
         contract = self._state.contract
@@ -434,6 +462,7 @@ class Env(gym.Env):
             ],
             ["reset"],
             timeout_ms=self._timeout_ms,
+            lanes=[[0]],
         )[0]
         return self._state.codecs.observations(reply.leaves, 1)[0], reply.infos
 
@@ -443,6 +472,7 @@ class Env(gym.Env):
             [partial(_step_builder, leaves=leaves, timeout_ms=self._timeout_ms, lanes=[])],
             ["step"],
             timeout_ms=self._timeout_ms,
+            lanes=[[0]],
         )[0]
         rewards, terminated, truncated = step_arrays(reply, 1)
         obs = self._state.codecs.observations(reply.leaves, 1)[0]
@@ -451,7 +481,7 @@ class Env(gym.Env):
     def render(self) -> Any:
         if self.render_mode is None:
             return None
-        reply = self._ep.roundtrip([partial(_render_builder, lane=0)], ["render"])[0]
+        reply = self._ep.roundtrip([partial(_render_builder, lane=0)], ["render"], lanes=[[0]])[0]
         return decode_frame(reply)
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ health checks read the same result.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,38 +17,18 @@ from typing import Any
 import gymnasium as gym
 
 from .._codec import spec_to_space
+from .._deprecation import renamed_kwargs
 from .._tls import TlsSetting
 from .._wire import DecodeError
 from .._wire._protocol import HANDSHAKE_PATH, HEALTH_CHECK_PATH, SERVICE_NAME
 from .._wire._unary import HEALTH_STATUS_NAMES, decode_health_response, encode_health_request
 from ._blocking import BlockingConnection
 from ._core import AUTORESET_NAMES, Target
-from ._errors import ConnectionLostError
+from ._errors import ConnectionLostError, grpc_status_name
 from ._grpc import Call
 from ._messages import decode_handshake_response, handshake_request
 
-__all__ = ["GRPC_STATUS_NAMES", "ProbeResult", "probe"]
-
-GRPC_STATUS_NAMES = (
-    "OK",
-    "CANCELLED",
-    "UNKNOWN",
-    "INVALID_ARGUMENT",
-    "DEADLINE_EXCEEDED",
-    "NOT_FOUND",
-    "ALREADY_EXISTS",
-    "PERMISSION_DENIED",
-    "RESOURCE_EXHAUSTED",
-    "FAILED_PRECONDITION",
-    "ABORTED",
-    "OUT_OF_RANGE",
-    "UNIMPLEMENTED",
-    "INTERNAL",
-    "UNAVAILABLE",
-    "DATA_LOSS",
-    "UNAUTHENTICATED",
-)
-"""gRPC status codes by number."""
+__all__ = ["ProbeResult", "probe"]
 
 _UNIMPLEMENTED = 12
 LANE_STATES_KEY = "rlmesh_trio.lane_states"
@@ -129,8 +110,7 @@ class _Unreachable(Exception):
 
 
 def _status(call: Call) -> str:
-    code = call.status or 0
-    name = GRPC_STATUS_NAMES[code] if 0 <= code < len(GRPC_STATUS_NAMES) else f"status {code}"
+    name = grpc_status_name(call.status or 0)
     return f"{name}: {call.status_message}" if call.status_message else name
 
 
@@ -207,34 +187,40 @@ def _handshake(found: dict[str, Any], data: bytes) -> None:
     found["unreadable_spaces"] = unreadable
 
 
+DEFAULT_PROBE_TIMEOUT_SECONDS = 5.0
+
+
+@renamed_kwargs(token="auth_token", timeout="timeout_seconds")
 def probe(
     address: str,
     *,
-    token: str | None = None,
+    auth_token: str | None = None,
     tls: TlsSetting = None,
-    timeout: float = 5.0,
+    timeout_seconds: float = DEFAULT_PROBE_TIMEOUT_SECONDS,
 ) -> ProbeResult:
     """Probe ``address`` (any form rlmesh accepts): connect, the grpc.health.v1 Check,
-    a Handshake; each step within ``timeout`` seconds (so at most ~3x in all).
+    a Handshake; each step within ``timeout_seconds`` (so at most ~3x in all).
 
-    ``token`` is sent as ``authorization: Bearer`` (the health check needs none, the
-    Handshake does when the endpoint has one). ``tls`` as
+    ``auth_token`` is sent as ``authorization: Bearer`` (the health check needs none,
+    the Handshake does when the endpoint has one). ``tls`` as
     :func:`~rlmesh_trio.client.open_endpoint` takes it. Never raises for what the
     endpoint does (the result says it); ``ValueError``/``TypeError`` for a bad address,
     timeout or ``tls``. Blocking: from Trio, ``await trio.to_thread.run_sync(...)``.
+    The 0.1 keywords ``token`` and ``timeout`` still work (deprecated, removed in 0.2).
     """
-    if not timeout > 0:
-        raise ValueError(f"timeout must be > 0, got {timeout!r}")
+    timeout = timeout_seconds
+    if not timeout > 0 or math.isinf(timeout):
+        raise ValueError(f"timeout_seconds must be a number of seconds > 0, got {timeout!r}")
     target = Target.parse(address)
     found: dict[str, Any] = {}
     try:
         link = BlockingConnection(
             target,
-            token=token,
+            auth_token=auth_token,
             tls=tls,
-            connect_timeout=timeout,
-            ping_interval=timeout,
-            ping_timeout=timeout,
+            connect_timeout_seconds=timeout,
+            ping_interval_seconds=timeout,
+            ping_timeout_seconds=timeout,
         )
     except ConnectionLostError as exc:
         cause = exc.__cause__
