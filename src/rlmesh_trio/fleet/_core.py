@@ -36,7 +36,7 @@ RECOVERY_POLL_SECONDS = 0.25
 """How often a static fleet re-probes an endpoint that failed, until it serves again."""
 
 
-class _Member:
+class Member:
     """The fleet's mutable record of one endpoint (guarded by the fleet's lock)."""
 
     def __init__(self, index: int, address: str, num_envs: int | None, node: str | None) -> None:
@@ -101,7 +101,7 @@ class Fleet:
             raise ValueError("nodes must give one entry per address")
         self._lock = threading.RLock()
         self._members = [
-            _Member(i, a, None, nodes[i] if nodes is not None else _host_of(a))
+            Member(i, a, None, nodes[i] if nodes is not None else _host_of(a))
             for i, a in enumerate(normalized)
         ]
         self._auth_token = auth_token
@@ -220,7 +220,7 @@ class Fleet:
                 self._observed(member, health)
         return health
 
-    def _observed(self, member: _Member, health: Health) -> None:
+    def _observed(self, member: Member, health: Health) -> None:
         """Lock held: a probe's verdict on ``member`` (a subclass may track more)."""
         member.state = "serving" if health.serving else "restarting"
 
@@ -439,7 +439,6 @@ class Fleet:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
 
 
 class _SchedulerHost:

@@ -167,4 +167,3 @@ class ShardRun:
     """How long the run took, in seconds."""
 
     duration_s = renamed_attribute("duration_seconds", owner="ShardRun", old="duration_s")
-
