@@ -281,6 +281,9 @@ class _Scheduler:
                 except Abort as exc:
                     with self.cond:
                         self.in_flight -= 1
+                        for unit in task:  # given up on with the rest: never retried
+                            if unit not in self.done:
+                                self.failed.setdefault(unit, f"aborted: {exc}")
                         self.aborted = exc
                         self.last_error = exc
                         self.cond.notify_all()
