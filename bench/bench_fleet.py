@@ -53,8 +53,8 @@ COMMON: dict[str, Any] = {
     "resources": {"CPU": 0.5},
     "bind": "127.0.0.1",
     "max_restarts": -1,
-    "health_period_s": 0.5,
-    "health_timeout_s": 1.0,
+    "health_period_seconds": 0.5,
+    "health_timeout_seconds": 1.0,
     "unhealthy_after": 2,
 }
 
@@ -93,7 +93,7 @@ def _restart_times(fleet: RayFleet, kind: str, count: int) -> list[float]:
         else:  # a wedged process: only the supervisor can get it back
             os.kill(pid, signal.SIGSTOP)
             deadline = time.monotonic() + 120
-            while fleet.info(0, timeout=120).pid == pid and time.monotonic() < deadline:
+            while fleet.info(0, timeout_seconds=120).pid == pid and time.monotonic() < deadline:
                 time.sleep(0.05)
             _wait_serving(fleet.addresses[0])
         times.append(time.monotonic() - began)
@@ -127,10 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"load_average_start": os.getloadavg()}
     try:
         began = time.monotonic()
-        split = launch("CartPole-v1", endpoints=2, lanes=2, **COMMON)
+        split = launch("CartPole-v1", endpoints=2, num_envs=2, **COMMON)
         results["launch_2x2_s"] = time.monotonic() - began
         began = time.monotonic()
-        single = launch("CartPole-v1", endpoints=1, lanes=4, **COMMON)
+        single = launch("CartPole-v1", endpoints=1, num_envs=4, **COMMON)
         results["launch_1x4_s"] = time.monotonic() - began
         print(
             f"launch: K=2 x N=2 {results['launch_2x2_s']:.2f} s, "

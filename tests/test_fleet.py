@@ -66,7 +66,7 @@ def test_addresses_are_validated_and_normalized() -> None:
         "tcp://127.0.0.1:5002",
     ]
     assert [e.state for e in fleet.endpoints] == ["restarting"] * 3  # not reached yet
-    assert [e.lanes for e in fleet.endpoints] == [None] * 3
+    assert [e.num_envs for e in fleet.endpoints] == [None] * 3
     assert [e.index for e in fleet.endpoints] == [0, 1, 2]
     with pytest.raises(ValueError, match="at least one"):
         Fleet.from_addresses([])
@@ -95,16 +95,16 @@ def test_from_dns_names_the_statefulset_pods() -> None:
 def test_health_reports_each_endpoint_within_its_deadline(pair: list[str]) -> None:
     dead = f"127.0.0.1:{_free_port()}"
     with Fleet.from_addresses([*pair, dead]) as fleet:
-        report = fleet.health(timeout=2.0)
+        report = fleet.health(timeout_seconds=2.0)
         assert [h.serving for h in report] == [True, True, False]
         assert [h.status for h in report[:2]] == ["SERVING", "SERVING"]
         assert "unreachable" in (report[2].error or "")
-        assert [e.lanes for e in fleet.endpoints] == [2, 3, None]
+        assert [e.num_envs for e in fleet.endpoints] == [2, 3, None]
         assert [e.state for e in fleet.endpoints] == ["serving", "serving", "restarting"]
         with pytest.raises(TimeoutError, match=dead.split(":")[1]):
-            fleet.wait_ready(1.0, probe_timeout=0.5)
+            fleet.wait_ready(1.0, probe_timeout_seconds=0.5)
         with pytest.raises(ValueError):
-            fleet.health(timeout=0)
+            fleet.health(timeout_seconds=0)
     with pytest.raises(RuntimeError, match="closed"):
         fleet.health()
 
@@ -196,7 +196,7 @@ def test_killed_endpoint_its_unfinished_seeds_move_to_the_other(servers: ServerP
 
     hooks = KillOnSeed()
     with Fleet.from_addresses([victim.address, survivor.address]) as fleet:
-        result = fleet.run(MODEL, seeds=seeds, hooks=hooks, recover_timeout=1.0)
+        result = fleet.run(MODEL, seeds=seeds, hooks=hooks, recover_timeout_seconds=1.0)
         assert hooks.killed
         assert fleet.endpoints[0].state == "restarting"  # never came back: out of the run
         assert fleet.endpoints[1].state == "serving"
@@ -254,7 +254,7 @@ def test_map_with_no_endpoint_left_raises(servers: ServerPool) -> None:
     dead = [f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"]
     with Fleet.from_addresses(dead) as fleet:
         with pytest.raises(FleetError, match="no endpoint left") as caught:
-            fleet.map(lambda address, shard: shard, range(3), recover_timeout=0.5)
+            fleet.map(lambda address, shard: shard, range(3), recover_timeout_seconds=0.5)
         assert caught.value.partial == [None, None, None]
 
 
@@ -270,7 +270,7 @@ def test_without_recording_a_failed_shard_runs_again_whole(servers: ServerPool) 
     with Fleet.from_addresses([victim.address, survivor.address]) as fleet:
         timer.start()
         try:
-            result = fleet.run(model, seeds=seeds, record_episodes=False, recover_timeout=1.0)
+            result = fleet.run(model, seeds=seeds, record_episodes=False, recover_timeout_seconds=1.0)
         finally:
             timer.join()
     assert [e.seed for e in result.episodes] == seeds
@@ -295,8 +295,8 @@ def test_run_does_not_wait_for_a_down_endpoint_once_the_work_is_done(
 ) -> None:
     dead = f"127.0.0.1:{_free_port()}"
     with Fleet.from_addresses([dead, pair[0]]) as fleet:
-        # recover_timeout far beyond the test's timeout: the run must end with the work.
-        result = fleet.run(MODEL, seeds=[0, 1, 2, 3], recover_timeout=600.0)
+        # recover_timeout_seconds far beyond the test's timeout: the run must end with the work.
+        result = fleet.run(MODEL, seeds=[0, 1, 2, 3], recover_timeout_seconds=600.0)
         assert fleet.endpoints[0].state == "restarting"
     assert [_key(e) for e in result.episodes] == [reference[s] for s in range(4)]
     assert {s.endpoint for s in result.shards} == {1}

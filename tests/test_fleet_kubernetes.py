@@ -204,7 +204,7 @@ def test_pod_command_health_without_token_everything_else_with_it(pod: Any) -> N
     assert "UNAUTHENTICATED" in (anonymous.error or "")
     with Fleet.from_addresses([address], auth_token=token) as fleet:
         (health,) = fleet.health()
-        assert health.serving and health.lanes == 8
+        assert health.serving and health.num_envs == 8
 
 
 def test_pod_command_without_the_secret_is_driven_by_fleet_from_addresses(pod: Any) -> None:

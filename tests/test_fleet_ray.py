@@ -39,10 +39,10 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
 SEEDS = list(range(16))
 FAST = {
     "resources": {"CPU": 0.5},
-    "health_period_s": 0.5,
-    "health_timeout_s": 1.0,
+    "health_period_seconds": 0.5,
+    "health_timeout_seconds": 1.0,
     "unhealthy_after": 2,
-    "ready_timeout_s": 90.0,
+    "ready_timeout_seconds": 90.0,
 }
 
 
@@ -122,12 +122,12 @@ class KillOnSeed(rlmesh.RunHooks):  # type: ignore[misc]
 
 def test_launch_run_equals_union_of_single_endpoint_runs() -> None:
     began = time.monotonic()
-    with launch("CartPole-v1", endpoints=2, lanes=2, bind="127.0.0.1", **FAST) as fleet:
+    with launch("CartPole-v1", endpoints=2, num_envs=2, bind="127.0.0.1", **FAST) as fleet:
         print(f"launch K=2 x N=2: {time.monotonic() - began:.2f} s")
         assert len(set(fleet.addresses)) == 2
         assert all(a.startswith("tcp://127.0.0.1:") for a in fleet.addresses)
         assert [h.serving for h in fleet.health()] == [True, True]
-        assert [e.lanes for e in fleet.endpoints] == [2, 2]
+        assert [e.num_envs for e in fleet.endpoints] == [2, 2]
         assert [e.state for e in fleet.endpoints] == ["serving", "serving"]
         assert fleet.auth_token is None  # loopback: no token
         infos = [fleet.info(i) for i in range(2)]
@@ -150,7 +150,7 @@ def test_launch_run_equals_union_of_single_endpoint_runs() -> None:
 
 
 def test_sigkill_mid_run_restarts_and_reruns_only_unfinished_seeds() -> None:
-    with launch("CartPole-v1", endpoints=2, lanes=2, bind="127.0.0.1", **FAST) as fleet:
+    with launch("CartPole-v1", endpoints=2, num_envs=2, bind="127.0.0.1", **FAST) as fleet:
         before = fleet.addresses[0]
         hooks = KillOnSeed(fleet, 0, seed=3)  # seeds 0-7 are endpoint 0's shard
         result = fleet.run(MODEL, seeds=SEEDS, hooks=hooks)
@@ -187,7 +187,7 @@ def test_wedged_endpoint_is_detected_by_the_supervisor_and_restarted(tmp_path: P
     with launch(
         support.fleet_envs.make_wedge_once,
         endpoints=2,
-        lanes=2,
+        num_envs=2,
         env_kwargs={"marker": str(marker)},
         bind="127.0.0.1",
         **FAST,
@@ -212,9 +212,9 @@ def test_wedged_endpoint_is_detected_by_the_supervisor_and_restarted(tmp_path: P
 
 def test_max_restarts_exhausted_endpoint_dead_and_its_shard_moved() -> None:
     fast = {**FAST, "max_restarts": 0}
-    with launch("CartPole-v1", endpoints=2, lanes=2, bind="127.0.0.1", **fast) as fleet:
+    with launch("CartPole-v1", endpoints=2, num_envs=2, bind="127.0.0.1", **fast) as fleet:
         hooks = KillOnSeed(fleet, 1, seed=9)  # seeds 8-15 are endpoint 1's shard
-        result = fleet.run(MODEL, seeds=SEEDS, hooks=hooks, recover_timeout=30.0)
+        result = fleet.run(MODEL, seeds=SEEDS, hooks=hooks, recover_timeout_seconds=30.0)
         _check_exactly_once(result)
         assert fleet.endpoints[1].state == "dead"
         assert fleet.endpoints[0].state == "serving"
@@ -233,17 +233,17 @@ def test_max_restarts_exhausted_endpoint_dead_and_its_shard_moved() -> None:
 
 def test_launch_refuses_bad_arguments_and_reports_a_failing_env() -> None:
     with pytest.raises(ValueError, match="endpoints"):
-        launch("CartPole-v1", endpoints=0, lanes=1)
+        launch("CartPole-v1", endpoints=0, num_envs=1)
     with pytest.raises(ValueError, match="placement"):
-        launch("CartPole-v1", endpoints=1, lanes=1, placement="EVERYWHERE")
+        launch("CartPole-v1", endpoints=1, num_envs=1, placement="EVERYWHERE")
     with pytest.raises(RuntimeError, match="failed to start"):
-        launch("NoSuchEnv-v9", endpoints=1, lanes=1, bind="127.0.0.1", **FAST)
+        launch("NoSuchEnv-v9", endpoints=1, num_envs=1, bind="127.0.0.1", **FAST)
 
 
 def test_token_generated_beyond_loopback_unless_refused() -> None:
     # On this machine the node IP is loopback; require_auth=True forces the token path.
     with launch(
-        "CartPole-v1", endpoints=1, lanes=1, bind="127.0.0.1", require_auth=True, **FAST
+        "CartPole-v1", endpoints=1, num_envs=1, bind="127.0.0.1", require_auth=True, **FAST
     ) as fleet:
         token = fleet.auth_token
         assert token and len(token) >= 32
@@ -284,7 +284,7 @@ def test_a_launched_fleet_serves_mtls_from_files_shipped_to_the_actors(
         launch(
             "CartPole-v1",
             endpoints=1,
-            lanes=1,
+            num_envs=1,
             bind="127.0.0.1",
             tls_cert_file=paths["cert"],
             tls_key_file=paths["key"],
@@ -293,7 +293,7 @@ def test_a_launched_fleet_serves_mtls_from_files_shipped_to_the_actors(
     with launch(
         "CartPole-v1",
         endpoints=1,
-        lanes=2,
+        num_envs=2,
         bind="127.0.0.1",
         tls=context,
         tls_cert_file=paths["cert"],

@@ -66,14 +66,14 @@ def test_spread_over_nodes_and_a_lost_node_moves_its_endpoint(cluster: tuple[Any
     with launch(
         "CartPole-v1",
         endpoints=2,
-        lanes=2,
+        num_envs=2,
         resources={"CPU": 0.5},
         placement="SPREAD",
         bind="127.0.0.1",
-        health_period_s=0.5,
-        health_timeout_s=1.0,
+        health_period_seconds=0.5,
+        health_timeout_seconds=1.0,
         unhealthy_after=2,
-        ready_timeout_s=90.0,
+        ready_timeout_seconds=90.0,
     ) as fleet:
         nodes = [e.node for e in fleet.endpoints]
         assert len(set(nodes)) == 2  # SPREAD: one endpoint per node

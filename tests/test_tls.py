@@ -384,7 +384,7 @@ async def test_a_static_fleet_over_tls_and_mtls(pki: Pki) -> None:
         def drive() -> None:
             with Fleet.from_addresses([one.address], tls=pki.ca) as fleet:
                 (health,) = fleet.health()
-                assert health.serving and health.lanes == 2
+                assert health.serving and health.num_envs == 2
                 assert fleet.tls == pki.ca
 
                 def shard(address: str, seed: int) -> float:

@@ -7,6 +7,10 @@ grpc.health.v1 with a deadline, :meth:`Fleet.map` (one shard per endpoint at a t
 failed shards retried) and :meth:`Fleet.run` (one rlmesh evaluation sharded over the
 endpoints, merged into one result with each seed exactly once).
 
+:meth:`Fleet.endpoints` gives each endpoint's :class:`EndpointStatus` (a snapshot;
+:class:`rlmesh_trio.client.Endpoint` is a live connection). Errors are
+:class:`FleetError`, a :class:`rlmesh_trio.RlmeshTrioError`.
+
 * :meth:`Fleet.from_addresses` -- endpoints something else runs (processes, containers);
 * :meth:`Fleet.from_dns` -- a Kubernetes StatefulSet behind a headless Service
   (``deploy/kubernetes/``);
@@ -14,18 +18,22 @@ endpoints, merged into one result with each seed exactly once).
   (the ``ray`` extra: ``pip install '.[ray]'`` from a clone).
 """
 
+from typing import Any
+
+from .._deprecation import module_getattr
+from .._exports import publish as _publish
 from ._core import Fleet as Fleet
-from ._records import Endpoint as Endpoint
+from ._core import run_fleet as run_fleet
+from ._records import EndpointStatus as EndpointStatus
 from ._records import FleetError as FleetError
 from ._records import FleetRunResult as FleetRunResult
 from ._records import Health as Health
 from ._records import Retry as Retry
 from ._records import ShardRun as ShardRun
 from ._records import State as State
-from ._run import run_fleet as run_fleet
 
 __all__ = [
-    "Endpoint",
+    "EndpointStatus",
     "Fleet",
     "FleetError",
     "FleetRunResult",
@@ -35,3 +43,9 @@ __all__ = [
     "State",
     "run_fleet",
 ]
+
+__getattr__: Any = module_getattr(
+    __name__, {"Endpoint": ("rlmesh_trio.fleet.EndpointStatus", lambda: EndpointStatus)}
+)
+
+_publish(__name__, globals())

@@ -3,7 +3,9 @@
 No Ray import here: a :class:`Fleet` over a static address list (or a Kubernetes
 StatefulSet's DNS names) gets the same client-side help -- health over grpc.health.v1,
 ``map`` and ``run`` with retries -- as one launched on Ray (:mod:`rlmesh_trio.fleet.ray`),
-which subclasses it and adds restarts.
+which subclasses it and adds restarts. The scheduler (:mod:`._scheduler`) sees the
+fleet through a small adapter (:class:`_SchedulerHost`), the run (:mod:`._run`) through
+the fleet's public face and that adapter.
 """
 
 from __future__ import annotations
@@ -12,26 +14,18 @@ import logging
 import socket
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import Any, TypeVar
 
 from .._address import TcpAddress, UnixAddress, parse_address
+from .._deprecation import renamed_kwargs, warn
 from .._tls import TlsSetting, client_context
 from ..client import probe
-from ._records import (
-    Endpoint,
-    FleetError,
-    FleetRunResult,
-    Health,
-    Retry,
-    State,
-    _Abort,
-    _Done,
-    _Outcome,
-)
+from . import _run
+from ._records import EndpointStatus, FleetError, FleetRunResult, Health, Retry, State
+from ._scheduler import Done, Outcome, Runner, schedule
 
 log = logging.getLogger("rlmesh_trio.fleet")
 
@@ -42,19 +36,21 @@ RECOVERY_POLL_SECONDS = 0.25
 """How often a static fleet re-probes an endpoint that failed, until it serves again."""
 
 
-class _Member:
+class Member:
     """The fleet's mutable record of one endpoint (guarded by the fleet's lock)."""
 
-    def __init__(self, index: int, address: str, lanes: int | None, node: str | None) -> None:
+    def __init__(self, index: int, address: str, num_envs: int | None, node: str | None) -> None:
         self.index = index
         self.address = address
-        self.lanes = lanes
+        self.num_envs = num_envs
         self.node = node
         self.state: State = "restarting"
         self.restarts = 0
 
-    def snapshot(self) -> Endpoint:
-        return Endpoint(self.index, self.address, self.lanes, self.state, self.restarts, self.node)
+    def snapshot(self) -> EndpointStatus:
+        return EndpointStatus(
+            self.index, self.address, self.num_envs, self.state, self.restarts, self.node
+        )
 
 
 def normalize_address(address: str) -> str:
@@ -105,7 +101,7 @@ class Fleet:
             raise ValueError("nodes must give one entry per address")
         self._lock = threading.RLock()
         self._members = [
-            _Member(i, a, None, nodes[i] if nodes is not None else _host_of(a))
+            Member(i, a, None, nodes[i] if nodes is not None else _host_of(a))
             for i, a in enumerate(normalized)
         ]
         self._auth_token = auth_token
@@ -171,8 +167,8 @@ class Fleet:
             return [m.address for m in self._members]
 
     @property
-    def endpoints(self) -> list[Endpoint]:
-        """A snapshot of every endpoint: address, lanes, state, restarts, node."""
+    def endpoints(self) -> list[EndpointStatus]:
+        """A snapshot of every endpoint: address, num_envs, state, restarts, node."""
         with self._lock:
             return [m.snapshot() for m in self._members]
 
@@ -202,7 +198,7 @@ class Fleet:
 
     # -- health -----------------------------------------------------------------------
 
-    def _probe_one(self, index: int, timeout: float) -> Health:
+    def _probe_one(self, index: int, timeout_seconds: float) -> Health:
         with self._lock:
             member = self._members[index]
             address, state = member.address, member.state
@@ -210,38 +206,45 @@ class Fleet:
             return Health(index, address, False, "dead", "the endpoint is dead")
         # Two calls (Check, then Handshake), each within half the deadline.
         result = probe(
-            address, timeout_seconds=timeout / 2, auth_token=self._auth_token, tls=self._tls_context
+            address,
+            timeout_seconds=timeout_seconds / 2,
+            auth_token=self._auth_token,
+            tls=self._tls_context,
         )
-        lanes = result.num_envs or None
-        health = Health(index, address, result.serving, result.health, result.error, lanes)
+        num_envs = result.num_envs or None
+        health = Health(index, address, result.serving, result.health, result.error, num_envs)
         with self._lock:
             if member.address == address and member.state != "dead":
-                if lanes is not None:
-                    member.lanes = lanes
+                if num_envs is not None:
+                    member.num_envs = num_envs
                 self._observed(member, health)
         return health
 
-    def _observed(self, member: _Member, health: Health) -> None:
+    def _observed(self, member: Member, health: Health) -> None:
         """Lock held: a probe's verdict on ``member`` (a subclass may track more)."""
         member.state = "serving" if health.serving else "restarting"
 
-    def health(self, timeout: float = 2.0) -> list[Health]:
+    @renamed_kwargs(timeout="timeout_seconds")
+    def health(self, timeout_seconds: float = 2.0) -> list[Health]:
         """Probe every endpoint at once (grpc.health.v1 Check, then a Handshake), each
-        within ``timeout`` seconds; updates :attr:`endpoints`' states and lanes."""
-        if not timeout > 0:
-            raise ValueError(f"timeout must be > 0, got {timeout!r}")
+        within ``timeout_seconds``; updates :attr:`endpoints`' states and num_envs."""
+        if not timeout_seconds > 0:
+            raise ValueError(f"timeout_seconds must be > 0, got {timeout_seconds!r}")
         self._check_open()
         with ThreadPoolExecutor(len(self._members), "rlmesh-fleet-probe") as pool:
-            futures = [pool.submit(self._probe_one, i, timeout) for i in range(len(self))]
+            futures = [pool.submit(self._probe_one, i, timeout_seconds) for i in range(len(self))]
             return [f.result() for f in futures]
 
-    def wait_ready(self, timeout: float, *, probe_timeout: float = 2.0) -> None:
-        """Return once every live endpoint serves; ``TimeoutError`` after ``timeout`` s
-        (naming those that do not). Dead endpoints are not waited for."""
+    @renamed_kwargs(timeout="timeout_seconds", probe_timeout="probe_timeout_seconds")
+    def wait_ready(self, timeout_seconds: float, *, probe_timeout_seconds: float = 2.0) -> None:
+        """Return once every live endpoint serves; ``TimeoutError`` after
+        ``timeout_seconds`` (naming those that do not), each probe within
+        ``probe_timeout_seconds``. Dead endpoints are not waited for."""
+        timeout = timeout_seconds
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
-            report = self.health(max(0.05, min(probe_timeout, left)))
+            report = self.health(max(0.05, min(probe_timeout_seconds, left)))
             waiting = [h for h in report if not h.serving and h.status != "dead"]
             if not waiting:
                 if all(h.status == "dead" for h in report):
@@ -280,19 +283,20 @@ class Fleet:
             if member.state == "serving":
                 member.state = "restarting"
 
-    def _member(self, index: int) -> Endpoint:
+    def _member(self, index: int) -> EndpointStatus:
         with self._lock:
             return self._members[index].snapshot()
 
     # -- work -----------------------------------------------------------------------------
 
+    @renamed_kwargs(recover_timeout="recover_timeout_seconds")
     def map(
         self,
         fn: Callable[[str, T], R],
         shards: Iterable[T],
         *,
         retries: int = 2,
-        recover_timeout: float = 60.0,
+        recover_timeout_seconds: float = 60.0,
     ) -> list[R]:
         """``[fn(address, shard) for shard in shards]``, one shard per endpoint at a time.
 
@@ -303,18 +307,23 @@ class Fleet:
         each retry is logged at WARNING and recorded in :attr:`retries`. A shard that
         failed ``retries + 1`` times, or work left with no endpoint to run it, raises
         :class:`FleetError` (``partial``: the results so far, ``None`` where missing).
-        Results come back in the order of ``shards``.
+        ``recover_timeout_seconds``: how long a failed endpoint may take to serve again
+        before it takes no more of this work. Results come back in the order of ``shards``.
         """
         items = list(shards)
         results: list[Any] = [None] * len(items)
 
-        def runner(address: str, endpoint: Endpoint, units: list[int], done: _Done) -> None:
+        def runner(address: str, endpoint: EndpointStatus, units: list[int], done: Done) -> None:
             # One shard per call: the scheduler hands out tasks of one unit.
             (unit,) = units
             done(unit, fn(address, items[unit]))
 
         outcome = self._schedule(
-            [[i] for i in range(len(items))], runner, retries, recover_timeout, split=False
+            [[i] for i in range(len(items))],
+            runner,
+            retries=retries,
+            recover_timeout_seconds=recover_timeout_seconds,
+            split=False,
         )
         for unit, value in outcome.done.items():
             results[unit] = value
@@ -324,53 +333,86 @@ class Fleet:
             ) from outcome.last_error
         return results
 
+    @renamed_kwargs(recover_timeout="recover_timeout_seconds")
     def run(
         self,
         model: Any,
         *,
         seeds: Sequence[int],
         retries: int = 2,
-        recover_timeout: float = 60.0,
+        recover_timeout_seconds: float = 60.0,
         record_episodes: bool = True,
         **run_kwargs: Any,
     ) -> FleetRunResult:
-        """One evaluation over the whole fleet: :func:`rlmesh.run` per endpoint, merged.
+        """Evaluate ``model`` once per seed over the fleet and merge the results.
 
-        See :func:`rlmesh_trio.fleet.run_fleet` (this is it, bound to the fleet).
+        The seeds are cut, in order, into one shard per serving endpoint (the first
+        endpoint's shard holds the first seeds), in whole rounds of that endpoint's lanes
+        (a short shard is filled up by repeating some of its seeds, and the extra
+        episodes are discarded), and every endpoint runs its shard with its own
+        :func:`rlmesh.run` (endpoints admit one session each), all at once, on one
+        thread each. ``model`` is what ``rlmesh.run`` takes: a local ``rlmesh``
+        ``Model`` instance (borrowed by the concurrent runs, as ``rlmesh.run`` borrows
+        it) or a ``Model`` subclass (one built per run). ``run_kwargs`` go to every
+        ``rlmesh.run`` (``max_episode_steps``, ``hooks``, ``instruction``, ...).
+
+        Finished episodes are recorded as they end (through rlmesh's ``RunHooks``), so
+        when an endpoint fails mid-run only the seeds its run had not finished are
+        queued again: on the same endpoint once it serves again (a Ray fleet waits for
+        the restarted actor, at its new address), or on whichever endpoint is free
+        first. A seed that failed ``retries + 1`` times, or seeds left with no endpoint
+        to run them, raise :class:`FleetError` whose ``partial`` is the merged result of
+        what finished.
+
+        ``record_episodes=False`` trades that for speed: without hooks, rlmesh's runtime
+        does not relay every step to Python (it decodes each observation and action for
+        the hooks: about a quarter of the driver's time per step was measured), but a
+        failed run's episodes are unknown, so its whole shard runs again. (A caller's
+        own ``hooks`` turn the recording on anyway.) ``recover_timeout_seconds``: how
+        long a failed endpoint may take to serve again before it is left out of this run.
+
+        The result (:class:`FleetRunResult`, shaped like ``rlmesh.RunResult``) holds each
+        seed's episode exactly once, in the order of ``seeds``, with ``index`` its
+        position there; ``shards`` records every run made and ``retries`` every retry.
+
+        A user's ``hooks`` sees ``on_run_start`` once per shard run, ``on_episode_start``
+        and ``on_step`` of every episode run (calls from the endpoints' threads are
+        serialized), ``on_episode_end`` once per kept episode, ``on_run_end`` once with
+        the merged result (as an ``rlmesh.RunResult``).
         """
-        from ._run import run_fleet
-
-        return run_fleet(
+        self._check_open()
+        return _run.run(
             self,
+            _SchedulerHost(self),
             model,
             seeds=seeds,
             retries=retries,
-            recover_timeout=recover_timeout,
+            recover_timeout_seconds=recover_timeout_seconds,
             record_episodes=record_episodes,
-            **run_kwargs,
+            run_kwargs=run_kwargs,
         )
 
     def _schedule(
         self,
         tasks: list[list[int]],
-        runner: Callable[[str, Endpoint, list[int], _Done], None],
-        retries: int,
-        recover_timeout: float,
+        runner: Runner,
         *,
+        retries: int,
+        recover_timeout_seconds: float,
         split: bool,
         owners: Sequence[int] | None = None,
-    ) -> _Outcome:
-        """Run ``tasks`` (lists of unit ids) on the endpoints, one task per endpoint at a
-        time, re-queueing what a failed attempt left unfinished. ``runner(address,
-        endpoint, units, done)`` calls ``done(unit, value)`` per finished unit and raises
-        on failure. ``split``: an idle endpoint may take part of a queued task (``run``:
-        its unfinished seeds), so a re-queued task spreads over the free endpoints.
-        ``owners[i]``: the endpoint that runs task ``i`` first (another takes it only
-        while that one is not serving, or once it has left the work)."""
+    ) -> Outcome:
+        """:func:`._scheduler.schedule` on this fleet."""
         self._check_open()
-        if not isinstance(retries, int) or retries < 0:
-            raise ValueError(f"retries must be an int >= 0, got {retries!r}")
-        return _Scheduler(self, tasks, runner, retries, recover_timeout, split, owners).run()
+        return schedule(
+            _SchedulerHost(self),
+            tasks,
+            runner,
+            retries=retries,
+            recover_timeout_seconds=recover_timeout_seconds,
+            split=split,
+            owners=owners,
+        )
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -399,233 +441,34 @@ class Fleet:
         self.close()
 
 
-class _Scheduler:
-    """One worker thread per endpoint; a shared queue of tasks; every wait bounded."""
+class _SchedulerHost:
+    """The fleet as :class:`._scheduler.Host` sees it (and nothing more of it)."""
 
-    def __init__(
-        self,
-        fleet: Fleet,
-        tasks: list[list[int]],
-        runner: Callable[[str, Endpoint, list[int], _Done], None],
-        retries: int,
-        recover_timeout: float,
-        split: bool,
-        owners: Sequence[int] | None = None,
-    ) -> None:
-        self.fleet = fleet
-        self.runner = runner
-        self.retries = retries
-        self.recover_timeout = recover_timeout
-        self.split = split
-        self.cond = threading.Condition()
-        if owners is not None and len(owners) != len(tasks):
-            raise ValueError("owners must name one endpoint per task")
-        self.owned: dict[int, list[int]] = {}
-        """Tasks reserved for an endpoint (its first shard), by endpoint index."""
-        self.queue: deque[tuple[list[int], bool]] = deque()
-        """Tasks any endpoint may take, and whether each was queued again after a failure."""
-        for i, task in enumerate(tasks):
-            if not task:
-                continue
-            if owners is not None and owners[i] not in self.owned:
-                self.owned[owners[i]] = task
-            else:
-                self.queue.append((task, False))
-        self.unavailable: set[int] = set()
-        """Endpoints recovering or gone: their reserved tasks are free for the others."""
-        self.total = sum(len(t) for t in tasks)
-        self.done: dict[int, Any] = {}
-        self.failed: dict[int, str] = {}
-        self.failures: dict[int, int] = {}
-        self.in_flight = 0
-        self.workers_alive = 0
-        self.retry_log: list[Retry] = []
-        self.last_error: BaseException | None = None
-        self.aborted: BaseException | None = None
+    def __init__(self, fleet: Fleet) -> None:
+        self._fleet = fleet
 
-    def finished(self) -> bool:
-        return len(self.done) + len(self.failed) >= self.total
+    def endpoints(self) -> list[EndpointStatus]:
+        return self._fleet.endpoints
 
-    def over(self) -> bool:
-        """Nothing left for a recovering endpoint to do: stop waiting for it."""
-        with self.cond:
-            return self.finished() or self.aborted is not None
+    def endpoint(self, index: int) -> EndpointStatus:
+        return self._fleet._member(index)
 
-    def run(self) -> _Outcome:
-        if self.total:
-            live = [e for e in self.fleet.endpoints if e.state != "dead"]
-            if not live:
-                raise FleetError("every endpoint of the fleet is dead")
-            threads = [
-                threading.Thread(
-                    target=self.work, args=(e.index,), name=f"rlmesh-fleet-{e.index}", daemon=True
-                )
-                for e in live
-            ]
-            self.workers_alive = len(threads)
-            for thread in threads:
-                thread.start()
-            try:
-                for thread in threads:
-                    thread.join()
-            except BaseException as exc:  # e.g. KeyboardInterrupt: take no more work
-                with self.cond:
-                    self.aborted = exc
-                    self.cond.notify_all()
-                raise
-            with self.cond:
-                self.queue.extend((task, False) for task in self.owned.values())
-                self.owned.clear()
-                for task, _ in self.queue:  # no endpoint left to run them (or aborted)
-                    for unit in task:
-                        if unit not in self.done:
-                            self.failed.setdefault(unit, "no endpoint left to run it")
-                self.queue.clear()
-        return _Outcome(self.done, self.failed, self.retry_log, self.last_error)
+    def recover(self, index: int, deadline: float, cancelled: Callable[[], bool]) -> bool:
+        return self._fleet._recover(index, deadline, cancelled)
 
-    def take(self, index: int, lanes: int | None) -> list[int] | None:
-        """Lock held: the next task for endpoint ``index``, or None when all is done."""
-        while True:
-            if self.finished() or self.fleet.closed or self.aborted is not None:
-                return None
-            own = self.owned.pop(index, None)
-            if own is None:
-                # Reserved for an endpoint that cannot take it now: free for all.
-                for owner in sorted(self.owned.keys() & self.unavailable):
-                    self.queue.append((self.owned.pop(owner), False))
-            if own is not None:
-                self.in_flight += 1
-                return own
-            if self.queue:
-                task, again = self.queue.popleft()
-                pending = [u for u in task if u not in self.done and u not in self.failed]
-                if not pending:
-                    continue
-                if (
-                    again
-                    and self.split
-                    and self.workers_alive > 1
-                    and lanes
-                    and len(pending) > lanes
-                ):
-                    # A re-queued task's seeds: leave some for the other free endpoints.
-                    share = max(lanes, -(-len(pending) // self.workers_alive))
-                    share = -(-share // lanes) * lanes
-                    if share < len(pending):
-                        self.queue.appendleft((pending[share:], True))
-                        pending = pending[:share]
-                self.in_flight += 1
-                return pending
-            if self.in_flight == 0 and not self.owned:
-                return None  # nothing queued, nothing that could re-queue
-            self.cond.wait(1.0)
+    def failed(self, index: int, error: BaseException) -> None:
+        self._fleet._failed(index, error)
 
-    def record(self, unit: int, value: Any) -> bool:
-        with self.cond:
-            if unit in self.done or unit in self.failed:
-                return False
-            self.done[unit] = value
-            if self.finished():
-                self.cond.notify_all()
-            return True
+    def retried(self, retry: Retry) -> None:
+        with self._fleet._lock:
+            self._fleet._retries.append(retry)
 
-    def available(self, index: int, available: bool) -> None:
-        with self.cond:
-            if available:
-                self.unavailable.discard(index)
-            else:
-                self.unavailable.add(index)
-            self.cond.notify_all()
+    def closed(self) -> bool:
+        return self._fleet.closed
 
-    def work(self, index: int) -> None:
-        try:
-            # Not answering when the work began: wait for it (bounded), then join in.
-            if self.fleet._member(index).state != "serving":
-                self.available(index, False)
-                if not self.fleet._recover(
-                    index, time.monotonic() + self.recover_timeout, self.over
-                ):
-                    return
-                self.available(index, True)
-            while True:
-                endpoint = self.fleet._member(index)
-                with self.cond:
-                    task = self.take(index, endpoint.lanes)
-                if task is None:
-                    return
-                try:
-                    self.runner(endpoint.address, endpoint, task, self.record)
-                except _Abort as exc:
-                    with self.cond:
-                        self.in_flight -= 1
-                        self.aborted = exc
-                        self.last_error = exc
-                        self.cond.notify_all()
-                    return
-                except Exception as exc:
-                    if not self.requeue(endpoint, task, exc):
-                        return
-                    self.fleet._failed(index, exc)
-                    self.available(index, False)
-                    deadline = time.monotonic() + self.recover_timeout
-                    if not self.fleet._recover(index, deadline, self.over):
-                        log.warning(
-                            "fleet: endpoint %d (%s) is not serving again; it takes no more work",
-                            index,
-                            endpoint.address,
-                        )
-                        return
-                    self.available(index, True)
-                else:
-                    with self.cond:
-                        self.in_flight -= 1
-                        # A run that returned without some of its units (it cannot
-                        # happen with rlmesh.run; a map fn always reports): re-queue.
-                        missing = [u for u in task if u not in self.done and u not in self.failed]
-                        if missing:
-                            self.queue.append((missing, True))
-                        self.cond.notify_all()
-        finally:
-            with self.cond:
-                self.workers_alive -= 1
-                self.unavailable.add(index)
-                leftover = self.owned.pop(index, None)
-                if leftover is not None:
-                    self.queue.append((leftover, False))
-                self.cond.notify_all()
 
-    def requeue(self, endpoint: Endpoint, task: list[int], exc: BaseException) -> bool:
-        """A task failed: queue its unfinished units again (those within their retries).
-        Returns False when the fleet is closing."""
-        error = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
-        with self.cond:
-            self.in_flight -= 1
-            self.last_error = exc
-            again: list[int] = []
-            worst = 0
-            for unit in task:
-                if unit in self.done or unit in self.failed:
-                    continue
-                count = self.failures.get(unit, 0) + 1
-                self.failures[unit] = count
-                if count > self.retries:
-                    self.failed[unit] = error
-                else:
-                    again.append(unit)
-                    worst = max(worst, count)
-            if again:
-                self.queue.append((again, True))
-                retry = Retry(endpoint.index, endpoint.address, len(again), error, worst)
-                self.retry_log.append(retry)
-                with self.fleet._lock:
-                    self.fleet._retries.append(retry)
-                log.warning(
-                    "fleet: %d item(s) failed on endpoint %d (%s): %s; retry %d queued",
-                    len(again),
-                    endpoint.index,
-                    endpoint.address,
-                    error,
-                    worst,
-                )
-            self.cond.notify_all()
-            return not self.fleet.closed
+def run_fleet(fleet: Fleet, model: Any, **kwargs: Any) -> FleetRunResult:
+    """Deprecated: use :meth:`Fleet.run` (``run_fleet(fleet, model, ...)`` is
+    ``fleet.run(model, ...)``); goes in rlmesh-trio 0.2."""
+    warn("rlmesh_trio.fleet.run_fleet()", "Fleet.run()")
+    return fleet.run(model, **kwargs)

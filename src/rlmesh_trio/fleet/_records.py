@@ -1,15 +1,18 @@
-"""The fleet's records: endpoints, their health, retries, a run's merged result and its
-shards, and the scheduler's outcome. Plain data, shared by :mod:`._core` (the fleet and
-its scheduler), :mod:`._run` (``Fleet.run``) and :mod:`.ray`."""
+"""The fleet's records: endpoints' status, their health, retries, a run's merged result
+and its shards, and the fleet's error. Plain data, shared by :mod:`._core` (the fleet),
+:mod:`._scheduler`, :mod:`._run` (``Fleet.run``) and :mod:`.ray`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
+from .._deprecation import renamed_attribute
+from .._errors import RlmeshTrioError
+
 __all__ = [
-    "Endpoint",
+    "EndpointStatus",
     "FleetError",
     "FleetRunResult",
     "Health",
@@ -22,7 +25,7 @@ State = Literal["serving", "restarting", "dead"]
 """An endpoint's state: answering, being restarted (or not answering yet), gone for good."""
 
 
-class FleetError(RuntimeError):
+class FleetError(RlmeshTrioError, RuntimeError):
     """A fleet operation could not finish: no endpoint left, or work failed past its
     retries. ``partial`` holds what did finish (a list for ``map``, a
     :class:`FleetRunResult` for ``run``), ``retries`` every retry that was made."""
@@ -34,14 +37,15 @@ class FleetError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Endpoint:
-    """One endpoint of a fleet, as of when it was read (a snapshot)."""
+class EndpointStatus:
+    """One endpoint of a fleet, as of when it was read (a snapshot; the live connection
+    to an endpoint is :class:`rlmesh_trio.client.Endpoint`)."""
 
     index: int
     """Its position in the fleet (stable across restarts)."""
     address: str
     """The current address, ``tcp://host:port`` (it changes when a restart moves it)."""
-    lanes: int | None
+    num_envs: int | None
     """How many lanes (envs) it serves; ``None`` until it has been reached once."""
     state: State
     """``"serving"``, ``"restarting"`` (or not answering) or ``"dead"``."""
@@ -49,6 +53,8 @@ class Endpoint:
     """How many times it was restarted (by Ray, or by the fleet's supervisor)."""
     node: str | None = None
     """Where it runs: a Ray node id, or the host of a static address."""
+
+    lanes = renamed_attribute("num_envs", owner="EndpointStatus", old="lanes")
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,10 @@ class Health:
     service`` (rlmesh 0.1.0's server), ``dead``, or ``unknown`` when unreachable."""
     error: str | None = None
     """Why it is not serving, when it is not (``unreachable: ...``, a timeout, ...)."""
-    lanes: int | None = None
+    num_envs: int | None = None
+    """How many lanes (envs) it serves, as its Handshake said (``None``: not reached)."""
+
+    lanes = renamed_attribute("num_envs", owner="Health", old="lanes")
 
     def __str__(self) -> str:
         return self.status if self.serving else f"{self.status} ({self.error})"
@@ -81,29 +90,6 @@ class Retry:
     error: str
     attempt: int
     """The how-manieth failure of the most-failed of those items (1 = first retry)."""
-
-
-class _Abort(Exception):
-    """Raised by a runner: stop the whole schedule, retry nothing (e.g. a user hook raised)."""
-
-
-_Done = Callable[[int, Any], bool]
-"""``done(unit, value)``: record a finished unit; False when it was already finished."""
-
-
-@dataclass
-class _Outcome:
-    done: dict[int, Any]
-    failed: dict[int, str]
-    """Units given up on, with the last error."""
-    retries: list[Retry] = field(default_factory=list)
-    last_error: BaseException | None = None
-
-    def describe(self, noun: str) -> str:
-        sample = next(iter(self.failed.values()), "")
-        return (
-            f"{len(self.failed)} {noun}(s) could not be finished ({len(self.done)} were): {sample}"
-        )
 
 
 @dataclass(frozen=True)
@@ -174,11 +160,10 @@ class ShardRun:
     kept: int
     """Episodes of it that made it into the merged result."""
     error: str | None = None
+    """Why the run failed (``None``: it finished)."""
     telemetry: tuple[Any, ...] = ()
-    duration_s: float = 0.0
+    """The run's own telemetry (``rlmesh.RunResult.telemetry``)."""
+    duration_seconds: float = 0.0
+    """How long the run took, in seconds."""
 
-
-def _renumber(episode: Any, position: int) -> Any:
-    """An EpisodeResult with ``index`` (and ``trial``, when set) as the fleet ordinal."""
-    trial = episode.trial
-    return replace(episode, index=position, trial=None if trial is None else position)
+    duration_s = renamed_attribute("duration_seconds", owner="ShardRun", old="duration_s")

@@ -4,26 +4,18 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 from .._tls import TlsSetting
-from ._records import (
-    Endpoint,
-    FleetError,
-    FleetRunResult,
-    Health,
-    ShardRun,
-    _Abort,
-    _Done,
-    _Outcome,
-    _renumber,
-)
+from ._records import EndpointStatus, FleetError, FleetRunResult, Health, ShardRun
+from ._scheduler import Abort, Done, Host, schedule
 
 
-class Fleet(Protocol):
-    """What ``run_fleet`` needs of a :class:`~rlmesh_trio.fleet.Fleet` (no import of
-    ``_core``, which calls this module from ``Fleet.run``)."""
+class RunFleet(Protocol):
+    """What the run needs of the fleet's public face (its scheduling goes through a
+    :class:`._scheduler.Host`)."""
 
     @property
     def auth_token(self) -> str | None: ...
@@ -31,18 +23,7 @@ class Fleet(Protocol):
     @property
     def tls(self) -> TlsSetting: ...
 
-    def health(self, timeout: float = ...) -> list[Health]: ...
-
-    def _schedule(
-        self,
-        tasks: list[list[int]],
-        runner: Callable[[str, Endpoint, list[int], _Done], None],
-        retries: int,
-        recover_timeout: float,
-        *,
-        split: bool,
-        owners: Sequence[int] | None = None,
-    ) -> _Outcome: ...
+    def health(self, timeout_seconds: float = ...) -> list[Health]: ...
 
 
 _REFUSED = {
@@ -72,51 +53,26 @@ def _pad(seeds: list[int], lanes: int | None) -> list[int]:
     return [*seeds, *(seeds[i % len(seeds)] for i in range(short))]
 
 
-def run_fleet(
-    fleet: Fleet,
+def _renumber(episode: Any, position: int) -> Any:
+    """An EpisodeResult with ``index`` (and ``trial``, when set) as the fleet ordinal."""
+    trial = episode.trial
+    return replace(episode, index=position, trial=None if trial is None else position)
+
+
+def run(
+    fleet: RunFleet,
+    host: Host,
     model: Any,
     *,
     seeds: Sequence[int],
-    retries: int = 2,
-    recover_timeout: float = 60.0,
-    record_episodes: bool = True,
-    **run_kwargs: Any,
+    retries: int,
+    recover_timeout_seconds: float,
+    record_episodes: bool,
+    run_kwargs: Mapping[str, Any],
 ) -> FleetRunResult:
-    """Evaluate ``model`` once per seed over the fleet and merge the results.
-
-    The seeds are cut, in order, into one shard per serving endpoint (the first
-    endpoint's shard holds the first seeds), in whole rounds of that endpoint's lanes
-    (a short shard is filled up by repeating some of its seeds, and the extra episodes
-    are discarded), and every endpoint runs its shard with its own
-    :func:`rlmesh.run` (endpoints admit one session each), all at once, on one thread
-    each. ``model`` is what ``rlmesh.run`` takes: a local ``rlmesh`` ``Model`` instance
-    (borrowed by the concurrent runs, as ``rlmesh.run`` borrows it) or a ``Model``
-    subclass (one built per run). ``run_kwargs`` go to every ``rlmesh.run``
-    (``max_episode_steps``, ``hooks``, ``instruction``, ...).
-
-    Finished episodes are recorded as they end (through rlmesh's ``RunHooks``), so when
-    an endpoint fails mid-run only the seeds its run had not finished are queued again:
-    on the same endpoint once it serves again (a Ray fleet waits for the restarted
-    actor, at its new address), or on whichever endpoint is free first. A seed that
-    failed ``retries + 1`` times, or seeds left with no endpoint to run them, raise
-    :class:`FleetError` whose ``partial`` is the merged result of what finished.
-
-    ``record_episodes=False`` trades that for speed: without hooks, rlmesh's runtime
-    does not relay every step to Python (it decodes each observation and action for
-    the hooks: about a quarter of the driver's time per step was measured), but a
-    failed run's episodes are unknown, so its whole shard runs again. (A caller's own
-    ``hooks`` turn the recording on anyway.) ``recover_timeout``: how long a failed
-    endpoint may take to serve again before it is left out of this run.
-
-    The result (:class:`FleetRunResult`, shaped like ``rlmesh.RunResult``) holds each
-    seed's episode exactly once, in the order of ``seeds``, with ``index`` its position
-    there; ``shards`` records every run made and ``retries`` every retry.
-
-    A user's ``hooks`` sees ``on_run_start`` once per shard run, ``on_episode_start``
-    and ``on_step`` of every episode run (calls from the endpoints' threads are
-    serialized), ``on_episode_end`` once per kept episode, ``on_run_end`` once with
-    the merged result (as an ``rlmesh.RunResult``).
-    """
+    """:meth:`Fleet.run <rlmesh_trio.fleet.Fleet.run>` (documented there): the seeds
+    sharded over ``fleet``'s endpoints, scheduled on ``host``, merged."""
+    run_kwargs = dict(run_kwargs)
     try:
         import rlmesh
     except ImportError as exc:  # pragma: no cover - rlmesh is in the test extra
@@ -156,7 +112,7 @@ def run_fleet(
     serving = [h for h in report if h.serving]
     if not serving and not any(h.status != "dead" for h in report):
         raise FleetError("every endpoint of the fleet is dead")
-    lanes = [h.lanes or 1 for h in serving] or [1]
+    lanes = [h.num_envs or 1 for h in serving] or [1]
     rounds = -(-len(wanted) // sum(lanes))
     # Shard i is endpoint serving[i]'s first (contiguous seeds, in rounds of its lanes).
     tasks: list[list[int]] = []
@@ -178,7 +134,7 @@ def run_fleet(
     hook_error: list[BaseException] = []
 
     class Recorder(rlmesh.RunHooks):
-        def __init__(self, units: list[int], done: _Done) -> None:
+        def __init__(self, units: list[int], done: Done) -> None:
             self.units = units
             self.done = done
             self.kept = 0
@@ -215,10 +171,10 @@ def run_fleet(
             with forward:
                 discarded[0] += 1
 
-    def runner(address: str, endpoint: Endpoint, units: list[int], done: _Done) -> None:
+    def runner(address: str, endpoint: EndpointStatus, units: list[int], done: Done) -> None:
         if hook_error:
             raise _HookFailed(hook_error[0])
-        shard_seeds = _pad([wanted[u] for u in units], endpoint.lanes)
+        shard_seeds = _pad([wanted[u] for u in units], endpoint.num_envs)
         recorder = Recorder(units, done)
         began = time.monotonic()
         error: str | None = None
@@ -254,8 +210,14 @@ def run_fleet(
                     )
                 )
 
-    outcome = fleet._schedule(
-        tasks, runner, retries, recover_timeout, split=True, owners=owners if serving else None
+    outcome = schedule(
+        host,
+        tasks,
+        runner,
+        retries=retries,
+        recover_timeout_seconds=recover_timeout_seconds,
+        split=True,
+        owners=owners if serving else None,
     )
     episodes = tuple(_renumber(outcome.done[u], u) for u in sorted(outcome.done))
     merged = FleetRunResult(
@@ -279,7 +241,7 @@ def run_fleet(
     return merged
 
 
-class _HookFailed(_Abort):
+class _HookFailed(Abort):
     """A user hook raised: the whole fleet run stops (never retried)."""
 
     def __init__(self, error: BaseException) -> None:
