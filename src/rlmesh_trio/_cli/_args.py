@@ -11,7 +11,10 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import IO, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:
+    from _typeshed import SupportsWrite
 
 __all__ = [
     "PROG",
@@ -44,7 +47,7 @@ class Parser(argparse.ArgumentParser):
         self.print_usage(sys.stderr)
         self.exit(2, f"{self.prog}: error: {message}\n")
 
-    def _print_message(self, message: str, file: IO[str] | None = None) -> None:
+    def _print_message(self, message: str, file: SupportsWrite[str] | None = None) -> None:
         # argparse's own swallows OSError: ``--help | head -c1`` would lose the output
         # silently and exit 0; the CLI's BrokenPipeError handling decides instead.
         if message:

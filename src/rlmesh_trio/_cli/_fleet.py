@@ -18,8 +18,6 @@ import signal
 import stat
 import sys
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, TextIO
 
 from ._args import (
@@ -187,15 +185,8 @@ def fleet_command(args: argparse.Namespace) -> int:
         probe_tls = _probe_tls(args)
     except (UsageError, ValueError) as exc:
         return _usage(str(exc))
-    with _stdout_for_reports_only() as out:
-        return _run(args, auth_token, probe_tls, out)
-
-
-def _run(args: argparse.Namespace, auth_token: str | None, probe_tls: Any, out: TextIO) -> int:
     try:
-        import ray
-
-        from ..fleet.ray import _is_loopback, launch, resolve_bind
+        from ..fleet.ray import ray_output_to_stderr
     except ImportError as exc:
         print(
             f"{COMMAND}: error: needs Ray: pip install ray (the ray extra; from a clone of "
@@ -203,6 +194,15 @@ def _run(args: argparse.Namespace, auth_token: str | None, probe_tls: Any, out: 
             file=sys.stderr,
         )
         return EXIT_FAILED
+    with ray_output_to_stderr() as out:  # stdout: the reports, nothing else
+        return _run(args, auth_token, probe_tls, out)
+
+
+def _run(args: argparse.Namespace, auth_token: str | None, probe_tls: Any, out: TextIO) -> int:
+    import ray
+
+    from ..fleet.ray import _is_loopback, launch, resolve_bind
+
     try:
         env = load_env(args, in_other_processes=True)
     except Exception as exc:
@@ -295,18 +295,6 @@ def _run(args: argparse.Namespace, auth_token: str | None, probe_tls: Any, out: 
         fleet.close()
         if started_ray:
             ray.shutdown()
-
-
-@contextmanager
-def _stdout_for_reports_only() -> Iterator[TextIO]:
-    """The real stdout, for the reports; ``sys.stdout`` is stderr meanwhile (Ray's driver
-    threads print worker and raylet lines to ``sys.stdout``)."""
-    out = sys.stdout
-    sys.stdout = sys.stderr
-    try:
-        yield out
-    finally:
-        sys.stdout = out
 
 
 def _reader_gone(out: TextIO) -> bool:
