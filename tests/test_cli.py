@@ -260,9 +260,15 @@ def test_serve_in_process_with_package_entrypoint_kwargs_and_ready_fd(
 # --------------------------------------------------------------------------- subprocesses
 
 
-def spawn(*args: str, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
+def cli_env() -> dict[str, str]:
+    """The environment of a CLI subprocess: ours, with tests/ importable (support.envs)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS_DIR), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def spawn(*args: str, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
+    env = cli_env()
     return subprocess.Popen(
         [sys.executable, "-m", "rlmesh_trio", *args],
         stdin=subprocess.DEVNULL,
@@ -653,8 +659,7 @@ def spawn_into_pipe(*args: str, read: int) -> tuple[int, bytes, bytes]:
     close the read end (0: close it before the command can write anything, so that its
     first write fails for certain); return the exit code, what was read, and stderr."""
     read_fd, write_fd = os.pipe()
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS_DIR), env.get("PYTHONPATH")) if p)
+    env = cli_env()
     try:
         proc = subprocess.Popen(
             [sys.executable, "-m", "rlmesh_trio", *args],
@@ -708,8 +713,7 @@ def test_stdout_closed_early_exits_quietly(
 def test_stdout_closed_early_through_a_shell_pipeline(procs: list[subprocess.Popen[bytes]]) -> None:
     """The user's own words: ``... | head -1``, through a shell."""
     _, address = start_serving(procs, "--env", "CartPole-v1")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS_DIR), env.get("PYTHONPATH")) if p)
+    env = cli_env()
     command = f'set -o pipefail; "{sys.executable}" -m rlmesh_trio probe {address} | head -1'
     done = subprocess.run(
         ["bash", "-c", command], capture_output=True, env=env, cwd=ROOT, timeout=BOUND
@@ -796,8 +800,7 @@ def test_the_readme_first_command_as_written(procs: list[subprocess.Popen[bytes]
         r"^rlmesh-trio: serving CartPole-v1 x4 lanes on tcp://127\.0\.0\.1:", readme, re.M
     )
     assert said is not None
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS_DIR), env.get("PYTHONPATH")) if p)
+    env = cli_env()
     proc = subprocess.Popen(
         [script, "serve", "--env", "CartPole-v1", "--num-envs", "4"],
         stdin=subprocess.DEVNULL,

@@ -320,7 +320,7 @@ def test_overlay_serves_tls_from_the_mounted_secret_and_probes_with_exec(name: s
         else:
             assert probe_args.tls_cert_file is None
         # The probe's own calls (3 steps x --timeout) fit in the kubelet's timeout.
-        assert probe_spec["timeoutSeconds"] >= 3 * probe_args.timeout, kind
+        assert probe_spec["timeoutSeconds"] >= 3 * probe_args.timeout_seconds, kind
 
 
 @pytest.mark.parametrize("name", sorted(OVERLAYS))
