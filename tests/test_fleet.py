@@ -316,3 +316,5 @@ def test_cli_fleet_refuses_bad_arguments_before_starting_anything(
     assert main([*base, "--endpoints", "2", "--max-restarts", "-2"]) == 2
     assert main([*base, "--endpoints", "2", "--ready-fd", "987"]) == 2
     assert "--ready-fd 987" in capsys.readouterr().err
+    assert main([*base, "--endpoints", "2", "--bind", "not a host"]) == 2
+    assert "not a host" in capsys.readouterr().err

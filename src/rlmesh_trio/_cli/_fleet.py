@@ -20,6 +20,7 @@ import sys
 import threading
 from typing import Any, TextIO
 
+from .._address import parse_address
 from ._args import (
     PROG,
     UsageError,
@@ -182,6 +183,8 @@ def fleet_command(args: argparse.Namespace) -> int:
             raise UsageError("--max-restarts must be >= -1")
         if args.ready_fd is not None:
             check_fd(args.ready_fd)
+        if args.bind not in ("auto", "node"):
+            parse_address(f"{args.bind}:1")  # a host to bind, or ValueError (before Ray)
         probe_tls = _probe_tls(args)
     except (UsageError, ValueError) as exc:
         return _usage(str(exc))
