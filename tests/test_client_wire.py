@@ -398,6 +398,16 @@ def test_a_connection_cut_after_a_graceful_goaway_is_the_servers_shutdown(
         assert step.error.message == reset.error.message
 
 
+def _fatal(request_id: str, message: str) -> env_v1.JoinResponse:
+    """A fatal INTERNAL in-band error answering ``request_id``."""
+    return env_v1.JoinResponse(
+        error=env_v1.EnvError(
+            code=env_v1.EnvErrorCode.INTERNAL, message=message, is_recoverable=False
+        ),
+        request_id=request_id,
+    )
+
+
 @pytest.mark.parametrize("goaway", [False, True])
 def test_a_lane_stopped_by_the_servers_shutdown(goaway: bool) -> None:
     """rlmesh-trio's server answers the lane jobs its stop cut short "lane <i> stopped
@@ -405,14 +415,7 @@ def test_a_lane_stopped_by_the_servers_shutdown(goaway: bool) -> None:
     a lost connection (the server's words kept as the cause); without one it stays the
     env error it says it is."""
     server, state, reset, step = _joined_with_two_requests()
-    answer = env_v1.JoinResponse(
-        error=env_v1.EnvError(
-            code=env_v1.EnvErrorCode.INTERNAL,
-            message="lane 1 stopped before answering",
-            is_recoverable=False,
-        ),
-        request_id="rt-1",
-    )
+    answer = _fatal("rt-1", "lane 1 stopped before answering")
     server.goaway_then_send(state.join.id, frame(encode_join_response(answer)), goaway=goaway)
     state.process()
     if not goaway:
@@ -439,14 +442,7 @@ def test_an_env_error_after_a_graceful_goaway_stays_an_env_error() -> None:
     """Only the server's lane-stopped answer means the shutdown: an env's own failure
     during the drain is still that failure."""
     server, state, reset, _step = _joined_with_two_requests()
-    answer = env_v1.JoinResponse(
-        error=env_v1.EnvError(
-            code=env_v1.EnvErrorCode.INTERNAL,
-            message="reset failed: RuntimeError: boom",
-            is_recoverable=False,
-        ),
-        request_id="rt-1",
-    )
+    answer = _fatal("rt-1", "reset failed: RuntimeError: boom")
     server.goaway_then_send(state.join.id, frame(encode_join_response(answer)))
     state.process()
     assert isinstance(reset.error, EnvError)
