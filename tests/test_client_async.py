@@ -217,6 +217,12 @@ async def test_unix_socket_and_a_second_join(servers: ServerPool, kind: str) -> 
                 async with open_endpoint(srv.address):
                     pass
             assert info.value.grpc_status == 9 and info.value.code == ErrorCode.BUSY
+            assert info.value.grpc_status_name == "FAILED_PRECONDITION"
+            # Both servers' words, named by the status: what a user reads.
+            assert str(info.value) == (
+                "FAILED_PRECONDITION: environment already has an active Join session; "
+                "only one client may be connected at a time"
+            )
             await ep.step(np.array([1]))
 
 
@@ -237,7 +243,7 @@ async def test_connect_failures_are_clear_and_bounded(tmp_path: Any) -> None:
         await silent.bind(("127.0.0.1", 0))
         silent.listen(1)
         try:
-            with pytest.raises(ConnectionLostError, match="connect_timeout_seconds=0.5"):
+            with pytest.raises(ConnectionLostError, match=r"connect_timeout_seconds=0\.5"):
                 async with open_endpoint(
                     f"127.0.0.1:{silent.getsockname()[1]}", connect_timeout_seconds=0.5
                 ):
@@ -288,6 +294,8 @@ async def test_serve_and_client_in_one_nursery_with_a_token() -> None:
                     pass
             assert refused.value.grpc_status == 16
             assert refused.value.grpc_message == "invalid env token"
+            assert refused.value.grpc_status_name == "UNAUTHENTICATED"
+            assert str(refused.value) == "UNAUTHENTICATED: invalid env token"
             async with open_endpoint(info.address, auth_token="s3cret") as ep:
                 obs, _ = await ep.reset(seeds=[3, 4], env_indices=[1, 0])
                 assert obs.shape == (2, 4)
@@ -326,3 +334,44 @@ async def test_aclose_is_bounded_and_fails_pending_calls(servers: ServerPool, ki
         assert len(outcome) == 1
     finally:
         await trio.to_thread.run_sync(srv.kill)
+
+
+async def test_a_server_stopping_during_a_step_says_it_is_shutting_down() -> None:
+    """The server stops (drain 0.2 s) while a 3 s step is in flight: it sends GOAWAY,
+    answers the cut-short lane job "lane 0 stopped before answering" and closes. The
+    caller is told the server is shutting down, not an INTERNAL env error; the wire
+    is the server's as ever (the client reads its GOAWAY)."""
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            server_scope = trio.CancelScope()
+
+            async def run_server(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+                with server_scope:
+                    await serve_env(
+                        envs.make_slow,
+                        options=ServeOptions(drain_timeout_seconds=0.2, close_timeout_seconds=0.5),
+                        task_status=task_status,
+                    )
+
+            info = await nursery.start(run_server)
+            async with open_endpoint(info.address) as ep:
+                await ep.reset()
+                sent = trio.Event()
+
+                async def stop_server() -> None:
+                    await sent.wait()
+                    await trio.sleep(0.2)  # the step is on the wire (it takes 3 s)
+                    server_scope.cancel()
+
+                nursery.start_soon(stop_server)
+                sent.set()
+                with pytest.raises(ConnectionLostError) as lost:
+                    await ep.step(np.array([30]))
+                assert lost.value.message == (
+                    "the server is shutting down (GOAWAY received) before lane 0 answered "
+                    "the step (the server said: lane 0 stopped before answering)"
+                )
+                assert isinstance(lost.value.__cause__, EnvError)
+                assert ep.closed
+                with pytest.raises(EndpointClosedError, match="shutting down"):
+                    await ep.step(np.array([0]))

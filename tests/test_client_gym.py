@@ -4,6 +4,7 @@ mode, and ``Env`` through gymnasium's ``check_env``."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
@@ -14,12 +15,14 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import pytest
+import trio
 from gymnasium.utils.env_checker import check_env
 from gymnasium.utils.passive_env_checker import env_render_passive_checker
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from support import envs
 from support.refserver import ServerConfig, ServerPool
 
+from rlmesh_trio import serve_env
 from rlmesh_trio._codec import from_meta_map, to_meta_map
 from rlmesh_trio.client import (
     ConnectionLostError,
@@ -288,3 +291,74 @@ def test_env_against_a_frozen_server(servers: ServerPool) -> None:
         server.thaw()
         env.close()
         server.stop()
+
+
+def test_vector_env_told_the_server_is_shutting_down(servers: ServerPool) -> None:
+    """SIGTERM (a Ctrl-C, a pod deleted) while a 3 s step of both lanes is in flight: the
+    server sends GOAWAY, drains for 0.2 s, answers the cut-short job and closes. The
+    caller reads that the server is shutting down, naming the lanes it waited for."""
+    cfg = ServerConfig(
+        entrypoint="support.envs:make_slow",
+        num_envs=2,
+        drain_timeout_seconds=0.2,
+        close_timeout_seconds=0.5,
+    )
+    server = servers.fresh("ours", cfg)
+    env = VectorEnv(server.address)
+    stopper = threading.Timer(0.3, os.kill, (server.pid, signal.SIGTERM))
+    try:
+        env.reset()
+        stopper.start()
+        with pytest.raises(ConnectionLostError) as info:
+            env.step(np.array([30, 30]))  # 3 s on the server; SIGTERM after 0.3 s
+        assert info.value.message.startswith(
+            "the server is shutting down (GOAWAY received) before lanes 0-1 answered the "
+            "step (the server said: lane "
+        ), info.value.message
+        with pytest.raises(EndpointClosedError, match="shutting down"):
+            env.step(np.array([0, 0]))
+    finally:
+        stopper.join()
+        env.close()
+        server.stop()
+
+
+@pytest.mark.parametrize("seconds", [0.0015, 0.0019999999, 0.0299999999, 0.057])
+async def test_request_timeout_seconds_is_sent_as_rlmesh_sends_it(seconds: float) -> None:
+    """``request_timeout_seconds`` reaches the wire as the same ``timeout_ms`` from our
+    ``VectorEnv`` as from rlmesh 0.1.0's ``RemoteEnv``: our server names the deadline it
+    got in its TIMEOUT answer to a reset that sleeps past it (one server per client, so
+    neither session waits for the other's Join to end)."""
+    from rlmesh.numpy import RemoteEnv
+
+    def theirs(address: str) -> str:
+        env = RemoteEnv(address, request_timeout_seconds=seconds)
+        try:
+            with pytest.raises(TimeoutError) as caught:
+                env.reset(options={"sleep": 0.15})
+            return str(caught.value).removeprefix("[TIMEOUT] ")
+        finally:
+            env.close()
+
+    def ours(address: str) -> str:
+        env = VectorEnv(address, request_timeout_seconds=seconds)
+        try:
+            with pytest.raises(EnvError) as caught:
+                env.reset(options={"sleep": 0.15})
+            assert caught.value.code == ErrorCode.TIMEOUT and caught.value.is_recoverable
+            return caught.value.message
+        finally:
+            env.close()
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            first, second = [
+                await nursery.start(functools.partial(serve_env, envs.make_slow)) for _ in range(2)
+            ]
+            said = [
+                await trio.to_thread.run_sync(client, info.address)
+                for client, info in ((theirs, first), (ours, second))
+            ]
+            nursery.cancel_scope.cancel()
+    assert said[0] == said[1], said
+    assert said[1].startswith("env.reset timed out after ")

@@ -9,18 +9,23 @@ import pickle
 from typing import Any
 
 import gymnasium as gym
+import h2.config
+import h2.connection
 import numpy as np
 import pytest
 import trio
 from gymnasium import spaces
 
-from rlmesh_trio import serve_env
+from rlmesh_trio import RlmeshTrioError, serve_env
 from rlmesh_trio._codec import space_to_spec, to_meta_map
+from rlmesh_trio._errors import MappedError
 from rlmesh_trio._proto.rlmesh.core import v1 as core_v1
 from rlmesh_trio._proto.rlmesh.env import v1 as env_v1
 from rlmesh_trio._proto.rlmesh.spaces import v1 as spaces_v1
-from rlmesh_trio._wire import DecodeError, decode_join_request, encode_join_response
+from rlmesh_trio._wire import DecodeError, decode_join_request, encode_join_response, frame
+from rlmesh_trio._wire._protocol import JOIN_PATH
 from rlmesh_trio.client import (
+    ConnectionLostError,
     EndpointClosedError,
     EndpointError,
     EnvError,
@@ -30,7 +35,8 @@ from rlmesh_trio.client import (
     VectorEnv,
     open_endpoint,
 )
-from rlmesh_trio.client._core import contract_from_handshake
+from rlmesh_trio.client._core import JoinState, Slot, contract_from_handshake, request_timeout_ms
+from rlmesh_trio.client._grpc import GrpcConnection
 from rlmesh_trio.client._messages import (
     close_request,
     configure_request,
@@ -198,6 +204,12 @@ def test_handshake_checks() -> None:
 
 def test_errors_are_one_family_and_pickle() -> None:
     error = EnvError("boom", code=ErrorCode.INTERNAL, is_recoverable=False, request_id="rt-1")
+    # One root for the package; a client error carries what the server answered
+    # (is_recoverable), not a server-side default under another name.
+    assert isinstance(error, RlmeshTrioError) and not isinstance(error, MappedError)
+    recoverable = EnvError("late", code=ErrorCode.TIMEOUT, is_recoverable=True)
+    assert recoverable.is_recoverable and not hasattr(recoverable, "recoverable")
+    assert not hasattr(RpcError(16, "x"), "env_code")
     again = pickle.loads(pickle.dumps(error))
     assert (type(again), again.code, again.is_recoverable, again.message, again.request_id) == (
         EnvError,
@@ -208,9 +220,233 @@ def test_errors_are_one_family_and_pickle() -> None:
     )
     assert str(error) == "INTERNAL (fatal): boom"
     rpc = RpcError(16, "invalid env token")
-    assert pickle.loads(pickle.dumps(rpc)).grpc_status == 16
+    again_rpc = pickle.loads(pickle.dumps(rpc))
+    assert (again_rpc.grpc_status, str(again_rpc)) == (16, "UNAUTHENTICATED: invalid env token")
     assert isinstance(EndpointClosedError(), type(error).__mro__[1])
     assert ErrorCode.of(99) is ErrorCode.UNSPECIFIED
+
+
+GRPC_STATUSES = {
+    0: "OK",
+    1: "CANCELLED",
+    2: "UNKNOWN",
+    3: "INVALID_ARGUMENT",
+    4: "DEADLINE_EXCEEDED",
+    5: "NOT_FOUND",
+    6: "ALREADY_EXISTS",
+    7: "PERMISSION_DENIED",
+    8: "RESOURCE_EXHAUSTED",
+    9: "FAILED_PRECONDITION",
+    10: "ABORTED",
+    11: "OUT_OF_RANGE",
+    12: "UNIMPLEMENTED",
+    13: "INTERNAL",
+    14: "UNAVAILABLE",
+    15: "DATA_LOSS",
+    16: "UNAUTHENTICATED",
+}
+"""The gRPC spec's status codes (grpc/doc/statuscodes.md), written out independently."""
+
+
+@pytest.mark.parametrize(("status", "name"), sorted(GRPC_STATUSES.items()))
+def test_an_rpc_error_names_its_grpc_status(status: int, name: str) -> None:
+    error = RpcError(status, "the server's words")
+    assert (error.grpc_status, error.grpc_status_name, error.grpc_message) == (
+        status,
+        name,
+        "the server's words",
+    )
+    assert str(error) == error.message == f"{name}: the server's words"
+    assert str(RpcError(status, "")) == name
+    assert not error.is_recoverable
+
+
+def test_an_rpc_error_outside_the_standard_statuses_and_its_codes() -> None:
+    assert str(RpcError(17, "odd")) == "gRPC status 17: odd"
+    assert RpcError(17, "odd").grpc_status_name == "gRPC status 17"
+    codes = {status: RpcError(status, "").code for status in GRPC_STATUSES}
+    assert codes[1] == ErrorCode.CANCELLED and codes[4] == ErrorCode.TIMEOUT
+    assert codes[9] == ErrorCode.BUSY and codes[12] == ErrorCode.UNSUPPORTED
+    assert codes[14] == ErrorCode.CLOSED and codes[16] == ErrorCode.UNSPECIFIED
+
+
+@pytest.mark.parametrize(
+    ("seconds", "ms"),
+    [
+        (None, 0),
+        (0, 0),
+        (0.0, 0),
+        (2.5, 2500),
+        (0.001, 1),
+        (0.0015, 1),  # whole milliseconds, the rest dropped
+        (0.0019999999, 2),  # ... after rounding to the nanosecond
+        (1.005, 1005),  # 1.005 * 1000 is 1004.999... in floats
+        (0.29, 290),
+        (300, 300_000),
+        (np.float32(0.25), 250),
+    ],
+)
+def test_request_timeout_seconds_to_the_wires_milliseconds(seconds: Any, ms: int) -> None:
+    """As rlmesh 0.1.0's RemoteEnv converts ``request_timeout_seconds`` (the values
+    measured on its wire; tests/test_client_gym.py compares the two end to end)."""
+    assert request_timeout_ms(seconds) == ms
+
+
+@pytest.mark.parametrize(
+    ("seconds", "error", "match"),
+    [
+        (0.0004, ValueError, "under the wire's 1 ms resolution"),
+        (-1, ValueError, ">= 0"),
+        (float("nan"), ValueError, ">= 0"),
+        (float("inf"), ValueError, ">= 0"),
+        ("1", TypeError, "must be a number"),
+        (True, TypeError, "must be a number"),
+    ],
+)
+def test_request_timeout_seconds_refused(seconds: Any, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        request_timeout_ms(seconds)
+
+
+class _Server:
+    """The server's side of one HTTP/2 connection (``h2``), facing a
+    :class:`GrpcConnection`: what it sends is fed to the client straight away."""
+
+    def __init__(self, client: GrpcConnection) -> None:
+        self.client = client
+        self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+        self.h2.initiate_connection()
+        self.pump()
+
+    def pump(self) -> None:
+        self.h2.receive_data(self.client.data_to_send())
+        data = self.h2.data_to_send()
+        if data:  # (no bytes at all would read as the end of the connection)
+            self.client.receive(data)
+
+    def goaway_then_send(self, stream_id: int, data: bytes, *, goaway: bool = True) -> None:
+        """A graceful GOAWAY (when ``goaway``), then ``data`` on a stream still open (h2
+        refuses to send after its own GOAWAY: the frames are reordered by hand)."""
+        self.h2.send_data(stream_id, data)
+        message = self.h2.data_to_send()
+        if goaway:
+            self.h2.close_connection(error_code=0, last_stream_id=stream_id)
+            self.client.receive(self.h2.data_to_send())
+        self.client.receive(message)
+
+
+def _joined_with_two_requests() -> tuple[_Server, JoinState, Slot, Slot]:
+    """A Join (2 lanes) with a lane-scoped reset of lane 1 and a step of lane 0 waiting."""
+    client = GrpcConnection("localhost", [])
+    server = _Server(client)
+    join = client.open(JOIN_PATH)
+    state = JoinState(client, join, contract_from_handshake(handshake()))
+    reset = state.submit(
+        reset_request("rt-1", seeds=[], options=None, timeout_ms=0, env_indices=[1]),
+        "rt-1",
+        lambda: None,
+        verb="reset",
+        lanes=[1],
+    )
+    step = state.submit(
+        step_request("rt-2", [b"\x00"], env_indices=[0]),
+        "rt-2",
+        lambda: None,
+        verb="step",
+        lanes=[0],
+    )
+    server.pump()
+    server.h2.send_headers(join.id, [(":status", "200"), ("content-type", "application/grpc")])
+    server.pump()
+    return server, state, reset, step
+
+
+@pytest.mark.parametrize("goaway", [None, 0, 2])
+def test_a_connection_cut_after_a_graceful_goaway_is_the_servers_shutdown(
+    goaway: int | None,
+) -> None:
+    """A server that sent GOAWAY(NO_ERROR) and then cut the connection is shutting down:
+    each waiting request says so, with the lanes it waited for. Without a GOAWAY the cut
+    is a lost connection; a GOAWAY with an error code, the server's error."""
+    server, state, reset, step = _joined_with_two_requests()
+    if goaway is not None:
+        server.h2.close_connection(error_code=goaway, last_stream_id=state.join.id)
+        server.pump()
+    state.process()
+    server.client.receive(b"")  # the server closed the connection
+    state.process()
+    assert isinstance(reset.error, ConnectionLostError)
+    assert isinstance(step.error, ConnectionLostError)
+    if goaway == 0:
+        assert reset.error.message == (
+            "the server is shutting down (GOAWAY received) before lane 1 answered the "
+            "reset (the Join stream ended: the server closed the connection)"
+        )
+        assert step.error.message.startswith(
+            "the server is shutting down (GOAWAY received) before lane 0 answered the step"
+        )
+        assert str(state.failure).endswith(
+            "the server is shutting down (GOAWAY received): the Join stream ended: "
+            "the server closed the connection"
+        )
+    elif goaway == 2:
+        assert reset.error.message == (
+            "the Join stream ended: the server sent GOAWAY (error code 2)"
+        )
+    else:
+        assert reset.error.message == "the Join stream ended: the server closed the connection"
+        assert step.error.message == reset.error.message
+
+
+def _fatal(request_id: str, message: str) -> env_v1.JoinResponse:
+    """A fatal INTERNAL in-band error answering ``request_id``."""
+    return env_v1.JoinResponse(
+        error=env_v1.EnvError(
+            code=env_v1.EnvErrorCode.INTERNAL, message=message, is_recoverable=False
+        ),
+        request_id=request_id,
+    )
+
+
+@pytest.mark.parametrize("goaway", [False, True])
+def test_a_lane_stopped_by_the_servers_shutdown(goaway: bool) -> None:
+    """rlmesh-trio's server answers the lane jobs its stop cut short "lane <i> stopped
+    before answering" (INTERNAL, fatal). After its GOAWAY that is the shutdown, told as
+    a lost connection (the server's words kept as the cause); without one it stays the
+    env error it says it is."""
+    server, state, reset, step = _joined_with_two_requests()
+    answer = _fatal("rt-1", "lane 1 stopped before answering")
+    server.goaway_then_send(state.join.id, frame(encode_join_response(answer)), goaway=goaway)
+    state.process()
+    if not goaway:
+        assert isinstance(reset.error, EnvError) and reset.error.code == ErrorCode.INTERNAL
+        assert reset.error.message == "lane 1 stopped before answering"
+        assert isinstance(step.error, EndpointClosedError)
+        return
+    assert isinstance(reset.error, ConnectionLostError)
+    assert reset.error.message == (
+        "the server is shutting down (GOAWAY received) before lane 1 answered the reset "
+        "(the server said: lane 1 stopped before answering)"
+    )
+    assert isinstance(reset.error.__cause__, EnvError)
+    assert isinstance(step.error, ConnectionLostError)
+    assert step.error.message == (
+        "the server is shutting down (GOAWAY received) before lane 0 answered the step "
+        "(the server's stop cut the requests in flight short)"
+    )
+    with pytest.raises(EndpointClosedError, match="shutting down"):
+        state.check_open()
+
+
+def test_an_env_error_after_a_graceful_goaway_stays_an_env_error() -> None:
+    """Only the server's lane-stopped answer means the shutdown: an env's own failure
+    during the drain is still that failure."""
+    server, state, reset, _step = _joined_with_two_requests()
+    answer = _fatal("rt-1", "reset failed: RuntimeError: boom")
+    server.goaway_then_send(state.join.id, frame(encode_join_response(answer)))
+    state.process()
+    assert isinstance(reset.error, EnvError)
+    assert reset.error.message == "reset failed: RuntimeError: boom"
 
 
 class EchoEnv(gym.Env[np.ndarray, np.ndarray]):

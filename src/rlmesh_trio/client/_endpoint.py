@@ -93,7 +93,8 @@ class Endpoint:
     ``len(env_indices)``, or ``num_envs`` when ``env_indices`` is None), as gymnasium
     vector envs batch them. Requests with ``env_indices`` are lane-scoped: the server
     runs them concurrently and they may complete in any order; without, they address the
-    whole vector and the server serialises them.
+    whole vector and the server serialises them. (Its constructor is internal: it takes
+    the parsed target and the connection's settings from :func:`open_endpoint`.)
     """
 
     def __init__(
@@ -132,22 +133,27 @@ class Endpoint:
 
     @property
     def num_envs(self) -> int:
+        """How many lanes (sub-envs) the endpoint serves."""
         return self._joined().contract.num_envs
 
     @property
     def single_observation_space(self) -> gym.spaces.Space[Any]:
+        """One lane's observation space (from the contract)."""
         return self._joined().contract.observation_space
 
     @property
     def single_action_space(self) -> gym.spaces.Space[Any]:
+        """One lane's action space (from the contract)."""
         return self._joined().contract.action_space
 
     @property
     def address(self) -> str:
+        """Where the endpoint is (``tcp://host:port`` or ``unix:///path``)."""
         return str(self._target)
 
     @property
     def closed(self) -> bool:
+        """The endpoint takes no more requests (closed, or failed by a fatal error)."""
         state = self._state
         return state is None or state.failure is not None or state.closing
 

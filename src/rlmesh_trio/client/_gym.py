@@ -48,6 +48,25 @@ OLD_ADAPTER_KEYWORDS: dict[str, Rename] = {
 milliseconds) becomes ``request_timeout_seconds`` (float seconds)."""
 
 
+def _open(
+    address: str,
+    auth_token: str | None,
+    tls: TlsSetting,
+    timeouts: tuple[float, float, float, float],
+) -> BlockingEndpoint:
+    """The adapters' connection; ``timeouts``: connect, ping interval, ping timeout, close."""
+    connect, interval, ping, close = timeouts
+    return BlockingEndpoint(
+        address,
+        auth_token=auth_token,
+        tls=tls,
+        connect_timeout_seconds=connect,
+        ping_interval_seconds=interval,
+        ping_timeout_seconds=ping,
+        close_timeout_seconds=close,
+    )
+
+
 class VectorEnv(gym.vector.VectorEnv):
     """A ``gymnasium.vector.VectorEnv`` whose sub-envs are the lanes of an endpoint.
 
@@ -88,14 +107,16 @@ class VectorEnv(gym.vector.VectorEnv):
             else AutoresetMode(autoreset_mode)
         )
         self._timeout_ms = request_timeout_ms(request_timeout_seconds)
-        self._ep = BlockingEndpoint(
+        self._ep = _open(
             address,
-            auth_token=auth_token,
-            tls=tls,
-            connect_timeout_seconds=connect_timeout_seconds,
-            ping_interval_seconds=ping_interval_seconds,
-            ping_timeout_seconds=ping_timeout_seconds,
-            close_timeout_seconds=close_timeout_seconds,
+            auth_token,
+            tls,
+            (
+                connect_timeout_seconds,
+                ping_interval_seconds,
+                ping_timeout_seconds,
+                close_timeout_seconds,
+            ),
         )
         self._state: JoinState = self._ep.state
         contract = self._state.contract
@@ -423,14 +444,16 @@ class Env(gym.Env):
         close_timeout_seconds: float = DEFAULT_CLOSE_TIMEOUT_SECONDS,
     ) -> None:
         self._timeout_ms = request_timeout_ms(request_timeout_seconds)
-        self._ep = BlockingEndpoint(
+        self._ep = _open(
             address,
-            auth_token=auth_token,
-            tls=tls,
-            connect_timeout_seconds=connect_timeout_seconds,
-            ping_interval_seconds=ping_interval_seconds,
-            ping_timeout_seconds=ping_timeout_seconds,
-            close_timeout_seconds=close_timeout_seconds,
+            auth_token,
+            tls,
+            (
+                connect_timeout_seconds,
+                ping_interval_seconds,
+                ping_timeout_seconds,
+                close_timeout_seconds,
+            ),
         )
         self._state: JoinState = self._ep.state
         contract = self._state.contract
