@@ -453,40 +453,39 @@ def test_the_default_path_binds_loopback_with_no_token_and_keeps_stdout_clean() 
         "RAY_ADDRESS": "local",  # a new local Ray, never one of another test or user
         "RAY_USAGE_STATS_ENABLED": "0",
     }
-    proc = subprocess.Popen(
+    seen = threading.Event()
+    err_lines: list[str] = []
+    with subprocess.Popen(
         [sys.executable, "-c", LOUD_SCRIPT, marker],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=env,
         cwd=Path(__file__).parent,
-    )
-    assert proc.stdin is not None and proc.stderr is not None
-    seen = threading.Event()
-    err_lines: list[str] = []
+    ) as proc:
+        assert proc.stdin is not None and proc.stdout is not None
 
-    def read_stderr() -> None:
-        assert proc.stderr is not None
-        for raw in proc.stderr:
-            line = raw.decode(errors="replace")
-            err_lines.append(line)
-            # The env is built twice: at launch, and again after the kill.
-            if sum(marker in seen_line for seen_line in err_lines) >= 2:
-                seen.set()
+        def read_stderr() -> None:
+            assert proc.stderr is not None
+            for raw in proc.stderr:
+                err_lines.append(raw.decode(errors="replace"))
+                # The env is built twice: at launch, and again after the kill.
+                if sum(marker in line for line in err_lines) >= 2:
+                    seen.set()
 
-    reader = threading.Thread(target=read_stderr, name="test-stderr", daemon=True)
-    reader.start()
-    try:
-        assert seen.wait(150), "".join(err_lines[-40:])
-        proc.stdin.write(b"\n")
-        proc.stdin.flush()
-        out = proc.stdout.read() if proc.stdout is not None else b""
-        proc.wait(60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    reader.join(10)
+        reader = threading.Thread(target=read_stderr, name="test-stderr", daemon=True)
+        reader.start()
+        try:
+            assert seen.wait(150), "".join(err_lines[-40:])
+            proc.stdin.write(b"\n")
+            proc.stdin.flush()
+            out = proc.stdout.read()
+            proc.wait(60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            reader.join(10)
     assert proc.returncode == 0, "".join(err_lines[-40:])
     lines = out.decode().splitlines()
     assert len(lines) == 1, lines  # nothing of Ray's, nothing of the endpoint's
@@ -495,5 +494,7 @@ def test_the_default_path_binds_loopback_with_no_token_and_keeps_stdout_clean() 
     assert row["auth_token"] is None and row["serving"] is True
     assert row["auto"] == "127.0.0.1"
     stderr = "".join(err_lines)
+    ray_lines = [line for line in err_lines if "(raylet)" in line or "pid=" in line]
+    print(f"Ray's lines, all on stderr: {len(ray_lines)}", *ray_lines[:5], sep="\n")
     assert "a stray print of the driver" in stderr
     assert marker in stderr
