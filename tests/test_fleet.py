@@ -270,7 +270,9 @@ def test_without_recording_a_failed_shard_runs_again_whole(servers: ServerPool) 
     with Fleet.from_addresses([victim.address, survivor.address]) as fleet:
         timer.start()
         try:
-            result = fleet.run(model, seeds=seeds, record_episodes=False, recover_timeout_seconds=1.0)
+            result = fleet.run(
+                model, seeds=seeds, record_episodes=False, recover_timeout_seconds=1.0
+            )
         finally:
             timer.join()
     assert [e.seed for e in result.episodes] == seeds

@@ -59,26 +59,32 @@ def test_health_timeout_is_timeout_seconds() -> None:
         with pytest.warns(DeprecationWarning, match=r"health\(timeout=\)"):
             (health,) = fleet.health(timeout=1.0)
         assert not health.serving
-        with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="timeout_seconds"):
+        with (
+            pytest.warns(DeprecationWarning, match=r"health\(timeout=\)"),
+            pytest.raises(ValueError, match="timeout_seconds"),
+        ):
             fleet.health(timeout=0)  # the old keyword reaches the same check
 
 
 def test_wait_ready_timeouts_are_seconds() -> None:
-    with Fleet.from_addresses([_closed_address()]) as fleet:
-        with pytest.warns(DeprecationWarning) as warned, pytest.raises(TimeoutError):
-            fleet.wait_ready(timeout=0.05, probe_timeout=0.05)
+    with (
+        Fleet.from_addresses([_closed_address()]) as fleet,
+        pytest.warns(DeprecationWarning, match=r"wait_ready\(") as warned,
+        pytest.raises(TimeoutError),
+    ):
+        fleet.wait_ready(timeout=0.05, probe_timeout=0.05)
     messages = " ".join(str(w.message) for w in warned)
     assert "wait_ready(timeout=)" in messages and "wait_ready(probe_timeout=)" in messages
 
 
 def test_map_recover_timeout_is_recover_timeout_seconds() -> None:
-    with Fleet.from_addresses([_closed_address()]) as fleet:
-        # Without the old keyword's value (60 s by default) this would outlast the test.
-        with (
-            pytest.warns(DeprecationWarning, match=r"map\(recover_timeout=\)"),
-            pytest.raises(FleetError, match="no endpoint left"),
-        ):
-            fleet.map(lambda address, shard: shard, [1], recover_timeout=0.05)
+    # Without the old keyword's value (60 s by default) this would outlast the test.
+    with (
+        Fleet.from_addresses([_closed_address()]) as fleet,
+        pytest.warns(DeprecationWarning, match=r"map\(recover_timeout=\)"),
+        pytest.raises(FleetError, match="no endpoint left"),
+    ):
+        fleet.map(lambda address, shard: shard, [1], recover_timeout=0.05)
 
 
 def test_run_recover_timeout_is_recover_timeout_seconds() -> None:
@@ -86,12 +92,12 @@ def test_run_recover_timeout_is_recover_timeout_seconds() -> None:
     import rlmesh.numpy
 
     model = rlmesh.numpy.Model(lambda obs: obs)
-    with Fleet.from_addresses([_closed_address()]) as fleet:
-        with (
-            pytest.warns(DeprecationWarning, match=r"run\(recover_timeout=\)"),
-            pytest.raises(FleetError, match="seeds not run: \\[0\\]"),
-        ):
-            fleet.run(model, seeds=[0], recover_timeout=0.05)
+    with (
+        Fleet.from_addresses([_closed_address()]) as fleet,
+        pytest.warns(DeprecationWarning, match=r"run\(recover_timeout=\)"),
+        pytest.raises(FleetError, match="seeds not run: \\[0\\]"),
+    ):
+        fleet.run(model, seeds=[0], recover_timeout=0.05)
 
 
 def test_run_fleet_is_fleet_run() -> None:
@@ -99,9 +105,11 @@ def test_run_fleet_is_fleet_run() -> None:
     import rlmesh.numpy
 
     model = rlmesh.numpy.Model(lambda obs: obs)
-    with Fleet.from_addresses([_closed_address()]) as fleet:
-        with pytest.warns(DeprecationWarning, match=r"run_fleet\(\) is deprecated.*Fleet\.run"):
-            result = fleet_module.run_fleet(fleet, model, seeds=[])
+    with (
+        Fleet.from_addresses([_closed_address()]) as fleet,
+        pytest.warns(DeprecationWarning, match=r"run_fleet\(\) is deprecated.*Fleet\.run"),
+    ):
+        result = fleet_module.run_fleet(fleet, model, seeds=[])
     assert result.num_episodes == 0  # an empty run, as fleet.run(model, seeds=[]) gives
 
 

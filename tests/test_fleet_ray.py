@@ -9,6 +9,7 @@ thresholds: the tests wait for events, under generous bounds, and log the timing
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -142,6 +143,12 @@ def test_launch_run_equals_union_of_single_endpoint_runs() -> None:
         assert result.retries == ()
         assert {e.seed: _key(e) for e in result.episodes} == _reference(fleet)
         assert fleet.stats().kills == 0
+        with pytest.warns(DeprecationWarning, match=r"info\(timeout=\)"):
+            assert fleet.info(0, timeout=30).pid == infos[0].pid  # the 0.1 keyword
+        with pytest.warns(DeprecationWarning, match=r"restart\(timeout=\)"):
+            restarted = fleet.restart(1, timeout=90)  # waits as timeout_seconds does
+        assert restarted.pid != infos[1].pid
+        assert [h.serving for h in fleet.health()] == [True, True]
         actors = [fleet.actor(i) for i in range(2)]
     # close() removed the actors
     for actor in actors:
@@ -391,3 +398,103 @@ def test_cli_fleet_prints_addresses_stays_up_and_stops_on_ctrl_c() -> None:
 
 def free_while_up() -> float:
     return float(ray.available_resources().get("CPU", 0.0))
+
+
+LOUD_SCRIPT = """
+import json, sys
+import ray
+import support.fleet_envs as envs
+ray.cloudpickle.register_pickle_by_value(envs)
+from rlmesh_trio.client import probe
+from rlmesh_trio.fleet.ray import kill_process, launch, ray_output_to_stderr, resolve_bind
+
+with ray_output_to_stderr() as out:
+    fleet = launch(  # no bind=, no Ray running: launch starts a local one
+        envs.make_loud,
+        env_kwargs={"marker": sys.argv[1]},
+        endpoints=1,
+        num_envs=1,
+        resources={"CPU": 0.5},
+        health_period_seconds=0.5,
+        health_timeout_seconds=1.0,
+        unhealthy_after=2,
+        ready_timeout_seconds=90.0,
+    )
+    with fleet:
+        anonymous = probe(fleet.addresses[0], timeout_seconds=5.0)  # no token sent
+        row = {
+            "addresses": fleet.addresses,
+            "auth_token": fleet.auth_token,
+            "serving": anonymous.serving,
+            "auto": resolve_bind(),
+        }
+        print(json.dumps(row), file=out, flush=True)
+        print("a stray print of the driver", flush=True)
+        kill_process(fleet, 0)  # Ray tells the driver a worker died
+        fleet.wait_ready(90)
+        sys.stdin.readline()  # until the test has seen what it waits for on stderr
+    ray.shutdown()
+"""
+
+
+def test_the_default_path_binds_loopback_with_no_token_and_keeps_stdout_clean() -> None:
+    """A user's first launch: no Ray running, no ``bind``. The endpoints are on
+    127.0.0.1 and take no token; stdout carries only the program's own line, while
+    the endpoint's output (its env prints, before and after a crash) and Ray's own
+    lines reach stderr."""
+    import subprocess
+    import sys
+    import uuid
+
+    marker = f"loud-env-{uuid.uuid4().hex[:8]}"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(sys.path),
+        "RAY_ADDRESS": "local",  # a new local Ray, never one of another test or user
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
+    seen = threading.Event()
+    err_lines: list[str] = []
+    with subprocess.Popen(
+        [sys.executable, "-c", LOUD_SCRIPT, marker],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=Path(__file__).parent,
+    ) as proc:
+        assert proc.stdin is not None and proc.stdout is not None
+
+        def read_stderr() -> None:
+            assert proc.stderr is not None
+            for raw in proc.stderr:
+                err_lines.append(raw.decode(errors="replace"))
+                # The env is built twice: at launch, and again after the kill.
+                if sum(marker in line for line in err_lines) >= 2:
+                    seen.set()
+
+        reader = threading.Thread(target=read_stderr, name="test-stderr", daemon=True)
+        reader.start()
+        try:
+            assert seen.wait(150), "".join(err_lines[-40:])
+            proc.stdin.write(b"\n")
+            proc.stdin.flush()
+            out = proc.stdout.read()
+            proc.wait(60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            reader.join(10)
+    assert proc.returncode == 0, "".join(err_lines[-40:])
+    lines = out.decode().splitlines()
+    assert len(lines) == 1, lines  # nothing of Ray's, nothing of the endpoint's
+    row = json.loads(lines[0])
+    assert all(a.startswith("tcp://127.0.0.1:") for a in row["addresses"])
+    assert row["auth_token"] is None and row["serving"] is True
+    assert row["auto"] == "127.0.0.1"
+    stderr = "".join(err_lines)
+    ray_lines = [line for line in err_lines if "(raylet)" in line or "pid=" in line]
+    print(f"Ray's lines, all on stderr: {len(ray_lines)}", *ray_lines[:5], sep="\n")
+    assert "a stray print of the driver" in stderr
+    assert marker in stderr

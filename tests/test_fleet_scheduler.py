@@ -84,7 +84,9 @@ class Runs:
         self.calls: list[tuple[int, list[int]]] = []
         self.script = script
 
-    def __call__(self, address: str, endpoint: EndpointStatus, units: list[int], done: Done) -> None:
+    def __call__(
+        self, address: str, endpoint: EndpointStatus, units: list[int], done: Done
+    ) -> None:
         assert address == endpoint.address
         with self.lock:
             self.calls.append((endpoint.index, list(units)))
@@ -174,7 +176,16 @@ def test_an_endpoint_dying_mid_shard_leaves_only_its_unfinished_units() -> None:
     runner = Runs(dies_after_two)
     outcome = run(host, [[0, 1, 2, 3], [4, 5, 6, 7]], runner, split=True, owners=[0, 1])
     assert outcome.failed == {}
-    assert {u: outcome.done[u] for u in range(8)} == {0: 0, 1: 0, 2: 1, 3: 1, 4: 1, 5: 1, 6: 1, 7: 1}
+    assert {u: outcome.done[u] for u in range(8)} == {
+        0: 0,
+        1: 0,
+        2: 1,
+        3: 1,
+        4: 1,
+        5: 1,
+        6: 1,
+        7: 1,
+    }
     assert runner.by(0) == [[0, 1, 2, 3]]
     assert runner.by(1) == [[4, 5, 6, 7], [2, 3]]  # only the seeds it had not finished
     assert [(r.endpoint, r.units) for r in outcome.retries] == [(0, 2)]
@@ -195,9 +206,11 @@ def test_with_every_endpoint_gone_the_rest_fails_and_the_fleet_raises_with_parti
 
     # The same through Fleet.map: FleetError, the results so far as ``partial``.
     dead = [f"127.0.0.1:{port}" for port in _closed_ports(2)]
-    with Fleet.from_addresses(dead) as fleet:
-        with pytest.raises(FleetError, match="no endpoint left") as caught:
-            fleet.map(lambda address, shard: shard, ["a", "b"], recover_timeout_seconds=0.05)
+    with (
+        Fleet.from_addresses(dead) as fleet,
+        pytest.raises(FleetError, match="no endpoint left") as caught,
+    ):
+        fleet.map(lambda address, shard: shard, ["a", "b"], recover_timeout_seconds=0.05)
     assert caught.value.partial == [None, None]
 
 

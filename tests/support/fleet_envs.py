@@ -43,3 +43,9 @@ class WedgeOnce(gym.Wrapper[Any, Any, Any, Any]):
 
 def make_wedge_once(marker: str, after_steps: int = 20) -> gym.Env[Any, Any]:
     return WedgeOnce(gym.make("CartPole-v1"), marker, after_steps)
+
+
+def make_loud(marker: str) -> gym.Env[Any, Any]:
+    """CartPole that prints ``marker`` to its process's stdout when it is built."""
+    print(marker, flush=True)
+    return gym.make("CartPole-v1")

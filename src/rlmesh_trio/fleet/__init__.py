@@ -18,9 +18,9 @@ endpoints, merged into one result with each seed exactly once).
   (the ``ray`` extra: ``pip install '.[ray]'`` from a clone).
 """
 
-from typing import Any
+from typing import Any as _Any
 
-from .._deprecation import module_getattr
+from .._deprecation import module_getattr as _module_getattr
 from .._exports import publish as _publish
 from ._core import Fleet as Fleet
 from ._core import run_fleet as run_fleet
@@ -44,7 +44,7 @@ __all__ = [
     "run_fleet",
 ]
 
-__getattr__: Any = module_getattr(
+__getattr__: _Any = _module_getattr(
     __name__, {"Endpoint": ("rlmesh_trio.fleet.EndpointStatus", lambda: EndpointStatus)}
 )
 

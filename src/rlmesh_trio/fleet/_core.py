@@ -23,8 +23,8 @@ from .._address import TcpAddress, UnixAddress, parse_address
 from .._deprecation import renamed_kwargs, warn
 from .._tls import TlsSetting, client_context
 from ..client import probe
-from . import _run
 from ._records import EndpointStatus, FleetError, FleetRunResult, Health, Retry, State
+from ._run import run as run_sharded
 from ._scheduler import Done, Outcome, Runner, schedule
 
 log = logging.getLogger("rlmesh_trio.fleet")
@@ -381,7 +381,7 @@ class Fleet:
         the merged result (as an ``rlmesh.RunResult``).
         """
         self._check_open()
-        return _run.run(
+        return run_sharded(
             self,
             _SchedulerHost(self),
             model,

@@ -159,8 +159,9 @@ def launch(
       on the same port (when it is still free); the fleet's ``addresses`` follow every
       restart either way.
     * ``bind``: ``"auto"`` (default) binds loopback (``127.0.0.1``) when the Ray
-      cluster is local to this machine (``launch`` started it, or every node is this
-      host) and each node's IP address otherwise; ``"node"`` always the node's IP
+      cluster is local to this machine (every node is this host: the local Ray
+      ``launch`` started, or a one-machine ``ray start``) and each node's IP address
+      otherwise; ``"node"`` always the node's IP
       address, as Ray reports it; or a host to bind (``"127.0.0.1"``, ``"0.0.0.0"``).
       :func:`resolve_bind` says beforehand which it will be.
     * Auth: beyond loopback every endpoint requires a bearer token -- ``auth_token``,
@@ -214,11 +215,9 @@ def launch(
         raise ValueError(f"resources must be non-negative and not all zero, got {bundle!r}")
     if bind not in ("auto", "node"):
         resolve_bind(bind)  # checked before Ray is started
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        ray.init()
-    # A Ray launch() started is this machine's alone: loopback.
-    bind = LOOPBACK if bind == "auto" and started_ray else resolve_bind(bind)
+    if not ray.is_initialized():
+        ray.init()  # a new local Ray, or the cluster RAY_ADDRESS / `ray start` names
+    bind = resolve_bind(bind)
     node_ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call,unused-ignore]
     host = node_ip if bind == "node" else bind
     needs_token = (not _is_loopback(host)) if require_auth is None else require_auth

@@ -243,16 +243,27 @@ class RayFleet(Fleet):
     @renamed_kwargs(timeout="timeout_seconds")
     def restart(self, index: int, timeout_seconds: float | None = None) -> EndpointInfo:
         """Kill endpoint ``index``'s process and wait (up to ``timeout_seconds``, default
-        the launch's ``ready_timeout_seconds``) until Ray has it serving again."""
+        the launch's ``ready_timeout_seconds``) until Ray has it serving again: a new
+        actor instance, answering its health check."""
         member = self._ray_member(index)
         with self._lock:
             member.state = "restarting"
             member.down_since = time.monotonic()
+            before = member.info.instance
         ray.kill(member.actor, no_restart=False)
         wait = self._ready_timeout if timeout_seconds is None else timeout_seconds
-        if not self._recover(index, time.monotonic() + wait):
+        deadline = time.monotonic() + wait
+        # The kill is asynchronous: the old process may answer a little longer.
+        while member.info.instance == before:
+            left = deadline - time.monotonic()
+            if left <= 0 or member.dead():
+                break
+            self._refresh(index, min(left, self._ready_timeout))
+            if member.info.instance == before:
+                time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+        if member.info.instance == before or not self._recover(index, deadline):
             raise TimeoutError(f"endpoint {index} is not serving again after {wait} s")
-        return self._ray_member(index).info
+        return member.info
 
     def _recover(
         self, index: int, deadline: float, cancelled: Callable[[], bool] = lambda: False
