@@ -330,6 +330,7 @@ def test_sigint_once_drains_and_exits_0(procs: list[subprocess.Popen[bytes]]) ->
     lines = err.decode().splitlines()
     assert lines[0] == f"rlmesh-trio: serving CartPole-v1 x2 lanes on {address}"
     assert "rlmesh-trio: SIGINT: draining and stopping" in lines
+    assert lines[-1] == "rlmesh-trio: stopped: SIGINT"  # every stop says why
     assert "Traceback" not in err.decode()
 
 

@@ -370,7 +370,7 @@ async def _run(config: _Config) -> int:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as outer:
             async with trio.open_nursery() as serving:
-                outer.start_soon(_watch_signals, signals, serving.cancel_scope, config)
+                outer.start_soon(_watch_signals, signals, serving.cancel_scope, config, stopped)
                 try:
                     info: ServerInfo = await serving.start(serve)
                 except Exception as exc:
@@ -401,13 +401,13 @@ async def _run(config: _Config) -> int:
             outer.cancel_scope.cancel()  # the server stopped: stop watching signals
     if startup_error is not None:
         raise startup_error
-    if stopped:  # it stopped by itself (a signal's stop was printed when it came)
+    if stopped:  # every way it stopped says why: by itself, or on a signal
         _say(config, f"stopped: {stopped[0]}")
     return status
 
 
 async def _watch_signals(
-    signals: AsyncIterator[int], serving: trio.CancelScope, config: _Config
+    signals: AsyncIterator[int], serving: trio.CancelScope, config: _Config, stopped: list[str]
 ) -> None:
     count = 0
     async for signum in signals:
@@ -415,6 +415,7 @@ async def _watch_signals(
         name = signal.Signals(signum).name
         if count == 1:
             _say(config, f"{name}: draining and stopping")
+            stopped.append(name)  # said once the drain is over: "stopped: SIGTERM"
             serving.cancel()
         else:
             _say(config, f"second {name}: exiting now")
