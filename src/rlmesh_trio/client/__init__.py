@@ -5,6 +5,8 @@
   ``await ep.aclose()``; lane-scoped requests pipeline across Trio tasks.
 * :class:`VectorEnv` — a synchronous ``gymnasium.vector.VectorEnv`` over an endpoint,
   with gymnasium's autoreset modes done client-side.
+  With ``batch_size=k``: ``await ep.send(actions, env_indices)`` and ``await ep.recv()``
+  step the lanes that are ready, EnvPool's way (also on :class:`VectorEnv`).
 * :class:`Env` — a synchronous ``gymnasium.Env`` over a one-lane endpoint.
 * :func:`probe` — health, handshake and contract of an endpoint, as a
   :class:`ProbeResult` (what ``rlmesh-trio probe`` prints).
@@ -28,6 +30,8 @@ from ._errors import RpcError as RpcError
 from ._gym import Env as Env
 from ._gym import VectorEnv as VectorEnv
 from ._messages import Episode as Episode
+from ._pool import LaneBusyError as LaneBusyError
+from ._pool import LaneError as LaneError
 from ._probe import ProbeResult as ProbeResult
 from ._probe import probe as probe
 
@@ -42,6 +46,8 @@ __all__ = [
     "Episode",
     "ErrorCode",
     "HandshakeError",
+    "LaneBusyError",
+    "LaneError",
     "ProbeResult",
     "RequestTimeoutError",
     "RpcError",

@@ -18,6 +18,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import trio
+from gymnasium.vector import AutoresetMode
 
 from .._tls import TlsSetting, check_alpn
 from ._core import (
@@ -55,6 +56,7 @@ from ._messages import (
     reset_request,
     step_request,
 )
+from ._pool import AsyncPool, Batch, autoreset_mode_of, observation_rows
 
 if sys.version_info < (3, 11):  # pragma: no cover - trio depends on the backport there
     from exceptiongroup import BaseExceptionGroup
@@ -102,7 +104,11 @@ class Endpoint:
         ping_interval: float,
         ping_timeout: float,
         close_timeout: float,
+        batch_size: int | None = None,
+        autoreset_mode: AutoresetMode = AutoresetMode.NEXT_STEP,
     ) -> None:
+        self._pool_args = (batch_size, autoreset_mode)
+        self._pool: AsyncPool | None = None
         self._target = target
         self._conn = GrpcConnection(target.authority, metadata(token), tls=tls is not None)
         self._tls = tls
@@ -175,6 +181,8 @@ class Endpoint:
         state = self._joined()
         lanes = lanes_of(env_indices, state.contract.num_envs)
         k = state.contract.num_envs if lanes is None else len(lanes)
+        pool = self._pooled().core
+        pool.check_idle(lanes, "reset()")
         rid = state.next_id()
         timeout = timeout_of(timeout_ms)
         payload = reset_request(
@@ -185,7 +193,9 @@ class Endpoint:
             env_indices=lanes or (),
         )
         reply = result_of(await self._call(payload, rid, "reset", timeout), "reset")
-        return state.codecs.observation_batch(reply.leaves, k), reply.infos
+        observations = state.codecs.observation_batch(reply.leaves, k)
+        pool.note_reset(lanes or range(k), observation_rows(state, observations, k))
+        return observations, reply.infos
 
     async def step(
         self,
@@ -201,6 +211,8 @@ class Endpoint:
         state = self._joined()
         lanes = lanes_of(env_indices, state.contract.num_envs)
         k = state.contract.num_envs if lanes is None else len(lanes)
+        pool = self._pooled().core
+        pool.check_idle(lanes, "step()")
         leaves = state.codecs.encode_actions(actions, k)
         rid = state.next_id()
         timeout = timeout_of(timeout_ms)
@@ -209,7 +221,41 @@ class Endpoint:
         rewards, terminated, truncated = step_arrays(reply, k)
         state.completed.extend(reply.episodes)
         observations = state.codecs.observation_batch(reply.leaves, k)
+        rows = observation_rows(state, observations, k)
+        pool.note_step(lanes or range(k), rows, terminated | truncated)
         return observations, rewards, terminated, truncated, reply.infos
+
+    @property
+    def batch_size(self) -> int:
+        """How many lanes :meth:`recv` returns (``open_endpoint(batch_size=)``)."""
+        return self._pooled().core.batch_size
+
+    async def send(
+        self,
+        actions: Any,
+        env_indices: Sequence[int] | None = None,
+        *,
+        timeout_ms: int | None = None,
+    ) -> None:
+        """Step the lanes ``env_indices`` (None: all), one lane-scoped request each,
+        and return once they are written; :meth:`recv` returns the results.
+
+        ``actions`` are batched in ``env_indices`` order. A lane that finished its
+        episode is reset instead (autoreset NEXT_STEP, its action ignored); SAME_STEP
+        resets it with the step; DISABLED refuses it until :meth:`reset`. A lane with
+        a request in flight, or a result not yet received, is refused
+        (:class:`LaneBusyError`); nothing is sent then. See docs/client.md.
+        """
+        await self._pooled().send(actions, env_indices, timeout_ms)
+
+    async def recv(self) -> Batch:
+        """The next ``batch_size`` lanes that finished (all of those in flight if
+        fewer are), as ``(observations, rewards, terminated, truncated, infos)``
+        batched in lane order; ``infos["env_id"]`` names the lanes. A lane's error is
+        raised (:class:`LaneError` for a recoverable env error: that lane is idle
+        again; the other lanes' results wait for the next call). Cancelling it loses
+        nothing: the results come with the next call."""
+        return await self._pooled().recv()
 
     async def render(
         self, lane: int = 0, *, timeout_ms: int | None = None
@@ -258,6 +304,11 @@ class Endpoint:
 
     # ---- driver -------------------------------------------------------------------
 
+    def _pooled(self) -> AsyncPool:
+        self._joined()
+        assert self._pool is not None
+        return self._pool
+
     def _joined(self) -> JoinState:
         if self._state is None:
             raise EndpointClosedError("the endpoint is not joined")
@@ -290,6 +341,8 @@ class Endpoint:
         await self._flush()
         await self._wait_slot(slot, rid)
         result_of(slot, "configure")
+        batch_size, autoreset_mode = self._pool_args
+        self._pool = AsyncPool(self, batch_size=batch_size, autoreset_mode=autoreset_mode)
 
     async def _secure(self) -> None:
         """The TLS handshake (bounded by the caller's connect timeout); ALPN must say h2."""
@@ -474,6 +527,8 @@ async def open_endpoint(
     ping_interval: float = DEFAULT_PING_INTERVAL,
     ping_timeout: float = DEFAULT_PING_TIMEOUT,
     close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
+    batch_size: int | None = None,
+    autoreset_mode: str | AutoresetMode = AutoresetMode.NEXT_STEP,
 ) -> AsyncIterator[Endpoint]:
     """Connect to ``address`` (``tcp://host:port``, ``host:port``, ``port``,
     ``unix:///path``), Handshake (generation and edition check, the contract), open the
@@ -491,8 +546,13 @@ async def open_endpoint(
     (a vanished server never hangs a caller). Raises :class:`ConnectionLostError`,
     :class:`RpcError` (e.g. UNAUTHENTICATED, FAILED_PRECONDITION for a second Join) or
     :class:`HandshakeError`.
+
+    ``batch_size`` (1..num_envs, default num_envs) and ``autoreset_mode`` (NEXT_STEP
+    default, SAME_STEP, DISABLED) shape :meth:`Endpoint.send` / :meth:`Endpoint.recv`,
+    the EnvPool-style stepping of the lanes that are ready (docs/client.md).
     """
     target = Target.parse(address)
+    mode = autoreset_mode_of(autoreset_mode)
     check_timeouts(
         connect_timeout=connect_timeout,
         ping_interval=ping_interval,
@@ -506,6 +566,8 @@ async def open_endpoint(
         ping_interval=ping_interval,
         ping_timeout=ping_timeout,
         close_timeout=close_timeout,
+        batch_size=batch_size,
+        autoreset_mode=mode,
     )
     single: BaseException | None = None
     try:
