@@ -222,6 +222,7 @@ class PoolCore:
         """One request per lane: a step, or the reset of a lane that finished (NEXT_STEP:
         its action is ignored, as gymnasium and EnvPool do). Everything is checked before
         anything is sent."""
+        self.state.check_open()
         lanes = lanes_of(env_indices, self.num_envs) or list(range(self.num_envs))
         self.check_idle(lanes, "send()")
         never = [lane for lane in lanes if self.book.obs[lane] is None]
@@ -252,6 +253,7 @@ class PoolCore:
     ) -> None:
         """One reset request per lane. ``seed``: None, an int (lane ``i`` gets
         ``seed + i``, as ``VectorEnv.reset``), or one per addressed lane."""
+        self.state.check_open()
         lanes = lanes_of(env_indices, self.num_envs) or list(range(self.num_envs))
         self.check_idle(lanes, "async_reset()")
         if seed is None:
