@@ -249,7 +249,7 @@ def test_recv_returns_the_lanes_that_finish_first(servers: ServerPool, kind: str
             env.send(np.array([0]), [0])
         firsts = {int(env.recv()[4]["env_id"][0]) for _ in range(2)}
         assert firsts == {1, 2}
-        obs, rewards, *_, infos = env.recv()
+        _obs, rewards, *_, infos = env.recv()
         assert infos["env_id"].tolist() == [0] and rewards.tolist() == [4.0]
     finally:
         env.close()
@@ -342,13 +342,15 @@ def test_a_lane_timeout_is_that_lanes_error(servers: ServerPool, kind: str) -> N
         assert isinstance(error, EnvError) and error.env_id == 0
         assert error.code == ErrorCode.TIMEOUT and error.is_recoverable
         assert str(error).startswith("lane 0: TIMEOUT")
-        obs, rewards, *_, infos = env.recv()  # lane 1's result was kept
+        _obs, rewards, *_, infos = env.recv()  # lane 1's result was kept
         assert infos["env_id"].tolist() == [1] and rewards.tolist() == [0.0]
         env.send(np.array([1]), [0])  # lane 0 is idle again in the pool
+        answer: Any
         try:
-            assert env.recv()[4]["env_id"].tolist() == [0]
+            answer = env.recv()[4]["env_id"].tolist()
         except LaneError as busy:  # ours: the lane's env call has not returned yet
-            assert (busy.env_id, busy.code) == (0, ErrorCode.BUSY)
+            answer = (busy.env_id, busy.code)
+        assert answer in ([0], (0, ErrorCode.BUSY))
     finally:
         env.close()
 
@@ -389,7 +391,7 @@ async def test_cancelled_recv_loses_nothing(servers: ServerPool, kind: str) -> N
                 nursery.cancel_scope.cancel()
             with pytest.raises(LaneBusyError):
                 await ep.step(np.array([0]), env_indices=[0])
-            obs, rewards, *_, infos = await ep.recv()
+            _obs, rewards, *_, infos = await ep.recv()
             assert infos["env_id"].tolist() == [0, 1] and rewards.tolist() == [2.0, 0.0]
             # Two tasks may not wait in recv at once.
             await ep.send(np.array([1]), [0])
