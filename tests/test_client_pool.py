@@ -7,7 +7,9 @@ deadlines, cancellation, and a server that dies while ``recv`` waits."""
 from __future__ import annotations
 
 import functools
+import importlib.util
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
@@ -35,6 +37,7 @@ pytestmark = [pytest.mark.interop, pytest.mark.timeout(240)]
 
 KINDS = ["ref", "ours"]
 MODES = [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP]
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 BOUND = 60.0
 """Bound (seconds) on any one Trio test's waits: they fail, never hang."""
 
@@ -448,3 +451,19 @@ def test_blocking_recv_when_the_server_died(servers: ServerPool, kind: str) -> N
             env.recv()
     finally:
         env.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_pool_example_runs(servers: ServerPool, kind: str) -> None:
+    spec = importlib.util.spec_from_file_location(
+        "example_pool_returns", EXAMPLES / "pool_returns.py"
+    )
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    server = servers.get(kind, ServerConfig(env_id="CartPole-v1", num_envs=4))  # type: ignore[arg-type]
+    returns = example.collect(server.address, batch_size=2, batches=600)
+    # 600 batches of 2 lane results, one reset result per episode and lane: the episodes
+    # that finished account for all the reward.
+    assert returns and all(1 <= r <= 500 for r in returns)
+    assert sum(returns) + len(returns) <= 1200
