@@ -14,8 +14,9 @@ goes first from round to round:
   own, so the figures are the client's and server's ceiling).
 
 Rows: env steps/s (lane steps per second) and the learner's wait per batch (the mean
-time inside ``step()`` / ``recv()``), medians over the rounds, for N = 8 and 16; our
-server, and with ``--ref`` (the default: both) rlmesh 0.1.0's.
+time inside ``step()`` / ``recv()``), and the client's and the server's CPU per env
+step, medians over the rounds, for N = 8 and 16; our server and rlmesh 0.1.0's
+(``--servers``).
 
 Run: ``python bench/bench_pool.py [--rounds R] [--seconds S] [--lanes 8,16]
 [--servers ours,ref] [--quick] [--json PATH]``. On a shared 2-core VM numbers move from
@@ -63,7 +64,11 @@ def run_sync(address: str, n: int, seconds: float, seed: int) -> dict[str, float
         elapsed = time.perf_counter() - start
     finally:
         env.close()
-    return {"steps_per_s": steps / elapsed, "wait_ms": 1000 * waited / max(1, batches)}
+    return {
+        "steps_per_s": steps / elapsed,
+        "wait_ms": 1000 * waited / max(1, batches),
+        "steps": steps,
+    }
 
 
 def run_pool(address: str, n: int, seconds: float, seed: int) -> dict[str, float]:
@@ -87,7 +92,27 @@ def run_pool(address: str, n: int, seconds: float, seed: int) -> dict[str, float
         elapsed = time.perf_counter() - start
     finally:
         env.close()
-    return {"steps_per_s": steps / elapsed, "wait_ms": 1000 * waited / max(1, batches)}
+    return {
+        "steps_per_s": steps / elapsed,
+        "wait_ms": 1000 * waited / max(1, batches),
+        "steps": steps,
+    }
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process so far (``/proc/<pid>/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measured(run: Any, pid: int, *args: Any) -> dict[str, float]:
+    """``run(*args)`` with the client's and the server's CPU per env step."""
+    client0, server0 = time.process_time(), cpu_seconds(pid)
+    result: dict[str, float] = run(*args)
+    steps = result.pop("steps")
+    result["client_us"] = 1e6 * (time.process_time() - client0) / steps
+    result["server_us"] = 1e6 * (cpu_seconds(pid) - server0) / steps
+    return result
 
 
 def load() -> str:
@@ -118,18 +143,23 @@ def main(argv: list[str] | None = None) -> int:
                     order = ["sync", "pool"] if r % 2 == 0 else ["pool", "sync"]
                     for mode in order:
                         run = run_sync if mode == "sync" else run_pool
-                        samples[mode].append(run(server.address, n, args.seconds, seed=r))
+                        samples[mode].append(
+                            measured(run, server.pid, server.address, n, args.seconds, r)
+                        )
             row: dict[str, Any] = {"server": kind, "num_envs": n, "batch_size": max(1, n // 4)}
             for mode, runs in samples.items():
                 row[f"{mode}_steps_per_s"] = statistics.median(x["steps_per_s"] for x in runs)
-                row[f"{mode}_wait_ms"] = statistics.median(x["wait_ms"] for x in runs)
+                for key in ("wait_ms", "client_us", "server_us"):
+                    row[f"{mode}_{key}"] = statistics.median(x[key] for x in runs)
             row["speedup"] = row["pool_steps_per_s"] / row["sync_steps_per_s"]
             results.append(row)
             print(
                 f"{kind:4} N={n:2} batch={row['batch_size']:2}: "
                 f"sync {row['sync_steps_per_s']:7.0f} steps/s wait {row['sync_wait_ms']:6.2f} ms | "
                 f"pool {row['pool_steps_per_s']:7.0f} steps/s wait {row['pool_wait_ms']:6.2f} ms | "
-                f"x{row['speedup']:.2f}",
+                f"x{row['speedup']:.2f} | CPU us/step client {row['sync_client_us']:.0f}/"
+                f"{row['pool_client_us']:.0f} server {row['sync_server_us']:.0f}/"
+                f"{row['pool_server_us']:.0f} (sync/pool)",
                 flush=True,
             )
     print(f"load average after: {load()}")

@@ -317,6 +317,8 @@ class BlockingEndpoint:
         except ConnectionLostError:
             if deadline is None or self._conn.lost is not None:
                 raise
+        if self._conn.lost is not None:
+            self.state.process()  # the pending requests fail with the connection
 
     def close(self, reason: str = "client close") -> list[Episode]:
         if self._closed is not None:
