@@ -232,6 +232,19 @@ def call_failure(call: Call, what: str) -> EndpointError:
 # ---------------------------------------------------------------------------- codecs
 
 
+ACTION_ERRORS = (ValueError, TypeError, KeyError, IndexError)
+"""What converting actions that do not fit the action space raises."""
+
+
+def invalid_actions(exc: BaseException) -> EnvError:
+    """Actions the client cannot encode: ``INVALID_ACTION``, recoverable, nothing sent."""
+    return EnvError(
+        f"actions do not fit the action space: {exc}",
+        code=ErrorCode.INVALID_ACTION,
+        is_recoverable=True,
+    )
+
+
 class Codecs:
     """The spaces' codecs and batched forms, built once per endpoint."""
 
@@ -261,23 +274,15 @@ class Codecs:
             if len(rows) != k:
                 raise ValueError(f"expected actions for {k} lanes, got {len(rows)}")
             return self.action.encode_batch(rows)
-        except (ValueError, TypeError, KeyError, IndexError) as exc:
-            raise EnvError(
-                f"actions do not fit the action space: {exc}",
-                code=ErrorCode.INVALID_ACTION,
-                is_recoverable=True,
-            ) from exc
+        except ACTION_ERRORS as exc:
+            raise invalid_actions(exc) from exc
 
     def encode_actions_rows(self, rows: Sequence[Any]) -> list[bytes]:
         """Lanes' actions, one per row, as wire leaves."""
         try:
             return self.action.encode_batch(rows)
-        except (ValueError, TypeError, KeyError, IndexError) as exc:
-            raise EnvError(
-                f"actions do not fit the action space: {exc}",
-                code=ErrorCode.INVALID_ACTION,
-                is_recoverable=True,
-            ) from exc
+        except ACTION_ERRORS as exc:
+            raise invalid_actions(exc) from exc
 
     def encode_single_action(self, action: Any) -> list[bytes]:
         try:

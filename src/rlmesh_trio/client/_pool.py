@@ -28,9 +28,11 @@ from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import batch_space, iterate
 
 from ._core import (
+    ACTION_ERRORS,
     JoinState,
     Slot,
     check_options,
+    invalid_actions,
     lane_infos,
     lanes_of,
     late,
@@ -279,12 +281,8 @@ class PoolCore:
             return [codecs.encode_actions(actions[j : j + 1], 1) for j in range(k)]
         try:
             rows = list(iterate(codecs.batched_action_space(k), actions))
-        except (ValueError, TypeError, KeyError, IndexError) as exc:
-            raise EnvError(
-                f"actions do not fit the action space: {exc}",
-                code=ErrorCode.INVALID_ACTION,
-                is_recoverable=True,
-            ) from exc
+        except ACTION_ERRORS as exc:
+            raise invalid_actions(exc) from exc
         if len(rows) != k:
             raise ValueError(f"expected actions for {k} lanes, got {len(rows)}")
         return [codecs.encode_actions_rows([row]) for row in rows]
