@@ -552,6 +552,26 @@ class JoinState:
             raise self.failure from None  # type: ignore[misc]
         return slot
 
+    def submit_many(self, requests: Sequence[tuple[bytes, str, Callable[[], None]]]) -> list[Slot]:
+        """Queue requests back to back (``(payload, request_id, wake)`` each) and
+        register their slots: all of them, or none."""
+        if len(requests) == 1:
+            return [self.submit(*requests[0])]
+        self.check_open()
+        slots = [Slot(wake) for _, _, wake in requests]
+        for (_, request_id, _), slot in zip(requests, slots, strict=True):
+            self.pending[request_id] = slot
+        try:
+            self.conn.send_many(self.join, [payload for payload, _, _ in requests])
+        except (ConnectionError, ValueError) as exc:
+            for _, request_id, _ in requests:
+                del self.pending[request_id]
+            if isinstance(exc, ValueError):
+                raise
+            self.fail(ConnectionLostError(str(exc)))
+            raise self.failure from None  # type: ignore[misc]
+        return slots
+
     def abandon(self, request_id: str) -> None:
         """A waiter gave up (cancelled, or past its deadline): its reply, if it comes, is
         dropped."""

@@ -126,6 +126,9 @@ class LaneBook:
 _Result = tuple[Any, float, bool, bool, list[dict[str, Any]]]
 """One lane's finished result; its infos are added to the batch's in order."""
 
+_Plan = tuple[int, str, Callable[..., bytes], int]
+"""A request to make: ``(lane, kind, build(rid, timeout_ms=, env_indices=), timeout_ms)``."""
+
 
 @dataclass(eq=False)
 class _Flight:
@@ -240,11 +243,13 @@ class PoolCore:
                 )
         leaves = self._encode(actions, len(lanes))
         timeout = timeout_of(timeout_ms)
+        plan: list[_Plan] = []
         for lane, lane_leaves in zip(lanes, leaves, strict=True):
             if done[lane] and self.mode == AutoresetMode.NEXT_STEP:
-                self._submit(lane, "reset", partial(_reset, seeds=[], options=None), timeout)
+                plan.append((lane, "reset", partial(_reset, seeds=[], options=None), timeout))
             else:
-                self._submit(lane, "step", partial(_step, leaves=lane_leaves), timeout)
+                plan.append((lane, "step", partial(_step, leaves=lane_leaves), timeout))
+        self._submit(plan)
 
     def reset(
         self,
@@ -268,9 +273,11 @@ class PoolCore:
                 raise ValueError(f"{len(seeds)} seeds for {len(lanes)} lanes")
         check_options(options)
         timeout = timeout_of(timeout_ms)
+        plan: list[_Plan] = []
         for lane, s in zip(lanes, seeds, strict=True):
             build = partial(_reset, seeds=[] if s is None else [int(s)], options=options)
-            self._submit(lane, "reset", build, timeout)
+            plan.append((lane, "reset", build, timeout))
+        self._submit(plan)
 
     def _encode(self, actions: Any, k: int) -> list[list[bytes]]:
         """Each lane's action leaves, from a batch with leading dimension ``k``."""
@@ -287,21 +294,20 @@ class PoolCore:
             raise ValueError(f"expected actions for {k} lanes, got {len(rows)}")
         return [codecs.encode_actions_rows([row]) for row in rows]
 
-    def _submit(
-        self,
-        lane: int,
-        kind: str,
-        build: Callable[..., bytes],
-        timeout_ms: int,
-        stepped: _Result | None = None,
-    ) -> None:
+    def _submit(self, plan: Sequence[_Plan], stepped: _Result | None = None) -> None:
+        """One lane-scoped request per entry, queued back to back (one write)."""
         state = self.state
-        rid = state.next_id()
-        payload = build(rid, timeout_ms=timeout_ms, env_indices=[lane])
-        slot = state.submit(payload, rid, partial(self._arrive, lane))
-        limit = reply_deadline(timeout_ms)
-        deadline = None if limit is None else self._clock() + limit
-        self.flights[lane] = _Flight(lane, kind, rid, slot, timeout_ms, deadline, stepped)
+        rids = [state.next_id() for _ in plan]
+        requests = [
+            (build(rid, timeout_ms=timeout, env_indices=[lane]), rid, partial(self._arrive, lane))
+            for (lane, _, build, timeout), rid in zip(plan, rids, strict=True)
+        ]
+        slots = state.submit_many(requests)
+        now = self._clock()
+        for (lane, kind, _, timeout), rid, slot in zip(plan, rids, slots, strict=True):
+            limit = reply_deadline(timeout)
+            deadline = None if limit is None else now + limit
+            self.flights[lane] = _Flight(lane, kind, rid, slot, timeout, deadline, stepped)
 
     def _arrive(self, lane: int) -> None:
         self._arrived.append(lane)
@@ -359,7 +365,7 @@ class PoolCore:
             if finished and self.mode == AutoresetMode.SAME_STEP:
                 try:
                     build = partial(_reset, seeds=[], options=None)
-                    self._submit(lane, "final", build, flight.timeout_ms, result)
+                    self._submit([(lane, "final", build, flight.timeout_ms)], result)
                 except EndpointError as exc:
                     self.ready[lane] = exc
                     return False
