@@ -56,7 +56,7 @@ from ._messages import (
     reset_request,
     step_request,
 )
-from ._pool import AsyncPool, Batch, autoreset_mode_of, observation_rows
+from ._pool import AsyncPool, Batch, autoreset_mode_of
 
 if sys.version_info < (3, 11):  # pragma: no cover - trio depends on the backport there
     from exceptiongroup import BaseExceptionGroup
@@ -194,7 +194,7 @@ class Endpoint:
         )
         reply = result_of(await self._call(payload, rid, "reset", timeout), "reset")
         observations = state.codecs.observation_batch(reply.leaves, k)
-        pool.note_reset(lanes or range(k), observation_rows(state, observations, k))
+        pool.note_reset(lanes or range(k), pool.rows(observations, k))
         return observations, reply.infos
 
     async def step(
@@ -221,7 +221,7 @@ class Endpoint:
         rewards, terminated, truncated = step_arrays(reply, k)
         state.completed.extend(reply.episodes)
         observations = state.codecs.observation_batch(reply.leaves, k)
-        rows = observation_rows(state, observations, k)
+        rows = pool.rows(observations, k)
         pool.note_step(lanes or range(k), rows, terminated | truncated)
         return observations, rewards, terminated, truncated, reply.infos
 

@@ -193,6 +193,7 @@ class PoolCore:
         )
         """Finished lanes in order of arrival: their result, or the error they ended with."""
         self._arrived: list[int] = []
+        self._batched: dict[int, gym.spaces.Space[Any]] = {}
         self.notify: Callable[[], None] = _noop
 
     # ---- checks -----------------------------------------------------------------------
@@ -444,6 +445,15 @@ class PoolCore:
 
     # ---- the face's own requests ----------------------------------------------------------
 
+    def rows(self, observations: Any, k: int) -> list[Any]:
+        """Each lane's observation of a batch of ``k`` (copies where the batch is an array)."""
+        if self.state.codecs.fast_observation is not None:
+            return list(np.array(observations))
+        space = self._batched.get(k)
+        if space is None:
+            space = self._batched[k] = batch_space(self.state.contract.observation_space, k)
+        return list(iterate(space, observations))
+
     def note_reset(self, lanes: Sequence[int], rows: Sequence[Any]) -> None:
         """Lanes reset outside the pool (a face's whole or lane-scoped reset)."""
         for lane, row in zip(lanes, rows, strict=True):
@@ -476,13 +486,6 @@ def _step(rid: str, *, leaves: list[bytes], timeout_ms: int, env_indices: list[i
 
 def _noop() -> None:
     pass
-
-
-def observation_rows(state: JoinState, observations: Any, k: int) -> list[Any]:
-    """Each lane's observation of a batch of ``k``."""
-    if state.codecs.fast_observation is not None:
-        return [np.array(row) for row in observations]
-    return list(iterate(batch_space(state.contract.observation_space, k), observations))
 
 
 # ---------------------------------------------------------------------------- faces
