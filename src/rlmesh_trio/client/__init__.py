@@ -5,6 +5,8 @@
   ``await ep.aclose()``; lane-scoped requests pipeline across Trio tasks.
 * :class:`VectorEnv` — a synchronous ``gymnasium.vector.VectorEnv`` over an endpoint,
   with gymnasium's autoreset modes done client-side.
+  With ``batch_size=k``: ``await ep.send(actions, env_indices)`` and ``await ep.recv()``
+  step the lanes that are ready, EnvPool's way (also on :class:`VectorEnv`).
 * :class:`Env` — a synchronous ``gymnasium.Env`` over a one-lane endpoint.
 * :func:`probe` — health, handshake and contract of an endpoint, as a
   :class:`ProbeResult` (what ``rlmesh-trio probe`` prints).
@@ -17,6 +19,7 @@ with a ``DeprecationWarning`` until 0.2. Works against rlmesh-trio and rlmesh 0.
 sockets, plaintext or TLS (``tls=``: True, a CA file, or an ``ssl.SSLContext``).
 """
 
+from .._exports import publish as _publish
 from ._core import Contract as Contract
 from ._endpoint import Endpoint as Endpoint
 from ._endpoint import open_endpoint as open_endpoint
@@ -31,6 +34,8 @@ from ._errors import RpcError as RpcError
 from ._gym import Env as Env
 from ._gym import VectorEnv as VectorEnv
 from ._messages import Episode as Episode
+from ._pool import LaneBusyError as LaneBusyError
+from ._pool import LaneError as LaneError
 from ._probe import ProbeResult as ProbeResult
 from ._probe import probe as probe
 
@@ -45,6 +50,8 @@ __all__ = [
     "Episode",
     "ErrorCode",
     "HandshakeError",
+    "LaneBusyError",
+    "LaneError",
     "ProbeResult",
     "RequestTimeoutError",
     "RpcError",
@@ -54,23 +61,4 @@ __all__ = [
 ]
 
 # Reprs, pickles and docs name the public module, not the private one a name is defined in.
-for _public in (
-    ConnectionLostError,
-    Contract,
-    Endpoint,
-    EndpointClosedError,
-    EndpointError,
-    Env,
-    EnvError,
-    Episode,
-    ErrorCode,
-    HandshakeError,
-    ProbeResult,
-    RequestTimeoutError,
-    RpcError,
-    VectorEnv,
-    open_endpoint,
-    probe,
-):
-    _public.__module__ = __name__
-del _public
+_publish(__name__, globals())

@@ -322,6 +322,21 @@ class BlockingEndpoint:
                 answers.append(exc)
         return answers
 
+    def flush(self) -> None:
+        """Write the requests submitted to :attr:`state` (the pool's sends)."""
+        self._link.flush()
+
+    def wait(self, done: Callable[[], bool], deadline: float | None) -> None:
+        """Read until ``done()`` holds, the connection is lost, or ``deadline``
+        (``time.monotonic()``) passes."""
+        try:
+            self._link.pump(done, deadline, "recv")
+        except ConnectionLostError:
+            if deadline is None or self._conn.lost is not None:
+                raise
+        if self._conn.lost is not None:
+            self.state.process()  # the pending requests fail with the connection
+
     def close(self, reason: str = "client close") -> list[Episode]:
         if self._closed is not None:
             return self._closed

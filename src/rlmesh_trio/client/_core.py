@@ -322,6 +322,19 @@ def shutdown_error(slot: Slot, detail: str) -> ConnectionLostError:
 # ---------------------------------------------------------------------------- codecs
 
 
+ACTION_ERRORS = (ValueError, TypeError, KeyError, IndexError)
+"""What converting actions that do not fit the action space raises."""
+
+
+def invalid_actions(exc: BaseException) -> EnvError:
+    """Actions the client cannot encode: ``INVALID_ACTION``, recoverable, nothing sent."""
+    return EnvError(
+        f"actions do not fit the action space: {exc}",
+        code=ErrorCode.INVALID_ACTION,
+        is_recoverable=True,
+    )
+
+
 class Codecs:
     """The spaces' codecs and batched forms, built once per endpoint."""
 
@@ -351,23 +364,15 @@ class Codecs:
             if len(rows) != k:
                 raise ValueError(f"expected actions for {k} lanes, got {len(rows)}")
             return self.action.encode_batch(rows)
-        except (ValueError, TypeError, KeyError, IndexError) as exc:
-            raise EnvError(
-                f"actions do not fit the action space: {exc}",
-                code=ErrorCode.INVALID_ACTION,
-                is_recoverable=True,
-            ) from exc
+        except ACTION_ERRORS as exc:
+            raise invalid_actions(exc) from exc
 
     def encode_actions_rows(self, rows: Sequence[Any]) -> list[bytes]:
         """Lanes' actions, one per row, as wire leaves."""
         try:
             return self.action.encode_batch(rows)
-        except (ValueError, TypeError, KeyError, IndexError) as exc:
-            raise EnvError(
-                f"actions do not fit the action space: {exc}",
-                code=ErrorCode.INVALID_ACTION,
-                is_recoverable=True,
-            ) from exc
+        except ACTION_ERRORS as exc:
+            raise invalid_actions(exc) from exc
 
     def encode_single_action(self, action: Any) -> list[bytes]:
         try:
@@ -650,6 +655,26 @@ class JoinState:
             self.fail(ConnectionLostError(str(exc)))
             raise self.failure from None  # type: ignore[misc]
         return slot
+
+    def submit_many(self, requests: Sequence[tuple[bytes, str, Callable[[], None]]]) -> list[Slot]:
+        """Queue requests back to back (``(payload, request_id, wake)`` each) and
+        register their slots: all of them, or none."""
+        if len(requests) == 1:
+            return [self.submit(*requests[0])]
+        self.check_open()
+        slots = [Slot(wake) for _, _, wake in requests]
+        for (_, request_id, _), slot in zip(requests, slots, strict=True):
+            self.pending[request_id] = slot
+        try:
+            self.conn.send_many(self.join, [payload for payload, _, _ in requests])
+        except (ConnectionError, ValueError) as exc:
+            for _, request_id, _ in requests:
+                del self.pending[request_id]
+            if isinstance(exc, ValueError):
+                raise
+            self.fail(ConnectionLostError(str(exc)))
+            raise self.failure from None  # type: ignore[misc]
+        return slots
 
     def abandon(self, request_id: str) -> None:
         """A waiter gave up (cancelled, or past its deadline): its reply, if it comes, is

@@ -18,6 +18,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import trio
+from gymnasium.vector import AutoresetMode
 
 from .._deprecation import renamed_kwargs
 from .._tls import TlsSetting, check_alpn
@@ -62,6 +63,7 @@ from ._messages import (
     reset_request,
     step_request,
 )
+from ._pool import AsyncPool, Batch, autoreset_mode_of
 
 if sys.version_info < (3, 11):  # pragma: no cover - trio depends on the backport there
     from exceptiongroup import BaseExceptionGroup
@@ -106,7 +108,11 @@ class Endpoint:
         ping_interval_seconds: float,
         ping_timeout_seconds: float,
         close_timeout_seconds: float,
+        batch_size: int | None = None,
+        autoreset_mode: AutoresetMode = AutoresetMode.NEXT_STEP,
     ) -> None:
+        self._pool_args = (batch_size, autoreset_mode)
+        self._pool: AsyncPool | None = None
         self._target = target
         self._conn = GrpcConnection(target.authority, metadata(auth_token), tls=tls is not None)
         self._tls = tls
@@ -184,6 +190,8 @@ class Endpoint:
         state = self._joined()
         lanes = lanes_of(env_indices, state.contract.num_envs)
         k = state.contract.num_envs if lanes is None else len(lanes)
+        pool = self._pooled().core
+        pool.check_idle(lanes, "reset()")
         rid = state.next_id()
         timeout = timeout_of(timeout_ms)
         payload = reset_request(
@@ -194,7 +202,9 @@ class Endpoint:
             env_indices=lanes or (),
         )
         reply = result_of(await self._call(payload, rid, "reset", timeout, lanes), "reset")
-        return state.codecs.observation_batch(reply.leaves, k), reply.infos
+        observations = state.codecs.observation_batch(reply.leaves, k)
+        pool.note_reset(lanes or range(k), pool.rows(observations, k))
+        return observations, reply.infos
 
     async def step(
         self,
@@ -210,6 +220,8 @@ class Endpoint:
         state = self._joined()
         lanes = lanes_of(env_indices, state.contract.num_envs)
         k = state.contract.num_envs if lanes is None else len(lanes)
+        pool = self._pooled().core
+        pool.check_idle(lanes, "step()")
         leaves = state.codecs.encode_actions(actions, k)
         rid = state.next_id()
         timeout = timeout_of(timeout_ms)
@@ -218,7 +230,41 @@ class Endpoint:
         rewards, terminated, truncated = step_arrays(reply, k)
         state.completed.extend(reply.episodes)
         observations = state.codecs.observation_batch(reply.leaves, k)
+        rows = pool.rows(observations, k)
+        pool.note_step(lanes or range(k), rows, terminated | truncated)
         return observations, rewards, terminated, truncated, reply.infos
+
+    @property
+    def batch_size(self) -> int:
+        """How many lanes :meth:`recv` returns (``open_endpoint(batch_size=)``)."""
+        return self._pooled().core.batch_size
+
+    async def send(
+        self,
+        actions: Any,
+        env_indices: Sequence[int] | None = None,
+        *,
+        timeout_ms: int | None = None,
+    ) -> None:
+        """Step the lanes ``env_indices`` (None: all), one lane-scoped request each,
+        and return once they are written; :meth:`recv` returns the results.
+
+        ``actions`` are batched in ``env_indices`` order. A lane that finished its
+        episode is reset instead (autoreset NEXT_STEP, its action ignored); SAME_STEP
+        resets it with the step; DISABLED refuses it until :meth:`reset`. A lane with
+        a request in flight, or a result not yet received, is refused
+        (:class:`LaneBusyError`); nothing is sent then. See docs/client.md.
+        """
+        await self._pooled().send(actions, env_indices, timeout_ms)
+
+    async def recv(self) -> Batch:
+        """The next ``batch_size`` lanes that finished (all of those in flight if
+        fewer are), as ``(observations, rewards, terminated, truncated, infos)``
+        batched in lane order; ``infos["env_id"]`` names the lanes. A lane's error is
+        raised (:class:`LaneError` for a recoverable env error: that lane is idle
+        again; the other lanes' results wait for the next call). Cancelling it loses
+        nothing: the results come with the next call."""
+        return await self._pooled().recv()
 
     async def render(
         self, lane: int = 0, *, timeout_ms: int | None = None
@@ -268,6 +314,11 @@ class Endpoint:
 
     # ---- driver -------------------------------------------------------------------
 
+    def _pooled(self) -> AsyncPool:
+        self._joined()
+        assert self._pool is not None
+        return self._pool
+
     def _joined(self) -> JoinState:
         if self._state is None:
             raise EndpointClosedError("the endpoint is not joined")
@@ -300,6 +351,8 @@ class Endpoint:
         await self._flush()
         await self._wait_slot(slot, rid)
         result_of(slot, "configure")
+        batch_size, autoreset_mode = self._pool_args
+        self._pool = AsyncPool(self, batch_size=batch_size, autoreset_mode=autoreset_mode)
 
     async def _secure(self) -> None:
         """The TLS handshake (bounded by the caller's connect timeout); ALPN must say h2."""
@@ -488,6 +541,8 @@ async def open_endpoint(
     ping_interval_seconds: float = DEFAULT_PING_INTERVAL_SECONDS,
     ping_timeout_seconds: float = DEFAULT_PING_TIMEOUT_SECONDS,
     close_timeout_seconds: float = DEFAULT_CLOSE_TIMEOUT_SECONDS,
+    batch_size: int | None = None,
+    autoreset_mode: str | AutoresetMode = AutoresetMode.NEXT_STEP,
 ) -> AsyncIterator[Endpoint]:
     """Connect to ``address`` (``tcp://host:port``, ``host:port``, ``port``,
     ``unix:///path``), Handshake (generation and edition check, the contract), open the
@@ -509,8 +564,13 @@ async def open_endpoint(
 
     The 0.1 keywords ``token``, ``connect_timeout``, ``ping_interval``,
     ``ping_timeout`` and ``close_timeout`` still work (deprecated, removed in 0.2).
+
+    ``batch_size`` (1..num_envs, default num_envs) and ``autoreset_mode`` (NEXT_STEP
+    default, SAME_STEP, DISABLED) shape :meth:`Endpoint.send` / :meth:`Endpoint.recv`,
+    the EnvPool-style stepping of the lanes that are ready (docs/client.md).
     """
     target = Target.parse(address)
+    mode = autoreset_mode_of(autoreset_mode)
     check_timeouts(
         connect_timeout_seconds=connect_timeout_seconds,
         ping_interval_seconds=ping_interval_seconds,
@@ -524,6 +584,8 @@ async def open_endpoint(
         ping_interval_seconds=ping_interval_seconds,
         ping_timeout_seconds=ping_timeout_seconds,
         close_timeout_seconds=close_timeout_seconds,
+        batch_size=batch_size,
+        autoreset_mode=mode,
     )
     single: BaseException | None = None
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+from collections.abc import Sequence
 from typing import Any, Final
 
 import h2.config
@@ -145,14 +146,20 @@ class GrpcConnection:
 
     def send(self, call: Call, message: bytes, *, end: bool = False) -> None:
         """Queue one whole gRPC message (and END_STREAM after it if ``end``)."""
+        self.send_many(call, [message], end=end)
+
+    def send_many(self, call: Call, messages: Sequence[bytes], *, end: bool = False) -> None:
+        """Queue whole gRPC messages back to back (one DATA frame when they fit)."""
         self._check()
-        if len(message) > MAX_MESSAGE_SIZE:
-            raise ValueError(
-                f"message of {len(message)} bytes over the {MAX_MESSAGE_SIZE}-byte limit"
-            )
+        for message in messages:
+            if len(message) > MAX_MESSAGE_SIZE:
+                raise ValueError(
+                    f"message of {len(message)} bytes over the {MAX_MESSAGE_SIZE}-byte limit"
+                )
         if call.ended:
             return
-        call._outbound.append((memoryview(frame(message)), end))
+        data = frame(messages[0]) if len(messages) == 1 else b"".join(map(frame, messages))
+        call._outbound.append((memoryview(data), end))
         self._pump(call)
 
     def cancel(self, call: Call) -> None:

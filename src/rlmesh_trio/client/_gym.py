@@ -33,9 +33,11 @@ from ._core import (
     request_timeout_ms,
     seconds_of_ms,
     step_arrays,
+    timeout_of,
 )
 from ._errors import LANE_FAULT_KEY, EndpointError, EnvError
 from ._messages import Episode, Reply, render_request, reset_request, step_request
+from ._pool import Batch, BlockingPool
 
 __all__ = ["Env", "VectorEnv"]
 
@@ -85,6 +87,12 @@ class VectorEnv(gym.vector.VectorEnv):
     The 0.1 keywords ``token``, ``request_timeout_ms`` (int milliseconds),
     ``connect_timeout``, ``ping_interval``, ``ping_timeout`` and ``close_timeout`` still
     work (deprecated, removed in 0.2).
+
+    ``batch_size`` (1..num_envs, default num_envs): how many lanes :meth:`recv` returns
+    after :meth:`async_reset` / :meth:`send`, EnvPool's way of stepping the lanes that
+    are ready (docs/client.md). With ``batch_size < num_envs``, :meth:`step` is refused
+    (it would wait for every lane: that is what the pool avoids); with
+    ``batch_size == num_envs`` it works as ever once no lane is in flight.
     """
 
     @renamed_kwargs(**OLD_ADAPTER_KEYWORDS)
@@ -93,6 +101,7 @@ class VectorEnv(gym.vector.VectorEnv):
         address: str,
         *,
         autoreset_mode: str | AutoresetMode = AutoresetMode.NEXT_STEP,
+        batch_size: int | None = None,
         auth_token: str | None = None,
         tls: TlsSetting = None,
         request_timeout_seconds: float | None = None,
@@ -149,6 +158,13 @@ class VectorEnv(gym.vector.VectorEnv):
         self._terminations = np.zeros((n,), dtype=np.bool_)
         self._truncations = np.zeros((n,), dtype=np.bool_)
         self._autoreset_envs = np.zeros((n,), dtype=np.bool_)
+        try:
+            self._pool = BlockingPool(
+                self._ep, _VectorBook(self), batch_size=batch_size, autoreset_mode=mode
+            )
+        except BaseException:
+            self._ep.close()
+            raise
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -194,6 +210,50 @@ class VectorEnv(gym.vector.VectorEnv):
         infos = lane_infos(reply.infos, k)
         return {lane: (observations[j], infos[j]) for j, lane in enumerate(lanes)}
 
+    # ---- EnvPool API (docs/client.md) -----------------------------------------------------
+
+    @property
+    def batch_size(self) -> int:
+        """How many lanes :meth:`recv` returns."""
+        return self._pool.core.batch_size
+
+    def async_reset(
+        self,
+        *,
+        seed: int | Sequence[int | None] | None = None,
+        options: dict[str, Any] | None = None,
+        env_indices: Sequence[int] | None = None,
+        timeout_ms: int | None = None,
+    ) -> None:
+        """Reset the lanes ``env_indices`` (None: all), one request each, and return at
+        once; :meth:`recv` returns them (reward 0, not done). ``seed``: None, an int
+        (lane ``i`` gets ``seed + i``, as :meth:`reset`), or one per addressed lane.
+        ``timeout_ms``: default the ``request_timeout`` given at construction."""
+        self._pool.reset(env_indices, seed, options, self._timeout_of(timeout_ms))
+
+    def send(
+        self,
+        actions: Any,
+        env_indices: Sequence[int] | None = None,
+        *,
+        timeout_ms: int | None = None,
+    ) -> None:
+        """Step the lanes ``env_indices`` (None: all) with ``actions`` (batched in that
+        order), one lane-scoped request each, and return at once. A lane that finished
+        is reset instead (NEXT_STEP: its action ignored; SAME_STEP: with the step;
+        DISABLED: refused until :meth:`async_reset` for it). A lane with a request in
+        flight or a result not yet received is refused (``LaneBusyError``)."""
+        self._pool.send(actions, env_indices, self._timeout_of(timeout_ms))
+
+    def recv(self) -> Batch:
+        """The next ``batch_size`` lanes that finished (all that are in flight if
+        fewer), batched in lane order, ``infos["env_id"]`` naming them. A lane's error
+        is raised (``LaneError`` for a recoverable one: that lane is idle again)."""
+        return self._pool.recv()
+
+    def _timeout_of(self, timeout_ms: int | None) -> int:
+        return self._timeout_ms if timeout_ms is None else timeout_of(timeout_ms)
+
     # ---- gymnasium API -----------------------------------------------------------------
 
     def reset(
@@ -203,6 +263,7 @@ class VectorEnv(gym.vector.VectorEnv):
         options: dict[str, Any] | None = None,
     ) -> tuple[Any, dict[str, Any]]:
         n = self.num_envs
+        self._pool.core.check_idle(None, "reset()")
         if seed is None:
             seeds: list[int | None] = [None] * n
         elif isinstance(seed, int | np.integer):
@@ -253,6 +314,7 @@ class VectorEnv(gym.vector.VectorEnv):
     ) -> tuple[
         Any, np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any], dict[str, Any]
     ]:
+        self._pool.core.check_whole_step()
         n = self.num_envs
         codecs = self._state.codecs
         fast = codecs.fast_action
@@ -418,6 +480,22 @@ class VectorEnv(gym.vector.VectorEnv):
         ep = getattr(self, "_ep", None)
         if ep is not None:
             ep._teardown()
+
+
+class _VectorBook:
+    """The pool's view of a :class:`VectorEnv`'s lanes (its autoreset flags and
+    observations), so ``step()`` and ``send()`` agree on which lanes finished."""
+
+    def __init__(self, env: VectorEnv) -> None:
+        self._env = env
+
+    @property
+    def done(self) -> np.ndarray[Any, Any]:
+        return self._env._autoreset_envs
+
+    @property
+    def obs(self) -> list[Any]:
+        return self._env._env_obs
 
 
 class Env(gym.Env):
