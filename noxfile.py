@@ -40,15 +40,15 @@ SMOKE = [
     "tests/test_cli.py::test_sigint_once_drains_and_exits_0",
     "tests/test_cli.py::test_probe_a_live_server",
     # rlmesh 0.1.0's clients, against both servers
-    "tests/test_interop.py::test_remote_vector_env_follows_gymnasium",
+    "tests/reference/test_interop.py::test_remote_vector_env_follows_gymnasium",
     "tests/test_serve.py::test_rlmesh_run_drives_three_lanes",
     # our clients: the gymnasium adapter and the Trio endpoint
     "tests/test_client_gym.py::test_vector_env_transcript_equals_sync_vector_env",
     "tests/test_client_async.py::test_reset_step_close_follow_the_local_envs",
     # a differential scenario: the same raw lane session against both servers
-    "tests/test_differential.py::test_raw_lane_session",
+    "tests/reference/test_differential.py::test_raw_lane_session",
     # process lanes
-    "tests/test_process_lanes.py::test_envs_live_in_their_own_processes_and_answer_as_thread_lanes_do",
+    "tests/test_lanes_process.py::test_envs_live_in_their_own_processes_and_answer_as_thread_lanes_do",
 ]
 """The ``pythons`` session's subset: about a minute of the suite, on every claimed Python."""
 
@@ -126,7 +126,7 @@ def fuzz(session: nox.Session) -> None:
     count = os.environ.get("RLMESH_FUZZ_COUNT", "3000")
     session.run(
         "pytest",
-        "tests/test_fuzz_differential.py",
+        "tests/reference/test_fuzz.py",
         *session.posargs,
         env={"RLMESH_FUZZ_COUNT": count},
     )
@@ -139,9 +139,9 @@ def tests_process(session: nox.Session) -> None:
     session.install("-c", CI_CONSTRAINTS, ".[test]")
     session.run(
         "pytest",
-        "tests/test_interop.py",
-        "tests/test_differential.py",
-        "tests/test_errors_wire.py",
+        "tests/reference/test_interop.py",
+        "tests/reference/test_differential.py",
+        "tests/reference/test_error_rows.py",
         *session.posargs,
         env={"RLMESH_TEST_LANE_ISOLATION": "process"},
     )

@@ -4,7 +4,7 @@ The reader cuts gRPC messages out of a stream's DATA as h2 delivers it and ackno
 received bytes to h2 only once they are consumed; while paused or stopped it consumes
 nothing, so no WINDOW_UPDATE can go out. Here it runs against a fake h2 connection that
 counts acknowledgements; the end-to-end behaviour (a saturated session stops the
-client) is in ``test_service.py``.
+client) is in ``test_transport_service.py``.
 """
 
 from __future__ import annotations

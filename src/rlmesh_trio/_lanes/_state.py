@@ -3,7 +3,7 @@
 Every change of a lane's state goes through :meth:`~._lane._Lane.move`, which checks
 the ``(from, to)`` pair against :data:`TRANSITIONS`; a pair not in the table is a bug of
 the engine and raises :class:`LaneStateError`. docs/supervision.md carries the same table
-(``tests/test_lane_states.py`` reads it and compares), so the documented state machine is
+(``tests/test_lanes_state.py`` reads it and compares), so the documented state machine is
 the one the code runs.
 
 Adding a state (e.g. a lane rebuilt while its client's session goes on) means adding a

@@ -3,7 +3,7 @@
 h2 runs with ``validate_inbound_headers=False`` (its checks turn a malformed request
 into a *connection* error, where the reference resets only the stream), so the request
 header block is checked here, once per stream, before admission and dispatch. The
-answers were taken from rlmesh 0.1.0's server on the wire (``tests/test_headers.py``
+answers were taken from rlmesh 0.1.0's server on the wire (``tests/reference/test_hostile_headers.py``
 compares them case by case):
 
 * a field the HPACK layer cannot represent as an HTTP field -- an empty name, a name
