@@ -211,3 +211,18 @@ def test_only_the_transport_package_imports_asyncio_grpclib_or_h2() -> None:
                 if n.split(".")[0] in banned and n.split(".")[0] not in allowed
             ]
     assert offenders == []
+
+
+def test_no_import_cycle_anywhere_in_the_package() -> None:
+    """Module by module over all of ``src/`` (imports inside functions and under
+    ``TYPE_CHECKING`` included): no module imports one that imports it back. An edge from
+    a module to a package it lives in is not counted (the package is always imported
+    before its modules; ``from . import _x`` names it to reach a sibling); an edge from a
+    package's ``__init__`` down into its own modules is."""
+    edges = {
+        m: {i for i in imported if i != m and not m.startswith(f"{i}.")}
+        for m, imported in graph().items()
+    }
+    cycles = find_cycles(edges)
+    assert cycles == [], " ; ".join(" -> ".join(cycle) for cycle in cycles)
+    assert "rlmesh_trio._serve" in edges["rlmesh_trio"]  # it sees the lazy import

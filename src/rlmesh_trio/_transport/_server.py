@@ -33,7 +33,6 @@ from grpclib.const import Handler as MethodHandler
 from grpclib.exceptions import GRPCError
 from grpclib.server import Stream
 
-from .. import _tls
 from .._bridge import ReplyInbox, ToLoop, Worker
 from .._errors import (
     AlreadyJoinedError,
@@ -48,6 +47,7 @@ from .._logging import RateLimit, protect_credentials
 from .._options import Resolved
 from .._proto.rlmesh.env import v1 as env_v1
 from .._tls import HANDSHAKE_TIMEOUT as TLS_HANDSHAKE_TIMEOUT
+from .._tls import RELOAD_INTERVAL as TLS_RELOAD_INTERVAL
 from .._tls import ReloadingServerContext
 from .._wire import (
     HANDSHAKE_PATH,
@@ -305,7 +305,7 @@ class LoopServer:
         if self._tls is None or self.closing:
             return
         self._tls.check()
-        self._tls_handle = self.loop.call_later(_tls.RELOAD_INTERVAL, self._watch_tls)
+        self._tls_handle = self.loop.call_later(TLS_RELOAD_INTERVAL, self._watch_tls)
 
     def _make_protocol(self) -> Connection:
         return Connection(

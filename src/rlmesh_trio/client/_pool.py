@@ -52,7 +52,6 @@ from ._messages import reset_request, step_request
 
 if TYPE_CHECKING:
     from ._blocking import BlockingEndpoint
-    from ._endpoint import Endpoint
 
 __all__ = [
     "ENV_ID_KEY",
@@ -540,11 +539,22 @@ class BlockingPool:
             self._ep.wait(lambda: bool(core._arrived), core.next_deadline())
 
 
+class TrioHost(Protocol):
+    """What :class:`AsyncPool` needs of the Trio endpoint it serves (so this module does
+    not import ``_endpoint``, which imports it)."""
+
+    def _joined(self) -> JoinState: ...
+
+    def _arm_keepalive(self) -> None: ...
+
+    async def _flush(self) -> None: ...
+
+
 class AsyncPool:
     """The pool on the Trio endpoint; one task at a time may wait in :meth:`recv`."""
 
     def __init__(
-        self, endpoint: Endpoint, *, batch_size: int | None, autoreset_mode: AutoresetMode
+        self, endpoint: TrioHost, *, batch_size: int | None, autoreset_mode: AutoresetMode
     ) -> None:
         self._ep = endpoint
         state = endpoint._joined()
