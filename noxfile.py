@@ -154,12 +154,23 @@ def envs(session: nox.Session) -> None:
     session.run("pytest", "-m", "envs", *session.posargs)
 
 
+RAY_NODES_TESTS = "tests/test_fleet_ray_nodes.py"
+
+
 @nox.session
 def ray(session: nox.Session) -> None:
     """The fleet's tests on a local Ray (``-m ray``: one Ray per module, loopback only);
     ``tests`` leaves them out, CI (``.ci/run``) runs both."""
     session.install("-c", CI_CONSTRAINTS, ".[test]")
-    session.run("pytest", "-m", "ray", *session.posargs)
+    if session.posargs:
+        session.run("pytest", "-m", "ray", *session.posargs)
+        return
+    # The two-node cluster gets a pytest process of its own: run in the same process after
+    # tests/test_cli_fleet.py, its head's GCS never became available (reproduced at
+    # 96a25b4 on 2 cores; alone, or in a fresh process right after, it starts in ~13 s;
+    # no Ray process of the CLI tests outlives them). The cause is not found yet.
+    session.run("pytest", "-m", "ray", "--ignore", RAY_NODES_TESTS)
+    session.run("pytest", "-m", "ray", RAY_NODES_TESTS)
 
 
 @nox.session
