@@ -281,3 +281,131 @@ def test_hand_written_field_tables_match_the_generated_classes(table: str) -> No
 
     for cls, fields in getattr(_join, table).items():
         assert fields == {n: f.name for n, f in schema(cls).items()}, cls.__name__
+
+
+# ----------------------------------------------------------- the one-lane step's own path
+
+_STEP_FIELDS = {
+    "action": b"\x0a",
+    "timeout": b"\x10",
+    "indices": b"\x1a",
+    "index": b"\x18",
+    "episode": b"\x22",
+    "unknown": b"\x28",
+}
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _field(tag: bytes, body: bytes) -> bytes:
+    return tag + _varint(len(body)) + body
+
+
+step_fields = st.one_of(
+    st.builds(
+        lambda leaves: _field(b"\x0a", b"".join(_field(b"\x0a", leaf) for leaf in leaves)),
+        st.lists(st.binary(max_size=200), max_size=3),
+    ),
+    st.builds(lambda n: b"\x10" + _varint(n), st.integers(0, (1 << 64) - 1)),
+    st.builds(
+        lambda lanes: _field(b"\x1a", b"".join(map(_varint, lanes))),
+        st.lists(st.integers(0, (1 << 64) - 1), max_size=2),
+    ),
+    st.builds(lambda n: b"\x18" + _varint(n), st.integers(0, (1 << 40))),
+    st.builds(lambda text: _field(b"\x22", text), st.sampled_from((b"ep-1", b"\xff\xfe", b""))),
+    st.builds(lambda n: b"\x28" + _varint(n), st.integers(0, 300)),  # an unknown field
+)
+
+
+@st.composite
+def join_requests(draw: st.DrawFn) -> bytes:
+    """JoinRequests near the one-lane step's shape: its fields in any order, some
+    repeated or missing, unknown ones, other arms, bad UTF-8, cut short."""
+    if draw(st.integers(0, 9)) < 7:  # the shape the clients send, fields in any order
+        leaves = draw(st.lists(st.binary(max_size=200), max_size=3))
+        fields = [_field(b"\x0a", b"".join(_field(b"\x0a", leaf) for leaf in leaves))]
+        lane = draw(st.integers(0, (1 << 64) - 1))
+        fields.append(
+            draw(st.sampled_from((_field(b"\x1a", _varint(lane)), b"\x18" + _varint(lane))))
+        )
+        if draw(st.booleans()):
+            fields.append(b"\x10" + _varint(draw(st.integers(0, 1 << 33))))
+        if draw(st.booleans()):
+            fields.append(_field(b"\x22", b"01a228c7-ce08-7c11-970b-a714192022e2"))
+        if draw(st.integers(0, 3)) == 0:
+            fields.append(draw(step_fields))  # now and then one too many
+        body = b"".join(draw(st.permutations(fields)))
+    else:
+        body = b"".join(draw(st.lists(step_fields, max_size=6)))
+    parts = [_field(b"\x12", body)]
+    if draw(st.booleans()):
+        parts.append(_field(b"\x2a", draw(st.sampled_from((b"grpc-req-5", b"", b"\xc3")))))
+    extra = draw(
+        st.sampled_from((b"",) * 8 + (b"\x12\x00", b"\x2a\x01r", b"\x1a\x00", b"\x08\x01"))
+    )
+    parts.insert(draw(st.integers(0, len(parts))), extra)
+    data = b"".join(parts)
+    cut = draw(st.integers(0, len(data)))
+    return data[:cut] if draw(st.integers(0, 9)) == 0 else data
+
+
+def _decoded(data: bytes, fast: bool, monkeypatch: pytest.MonkeyPatch) -> Any:
+    from rlmesh_trio._wire import _join
+
+    with monkeypatch.context() as patch:
+        if not fast:
+            patch.setattr(_join, "_one_lane_step", lambda data: None)
+        try:
+            request = decode_join_request(data, max_lanes=8)
+        except WireDecodeError as exc:
+            return ("error", str(exc))
+    step = request.step
+    fields = None
+    if step is not None:
+        action = None if step.action is None else [bytes(leaf) for leaf in step.action.leaves]
+        fields = (action, step.timeout_ms, list(step.env_indices), list(step.episode_ids))
+    return (request, fields, bytes(request))
+
+
+@settings(max_examples=600, deadline=None)
+@given(join_requests())
+def test_the_one_lane_step_path_decodes_as_the_general_decoder(data: bytes) -> None:
+    """Whatever the one-lane step's own path takes, it decodes exactly as the general
+    decoder does (same message, same fields, same bytes again); what it declines, the
+    general decoder decodes or refuses with prost's words."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        assert _decoded(data, True, monkeypatch) == _decoded(data, False, monkeypatch)
+
+
+def test_the_one_lane_step_path_takes_what_the_clients_send() -> None:
+    from rlmesh_trio._wire import _join
+
+    # rlmesh.run's step of lane 1 (tests/goldens: client_run_lanes3), and ours.
+    captured = bytes.fromhex(
+        "12390a0a0a08000000000000000010e0a7121a0101222430316132323863372d636530382d376331"
+        "312d393730622d6137313431393230323265322a0a677270632d7265712d35"
+    )
+    ours = bytes(
+        env_v1.JoinRequest(
+            request_id="7",
+            step=env_v1.StepRequest(
+                action=spaces_v1.SpaceValue(leaves=[b"\x01" + bytes(7)]), env_indices=[3]
+            ),
+        )
+    )
+    for data in (captured, ours):
+        fast = _join._one_lane_step(data)
+        assert fast is not None
+        assert fast == decode_join_request(data, max_lanes=8)
+    # A whole-vector step (no env_indices) and two lanes are the general decoder's.
+    whole = bytes(env_v1.JoinRequest(step=env_v1.StepRequest(action=spaces_v1.SpaceValue())))
+    two = bytes(env_v1.JoinRequest(step=env_v1.StepRequest(env_indices=[0, 1])))
+    assert _join._one_lane_step(whole) is None
+    assert _join._one_lane_step(two) is None
