@@ -68,6 +68,7 @@ from .._session import (
     Wedged,
 )
 from .._wire import PREFIX_SIZE, decode_join_request, encode_join_response_framed
+from ._deadlines import Deadlines
 from ._shim import (
     Connection,
     RequestReader,
@@ -162,7 +163,7 @@ class JoinCall:
         self.loop = context.loop
         self.state = JoinState.OPEN
         self.session = context.new_session()
-        self.timers: dict[int, asyncio.TimerHandle] = {}
+        self.deadlines = Deadlines(self.loop, self._on_timer)
         self.outbox: deque[bytes] = deque()
         self.outbox_bytes = 0
         self.direct: list[bytes] = []  # replies of this loop callback, for one DATA frame
@@ -187,7 +188,6 @@ class JoinCall:
         self._drive(self.session.on_lane_reply, reply, flush=False)
 
     def _on_timer(self, token: int) -> None:
-        self.timers.pop(token, None)
         self._drive(self.session.on_timer, token)
 
     def _drive(self, event: Callable[..., list[Action]], *args: Any, flush: bool = True) -> None:
@@ -242,12 +242,7 @@ class JoinCall:
                     self._queue(action.response)
             elif isinstance(action, StartTimer):
                 if self.attached:
-                    old = self.timers.pop(action.token, None)
-                    if old is not None:
-                        old.cancel()
-                    self.timers[action.token] = self.loop.call_later(
-                        action.seconds, self._on_timer, action.token
-                    )
+                    self.deadlines.start(action.token, action.seconds)
             elif isinstance(action, Report):
                 report(action, self.context.report_limit)
                 if self.metrics is not None:
@@ -256,9 +251,7 @@ class JoinCall:
                 if self.metrics is not None:
                     self.metrics.done(action)
             elif isinstance(action, CancelTimer):
-                handle = self.timers.pop(action.token, None)
-                if handle is not None:
-                    handle.cancel()
+                self.deadlines.cancel(action.token)
             elif isinstance(action, Wedged):
                 wedged = self.context.wedged
                 if wedged is not None:
@@ -472,9 +465,7 @@ class JoinCall:
                 self.reader.detach()
             self._break()
             self.state = JoinState.CLOSED
-            for handle in self.timers.values():
-                handle.cancel()
-            self.timers.clear()
+            self.deadlines.close()
             # Cancelled (client reset, disconnect, server cut): the session must know.
             self._tell_session()
             self.context.activity(self)
