@@ -239,16 +239,6 @@ def _error(error: env_v1.EnvError) -> bytes:
     return bytes(out)
 
 
-_TIMINGS = (
-    ("endpoint_total_ns", b"\x30"),
-    ("decode_ns", b"\x58"),
-    ("user_ns", b"\x60"),
-    ("encode_ns", b"\x68"),
-    ("lane_skew_ns", b"\x70"),
-    ("queue_ns", b"\x78"),
-)
-
-
 def _len_field(tag: bytes, parts: list[bytes], size: int) -> tuple[list[bytes], int]:
     """A length-delimited field over ``parts`` (``size`` bytes in all), still in parts."""
     head = tag + encode_varint(size)
@@ -265,27 +255,39 @@ def _space_value_parts(value: spaces_v1.SpaceValue) -> tuple[list[bytes], int]:
     return parts, size
 
 
+_F64 = struct.Struct("<d")
+
+
 def _step_parts(step: env_v1.StepResponse) -> tuple[list[bytes], int]:
     """``_step``, with the observation's leaves kept as they are (not copied)."""
     parts: list[bytes] = []
     size = 0
     if step.observation is not None:
         parts, size = _len_field(b"\x0a", *_space_value_parts(step.observation))
-    rest = bytearray()
-    if step.rewards:
-        rest += len_prefixed(b"\x12", struct.pack(f"<{len(step.rewards)}d", *step.rewards))
+    rest: list[bytes] = []
+    rewards = step.rewards
+    if rewards:
+        if len(rewards) == 1:  # one lane's step: the common case
+            rest.append(b"\x12\x08" + _F64.pack(rewards[0]))
+        else:
+            rest.append(len_prefixed(b"\x12", struct.pack(f"<{len(rewards)}d", *rewards)))
     if step.terminated_mask:
-        rest += len_prefixed(b"\x1a", step.terminated_mask)
+        rest.append(len_prefixed(b"\x1a", step.terminated_mask))
     if step.truncated_mask:
-        rest += len_prefixed(b"\x22", step.truncated_mask)
+        rest.append(len_prefixed(b"\x22", step.truncated_mask))
     if step.infos is not None:
-        rest += len_prefixed(b"\x2a", _meta_map(step.infos))
+        rest.append(len_prefixed(b"\x2a", _meta_map(step.infos)))
     if step.completed_episodes:
-        rest += _episodes(b"\x32", step.completed_episodes)
-    if step.env_indices:
-        rest += _packed_varints(b"\x3a", step.env_indices)
-    parts.append(bytes(rest))
-    return parts, size + len(rest)
+        rest.append(_episodes(b"\x32", step.completed_episodes))
+    indices = step.env_indices
+    if indices:
+        if len(indices) == 1:
+            rest.append(len_prefixed(b"\x3a", encode_varint(indices[0])))
+        else:
+            rest.append(_packed_varints(b"\x3a", indices))
+    tail = b"".join(rest)
+    parts.append(tail)
+    return parts, size + len(tail)
 
 
 def _reset_parts(reset: env_v1.ResetResponse) -> tuple[list[bytes], int]:
@@ -316,13 +318,27 @@ def _response_parts(response: env_v1.JoinResponse) -> tuple[list[bytes], int]:
     """The encoded JoinResponse as pieces to join once (big leaves are never copied
     before the final join: a 400 KB observation would otherwise be copied at every
     nesting level, each copy a fresh page-faulting allocation)."""
-    head = bytearray()
+    head: list[bytes] = []
     if response.request_id:
-        head += len_prefixed(b"\x2a", response.request_id.encode())
-    for name, tag in _TIMINGS:
-        value = getattr(response, name)
-        if value is not None:
-            head += tag + encode_varint(value)
+        head.append(len_prefixed(b"\x2a", response.request_id.encode()))
+    value = response.endpoint_total_ns
+    if value is not None:
+        head += (b"\x30", encode_varint(value))
+    value = response.decode_ns
+    if value is not None:
+        head += (b"\x58", encode_varint(value))
+    value = response.user_ns
+    if value is not None:
+        head += (b"\x60", encode_varint(value))
+    value = response.encode_ns
+    if value is not None:
+        head += (b"\x68", encode_varint(value))
+    value = response.lane_skew_ns
+    if value is not None:
+        head += (b"\x70", encode_varint(value))
+    value = response.queue_ns
+    if value is not None:
+        head += (b"\x78", encode_varint(value))
     body: tuple[list[bytes], int] | None = None
     if response.reset is not None:
         body = _len_field(b"\x0a", *_reset_parts(response.reset))
@@ -331,14 +347,15 @@ def _response_parts(response: env_v1.JoinResponse) -> tuple[list[bytes], int]:
     elif response.render is not None:
         body = _len_field(b"\x1a", *_render_parts(response.render))
     elif response.close is not None:
-        head += len_prefixed(b"\x22", _episodes(b"\x0a", response.close.final_episodes))
+        head.append(len_prefixed(b"\x22", _episodes(b"\x0a", response.close.final_episodes)))
     elif response.configure is not None:
-        head += b"\x3a\x00"
+        head.append(b"\x3a\x00")
     elif response.error is not None:
-        head += len_prefixed(b"\x52", _error(response.error))
+        head.append(len_prefixed(b"\x52", _error(response.error)))
+    first = b"".join(head)
     if body is None:
-        return [bytes(head)], len(head)
-    return [bytes(head), *body[0]], len(head) + body[1]
+        return [first], len(first)
+    return [first, *body[0]], len(first) + body[1]
 
 
 def encode_join_response(response: env_v1.JoinResponse) -> bytes:
