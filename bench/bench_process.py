@@ -108,6 +108,10 @@ async def segfault_recoveries(address: str, count: int) -> list[float]:
             reply = await join.call(wire.reset(seeds=[k], env_indices=[0]))
             out.append(time.perf_counter() - t0)
             assert reply.reset is not None, reply
+            # A step that succeeds proves the rebuilt lane: without it, the next segfault
+            # would count as a storm of faults in a row and be answered with a backoff.
+            reply = await join.call(wire.step([wire.i64([0])], env_indices=[0]))
+            assert reply.step is not None, reply
     return out
 
 
