@@ -6,15 +6,15 @@ of a socketpair to the server, ``NAME`` only labels the process in ``ps``.
 
 from __future__ import annotations
 
-import multiprocessing.connection
+import socket
 import sys
 
-from ._lanes._process import child_main
+from ._lanes._process import PipeEnd, child_main
 
 
 def main(argv: list[str]) -> int:
     fd, parent_pid = int(argv[1]), int(argv[2])
-    child_main(multiprocessing.connection.Connection(fd), parent_pid)
+    child_main(PipeEnd(socket.socket(fileno=fd)), parent_pid)
     return 0
 
 

@@ -9,8 +9,8 @@ pipe: the job in flight is answered as a fault naming the lane and the signal. A
 that hangs, even holding its own GIL, costs the server nothing: the server's transport
 and the other lanes run in another process, and the watchdog kills the child.
 
-Why a plain child (``python -m rlmesh_trio._lanechild``, a socketpair carrying
-``multiprocessing.connection`` messages) and not trio-parallel or ``multiprocessing``'s
+Why a plain child (``python -m rlmesh_trio._lanechild``, a socketpair carrying pickled
+messages, :class:`PipeEnd`) and not trio-parallel or ``multiprocessing``'s
 ``Process``: a lane needs ONE dedicated process for the env's whole life (GL contexts,
 simulators with state) that its supervisor can kill on its own, which trio-parallel's
 pool of interchangeable workers does not give; ``fork`` is out (the server has threads,
@@ -30,11 +30,11 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import logging
-import multiprocessing.connection
 import os
 import pickle
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -101,6 +101,61 @@ def signal_name(exitcode: int | None) -> str:
 # ------------------------------------------------------------------------ parent side
 
 
+_LENGTH = struct.Struct("!I")
+RECV_CHUNK = 1 << 16
+"""Bytes asked of the socket at once: a step's whole message (header and body) in one
+read, a big observation in as few as its size needs."""
+
+
+class PipeEnd:
+    """One end of a lane's socketpair: whole pickled messages, each a 4-byte big-endian
+    length and the pickle.
+
+    What ``multiprocessing.connection.Connection`` does over a socket, in one read per
+    message instead of two (the length, then the body) and without its buffering
+    layers: a step's job and its result cross in one syscall each way. Messages are
+    strictly request/answer, so a read never holds the start of the next one. EOFError
+    when the other end is gone; ``send`` pickles before it writes, so an object that
+    cannot be pickled raises and nothing is sent.
+    """
+
+    __slots__ = ("_sock",)
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    def send(self, obj: Any) -> None:
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        self._sock.sendall(_LENGTH.pack(len(data)) + data)
+
+    def recv(self) -> Any:
+        sock = self._sock
+        chunk = sock.recv(RECV_CHUNK)
+        while len(chunk) < 4:
+            more = sock.recv(RECV_CHUNK)
+            if not more:
+                raise EOFError
+            chunk += more
+        (size,) = _LENGTH.unpack_from(chunk)
+        have = len(chunk) - 4
+        if have == size:
+            return pickle.loads(memoryview(chunk)[4:])
+        if have > size:  # never, with one message in flight: the peer broke the protocol
+            raise OSError(f"lane pipe: {have - size} bytes past a {size}-byte message")
+        body = bytearray(size)
+        body[:have] = memoryview(chunk)[4:]
+        view = memoryview(body)
+        while have < size:
+            got = sock.recv_into(view[have:])
+            if not got:
+                raise EOFError
+            have += got
+        return pickle.loads(body)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
 class ChildLane:
     """The proxy's handle on one child: start it, run jobs, stop or kill it.
 
@@ -129,7 +184,7 @@ class ChildLane:
             )
         finally:
             theirs.close()
-        self._conn = multiprocessing.connection.Connection(ours.detach())
+        self._conn = PipeEnd(ours)
         self._conn.send((list(sys.path), pickle.dumps(factory), policy))
 
     @property
@@ -343,7 +398,7 @@ def dump_stack(pid: int) -> bool:
     return True
 
 
-def child_main(conn: multiprocessing.connection.Connection, parent_pid: int) -> None:
+def child_main(conn: PipeEnd, parent_pid: int) -> None:
     """A lane's child process: build the env, serve jobs from the pipe, close the env."""
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when we stop
