@@ -933,7 +933,14 @@ def test_auth_token_from_the_environment() -> None:
 async def ordered_bursts(address: str) -> list[str]:
     out: list[str] = []
     async with wire.WireClient(address) as client, client.join() as join:
-        for rid in ("first", "burst", "many", "last"):
+        # The first alone (its reply goes out at once, the direct path), then the rest
+        # in a burst: the replies of one read go out together, and these, with the big
+        # one behind them, overflow the window (the queued path).
+        await join.send(wire.configure(request_id="first"))
+        reply = await join.recv()
+        assert reply is not None, join.end
+        out.append(reply.request_id[:3])
+        for rid in ("burst", "many", "last"):
             await join.send(wire.configure(request_id=rid))
         # A request over OFF_LOOP_DECODE_BYTES is decoded on the worker thread while
         # the requests behind it wait in the reader: the replies keep the order.

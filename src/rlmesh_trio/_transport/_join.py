@@ -167,6 +167,8 @@ class JoinCall:
         self.outbox: deque[bytes] = deque()
         self.outbox_bytes = 0
         self.direct: list[bytes] = []  # replies of this loop callback, for one DATA frame
+        self.posts: list[Post] = []  # lane jobs of this loop callback, posted at its flush
+        self.in_read = False  # inside one read's requests: flush once, at its end
         self.sending = False  # the writer is inside a send
         self.wake_writer = asyncio.Event()
         self.saturated = False  # back-pressure: the reader is paused
@@ -198,13 +200,23 @@ class JoinCall:
             self.fail(Status.INTERNAL, INTERNAL_SERVER_ERROR)
             return
         self.perform(actions)
-        if flush:
+        if flush and not self.in_read:
+            self.flush()
+
+    def _on_read(self, starting: bool) -> None:
+        """The connection hands over one read's requests (True), or is done (False): the
+        lanes posted meanwhile are woken, and the replies written, once for all of them."""
+        self.in_read = starting
+        if not starting:
             self.flush()
 
     def flush(self) -> None:
         """The replies of this loop callback go out now: in one DATA frame when the
         window and the socket take them (several lanes' replies, one h2 send and one
-        socket write), else queued, in order, for the writer."""
+        socket write), else queued, in order, for the writer. The lane jobs of the
+        callback are posted first (a refusal is the job's answer, and may add a reply)."""
+        if self.posts:
+            self._post_all()
         sender = self.sender
         if sender is None:
             return
@@ -236,7 +248,7 @@ class JoinCall:
     def perform(self, actions: list[Action]) -> None:
         for action in actions:
             if isinstance(action, Post):
-                self._post(action)
+                self.posts.append(action)
             elif isinstance(action, Send):
                 if self.state in (JoinState.OPEN, JoinState.NOT_READING):
                     self._queue(action.response)
@@ -264,12 +276,19 @@ class JoinCall:
             self.metrics.depth(self.session.backlog)
         self.context.activity(self)
 
-    def _post(self, action: Post) -> None:
-        try:
-            self.context.post(action.lane, action.job, self)
-        except LaneError as exc:  # the lane refuses: that is the job's answer
-            refusal = LaneReply(action.job.id, action.lane, outcome.Error(exc), Phases())
-            self._drive(self.session.on_lane_reply, refusal, flush=False)
+    def _post_all(self) -> None:
+        """Post this callback's lane jobs, in order. Done at the flush that ends the
+        callback, not as each request is read: a lane woken while the loop still holds
+        the GIL for the rest of the read would only wait for it."""
+        post = self.context.post
+        while self.posts:
+            posts, self.posts = self.posts, []
+            for action in posts:
+                try:
+                    post(action.lane, action.job, self)
+                except LaneError as exc:  # the lane refuses: that is the job's answer
+                    refusal = LaneReply(action.job.id, action.lane, outcome.Error(exc), Phases())
+                    self._drive(self.session.on_lane_reply, refusal, flush=False)
 
     def _queue(self, response: env_v1.JoinResponse) -> None:
         try:
@@ -407,7 +426,7 @@ class JoinCall:
     @property
     def idle(self) -> bool:
         """Nothing in flight: no request queued or running, nothing left to send."""
-        return not (self.session.busy or self.outbox or self.sending or self.direct)
+        return not (self.session.busy or self.outbox or self.sending or self.direct or self.posts)
 
     def stop_reading(self) -> None:
         """Read no more requests (server stopping); the stream stays open for replies."""
@@ -427,6 +446,7 @@ class JoinCall:
             self.context.max_message_bytes,
             self._on_message,
             self._on_reader_end,
+            self._on_read,
         )
         self.reader.attach()
 

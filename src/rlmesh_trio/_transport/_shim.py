@@ -413,10 +413,18 @@ class Connection(H2Protocol):
         readers = self.readers
         if not readers:
             self._receive_h2(data)
-        elif route_frames(
-            self.connection._connection, data, readers, self._receive_h2, self._closing
-        ):
-            self.connection.flush()  # the WINDOW_UPDATEs of what the readers consumed
+            return
+        told = [reader.on_read for reader in readers.values() if reader.on_read is not None]
+        for on_read in told:
+            on_read(True)
+        try:
+            if route_frames(
+                self.connection._connection, data, readers, self._receive_h2, self._closing
+            ):
+                self.connection.flush()  # the WINDOW_UPDATEs of what the readers consumed
+        finally:
+            for on_read in told:
+                on_read(False)
 
     def _closing(self) -> bool:
         return self._transport is None or self._transport.is_closing()
@@ -689,6 +697,7 @@ class RequestReader:
         limit: int,
         on_message: Callable[[bytes | bytearray], None],
         on_end: Callable[[WireError | None], None],
+        on_read: Callable[[bool], None] | None = None,
     ) -> None:
         raw = h2_stream(stream)
         assert raw.id is not None
@@ -698,6 +707,10 @@ class RequestReader:
         self._h2 = raw._h2_connection
         self._on_message = on_message
         self._on_end = on_end
+        self.on_read = on_read
+        """``on_read(True)`` before the connection hands over one read's frames, and
+        ``on_read(False)`` after them: what the messages of one read cause can be done
+        once for all of them (lane wake-ups, a write)."""
         self._chunks: deque[tuple[bytes | memoryview, int]] = deque()  # data, to ack
         self.buffered = 0  # bytes received and not yet consumed
         self._consumed = 0  # flow-controlled bytes consumed, not yet acknowledged
