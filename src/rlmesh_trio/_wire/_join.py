@@ -28,6 +28,7 @@ dropped here silently.
 
 from __future__ import annotations
 
+import operator
 import struct
 from typing import Any
 
@@ -314,6 +315,13 @@ def _render_parts(render: env_v1.RenderResponse) -> tuple[list[bytes], int]:
     return parts, size
 
 
+_timings = operator.attrgetter(
+    "endpoint_total_ns", "decode_ns", "user_ns", "encode_ns", "lane_skew_ns", "queue_ns"
+)
+_TIMING_TAGS = (b"\x30", b"\x58", b"\x60", b"\x68", b"\x70", b"\x78")
+"""The timing fields (SPEC §8) in field order, read in one call, and their keys."""
+
+
 def _response_parts(response: env_v1.JoinResponse) -> tuple[list[bytes], int]:
     """The encoded JoinResponse as pieces to join once (big leaves are never copied
     before the final join: a 400 KB observation would otherwise be copied at every
@@ -321,24 +329,9 @@ def _response_parts(response: env_v1.JoinResponse) -> tuple[list[bytes], int]:
     head: list[bytes] = []
     if response.request_id:
         head.append(len_prefixed(b"\x2a", response.request_id.encode()))
-    value = response.endpoint_total_ns
-    if value is not None:
-        head += (b"\x30", encode_varint(value))
-    value = response.decode_ns
-    if value is not None:
-        head += (b"\x58", encode_varint(value))
-    value = response.user_ns
-    if value is not None:
-        head += (b"\x60", encode_varint(value))
-    value = response.encode_ns
-    if value is not None:
-        head += (b"\x68", encode_varint(value))
-    value = response.lane_skew_ns
-    if value is not None:
-        head += (b"\x70", encode_varint(value))
-    value = response.queue_ns
-    if value is not None:
-        head += (b"\x78", encode_varint(value))
+    for tag, value in zip(_TIMING_TAGS, _timings(response), strict=True):
+        if value is not None:
+            head += (tag, encode_varint(value))
     body: tuple[list[bytes], int] | None = None
     if response.reset is not None:
         body = _len_field(b"\x0a", *_reset_parts(response.reset))
