@@ -1043,3 +1043,64 @@ def test_the_straight_line_answers_as_the_general_path(truncate: bool) -> None:
         ]
 
     assert script(straight=True) == script(straight=False)
+
+
+@pytest.mark.parametrize("on_lane_fault", ["error", "rebuild", "truncate"])
+def test_the_straight_line_answers_whole_vector_steps_of_one_lane_as_the_general_path(
+    on_lane_fault: str,
+) -> None:
+    """rlmesh.run at N = 1 sends whole-vector steps: on a one-lane endpoint they take the
+    straight line too, and stay serial (a request read meanwhile waits for the answer;
+    a fatal error ends the stream), with the same actions, byte for byte, as the general
+    path: episodes, deadlines and their expiry, a bad action, a faulted env, a lane
+    refusal, and steps pipelined behind one another or behind a lane-scoped one."""
+
+    def script(straight: bool) -> list[Any]:
+        h = Harness(num_envs=1, on_lane_fault=on_lane_fault)
+        h.session._session.straight_line = straight
+        h.session._session._observe = True
+        seen: list[Any] = list(h.request(reset=env_v1.ResetRequest(seeds=[1])))
+        for lane, job in h.take():
+            seen += h.answer(lane, job, reset_result(0.0))
+        for i in range(10):
+            timeout = 500 if i % 3 == 0 else 0
+            step = env_v1.StepRequest(action=action(i % 2), timeout_ms=timeout)
+            seen += h.request(request_id=f"s{i}", step=step)
+            if i == 2:  # a second step read while the first runs: it waits its turn
+                seen += h.request(request_id="s2b", step=env_v1.StepRequest(action=action(1)))
+            jobs = h.take()
+            if i == 6:  # the deadline runs out before the lane answers
+                timers = [a for a in seen if isinstance(a, StartTimer)]
+                seen += h.session.on_timer(timers[-1].token)
+            for lane, job in jobs:
+                if i == 4:
+                    answer: Any = outcome.Error(ActionError("$: value 9 not in range [0, 2)"))
+                elif i == 8:
+                    fault = LaneFault(lane=lane, error="RuntimeError: boom")
+                    seen += h.session.on_lane_reply(
+                        LaneReply(
+                            job.id, lane, outcome.Error(RuntimeError("boom")), Phases(), fault
+                        )
+                    )
+                    continue
+                else:
+                    answer = step_result(
+                        x=0.1 * i, reward=float(i), terminated=i == 5, truncated=i == 7
+                    )
+                seen += h.answer(lane, job, answer)
+            for lane, job in h.take():  # what waited behind
+                seen += h.answer(lane, job, step_result(x=0.9, reward=9.0))
+            if i == 3:
+                lane_step = env_v1.StepRequest(action=action(0), env_indices=[0])
+                seen += h.request(request_id="l3", step=lane_step)
+                ((lane, held),) = h.take()
+                seen += h.request(request_id="s3b", step=env_v1.StepRequest(action=action(0)))
+                seen += h.answer(lane, held, step_result(x=0.3))
+                for lane, job in h.take():
+                    seen += h.answer(lane, job, step_result(x=0.4))
+        seen += h.request(request_id="c", close=env_v1.CloseEnvsRequest())
+        return [bytes(a.response) if isinstance(a, Send) else a for a in seen] + [
+            (r.kind, r.verb, r.request_id, r.lanes, r.code, r.message) for r in h.reports
+        ]
+
+    assert script(straight=True) == script(straight=False)

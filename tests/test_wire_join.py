@@ -283,7 +283,7 @@ def test_hand_written_field_tables_match_the_generated_classes(table: str) -> No
         assert fields == {n: f.name for n, f in schema(cls).items()}, cls.__name__
 
 
-# ----------------------------------------------------------- the one-lane step's own path
+# ------------------------------------------------------------- the plain step's own path
 
 _STEP_FIELDS = {
     "action": b"\x0a",
@@ -361,7 +361,7 @@ def _decoded(data: bytes, fast: bool, monkeypatch: pytest.MonkeyPatch) -> Any:
 
     with monkeypatch.context() as patch:
         if not fast:
-            patch.setattr(_join, "_one_lane_step", lambda data: None)
+            patch.setattr(_join, "_plain_step", lambda data: None)
         try:
             request = decode_join_request(data, max_lanes=8)
         except WireDecodeError as exc:
@@ -376,15 +376,15 @@ def _decoded(data: bytes, fast: bool, monkeypatch: pytest.MonkeyPatch) -> Any:
 
 @settings(max_examples=600, deadline=None)
 @given(join_requests())
-def test_the_one_lane_step_path_decodes_as_the_general_decoder(data: bytes) -> None:
-    """Whatever the one-lane step's own path takes, it decodes exactly as the general
+def test_the_plain_step_path_decodes_as_the_general_decoder(data: bytes) -> None:
+    """Whatever the plain step's own path takes, it decodes exactly as the general
     decoder does (same message, same fields, same bytes again); what it declines, the
     general decoder decodes or refuses with prost's words."""
     with pytest.MonkeyPatch.context() as monkeypatch:
         assert _decoded(data, True, monkeypatch) == _decoded(data, False, monkeypatch)
 
 
-def test_the_one_lane_step_path_takes_what_the_clients_send() -> None:
+def test_the_plain_step_path_takes_what_the_clients_send() -> None:
     from rlmesh_trio._wire import _join
 
     # rlmesh.run's step of lane 1 (tests/goldens: client_run_lanes3), and ours.
@@ -401,11 +401,23 @@ def test_the_one_lane_step_path_takes_what_the_clients_send() -> None:
         )
     )
     for data in (captured, ours):
-        fast = _join._one_lane_step(data)
+        fast = _join._plain_step(data)
         assert fast is not None
         assert fast == decode_join_request(data, max_lanes=8)
-    # A whole-vector step (no env_indices) and two lanes are the general decoder's.
-    whole = bytes(env_v1.JoinRequest(step=env_v1.StepRequest(action=spaces_v1.SpaceValue())))
-    two = bytes(env_v1.JoinRequest(step=env_v1.StepRequest(env_indices=[0, 1])))
-    assert _join._one_lane_step(whole) is None
-    assert _join._one_lane_step(two) is None
+    # rlmesh.run's whole-vector step at N = 1 (client_run_scalar) is taken too; two lanes,
+    # or no action, are the general decoder's.
+    scalar = bytes.fromhex(
+        "12360a0a0a08000000000000000010e0a712222430316132323863372d636231312d373434322d38"
+        "3432342d6338303630323033613336392a0a677270632d7265712d33"
+    )
+    fast = _join._plain_step(scalar)
+    assert fast is not None and fast.step is not None and fast.step.env_indices == []
+    assert fast == decode_join_request(scalar, max_lanes=1)
+    two = bytes(
+        env_v1.JoinRequest(
+            step=env_v1.StepRequest(action=spaces_v1.SpaceValue(), env_indices=[0, 1])
+        )
+    )
+    bare = bytes(env_v1.JoinRequest(step=env_v1.StepRequest(env_indices=[0])))
+    assert _join._plain_step(two) is None
+    assert _join._plain_step(bare) is None

@@ -134,15 +134,19 @@ class Session:
         if (
             step is not None
             and self.straight_line
-            and len(step.env_indices) == 1
             and not self._pending
             and self._serial is None
             and step.action is not None
-            and step.env_indices[0] < self._n
         ):
             # The hot path: one lane's step, which nothing holds back (no request is
-            # queued, no serial one runs): posted at once, as _pump would post it.
-            return self._lane_step(request.request_id, step)
+            # queued, no serial one runs): posted at once, as _pump would post it. A
+            # whole-vector step of a one-lane endpoint (rlmesh.run's at N = 1) is one too,
+            # once every lane job is answered (its barrier), and stays serial.
+            indices = step.env_indices
+            if len(indices) == 1 and indices[0] < self._n:
+                return self._lane_step(request.request_id, step, indices[0], serial=False)
+            if not indices and self._n == 1 and not self._outstanding:
+                return self._lane_step(request.request_id, step, 0, serial=True)
         # ``is not None``, not truthiness: betterproto2's __bool__ walks every field, and
         # an all-default message (``reset {}``) is falsy although it is set.
         body: env_v1.ResetRequest | env_v1.StepRequest | env_v1.RenderRequest | None
@@ -520,12 +524,14 @@ class Session:
         ]
         return self._launch(op, jobs)
 
-    def _lane_step(self, rid: str, body: env_v1.StepRequest) -> list[Action]:
+    def _lane_step(
+        self, rid: str, body: env_v1.StepRequest, lane: int, *, serial: bool
+    ) -> list[Action]:
         """One lane's step, straight to its Post (what _pump, _start_step and _launch do
-        for it, without the queue; the lane validates the action, SPEC §3.6)."""
+        for it, without the queue; the lane validates the action, SPEC §3.6). ``serial``:
+        a whole-vector step of a one-lane endpoint (no lanes echoed; a barrier)."""
         read_ns = self._clock_ns()
         token = next(self._tokens)
-        lane = body.env_indices[0]
         self._verb = "step"
         assert body.action is not None
         op = Op(
@@ -533,9 +539,9 @@ class Session:
             request_id=rid,
             verb="step",
             lanes=[lane],
-            serial=False,
+            serial=serial,
             started_ns=read_ns,
-            echo_indices=[lane],
+            echo_indices=None if serial else [lane],
             timeout_ms=body.timeout_ms,
             replies=[None],
             remaining=1,
@@ -545,6 +551,8 @@ class Session:
         job = StepJob(leaves=list(body.action.leaves), n=1, row=0, validated=False, id=token)
         op.jobs = (job,)
         self._ops[token] = op
+        if serial:
+            self._serial = op
         self._outstanding += 1
         if op.timeout_ms:
             return [StartTimer(token, op.timeout_ms / 1000.0), Post(lane, job)]
@@ -556,6 +564,8 @@ class Session:
         token = op.token
         self._outstanding -= 1
         del self._ops[token]
+        if op.serial:
+            self._serial = None
         op.replies[0] = reply
         op.unsettled = op.remaining = 0
         lane = op.lanes[0]
@@ -588,7 +598,7 @@ class Session:
                 truncated_mask=b"\x01" if truncated else b"\x00",
                 infos=result.info,
                 completed_episodes=completed,
-                env_indices=[lane],
+                env_indices=op.echo_indices or [],
             ),
             decode_ns=phases.decode_ns,
             user_ns=phases.user_ns,

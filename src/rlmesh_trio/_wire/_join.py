@@ -594,14 +594,15 @@ def _length(data: Any, pos: int, end: int) -> tuple[int, int]:
     return pos, stop
 
 
-def _one_lane_step(data: Any) -> env_v1.JoinRequest | None:
-    """The everyday request -- one lane's step, as rlmesh's and our clients send it --
+def _plain_step(data: Any) -> env_v1.JoinRequest | None:
+    """The everyday request -- a plain step, as rlmesh's and our clients send it --
     decoded in one pass without the general reader's generators and lists; None for
     anything else (the general decoder then decides, errors included).
 
     Taken: a JoinRequest of a ``step`` and at most one ``request_id``, each once; the step
-    of an ``action`` (its ``leaves`` only), at most one ``timeout_ms``, exactly one lane in
-    ``env_indices`` (packed or not) and at most one ``episode_ids``, each field once. With
+    of an ``action`` (its ``leaves`` only), at most one ``timeout_ms``, at most one lane in
+    ``env_indices`` (packed or not; none: a whole-vector step, rlmesh.run's at N = 1) and
+    at most one ``episode_ids``, each field once. With
     every field present at most once, order does not change what prost decodes, so the
     result is the general decoder's (a test compares the two on random requests).
     """
@@ -648,7 +649,7 @@ def _one_lane_step(data: Any) -> env_v1.JoinRequest | None:
                 pos = episode[1]
             else:
                 return None
-        if action is None or lane is None:
+        if action is None:
             return None
         leaves = []
         pos, stop = action
@@ -662,7 +663,7 @@ def _one_lane_step(data: Any) -> env_v1.JoinRequest | None:
             step=env_v1.StepRequest(
                 action=spaces_v1.SpaceValue(leaves=leaves),
                 timeout_ms=timeout or 0,
-                env_indices=[lane],
+                env_indices=[lane] if lane is not None else [],
                 episode_ids=[text(data, *episode)] if episode is not None else [],
             ),
         )
@@ -678,7 +679,7 @@ def decode_join_request(
     ``max_lanes`` (the endpoint's ``num_envs``) bounds the positional lists kept (see the
     module docstring); None keeps everything.
     """
-    fast = _one_lane_step(data)
+    fast = _plain_step(data)
     if fast is not None:
         return fast
     cap = None if max_lanes is None else max_lanes + 1
