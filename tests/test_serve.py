@@ -8,6 +8,7 @@ import logging
 import re
 import struct
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,38 @@ async def test_start_reports_the_resolved_address_and_cancel_stops_everything() 
         assert reply.env_contract.num_envs == 3
         nursery.cancel_scope.cancel()
     assert recorder.closed == 3
+    assert server_threads() == []
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+async def test_no_server_thread_is_alive_when_serving_returns(
+    isolation: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The lane threads and the transport thread tell the Trio thread they ran their last
+    # act, then still have to return: a slow tail (here 0.3 s) must not outlive serve_env.
+    from rlmesh_trio._lanes._thread import LaneThreads
+    from rlmesh_trio._transport._service import TransportService
+
+    tails: list[str] = []
+
+    def slow_tail(main: Any) -> Any:
+        def run(*args: Any) -> None:
+            main(*args)
+            tails.append(threading.current_thread().name)
+            time.sleep(0.3)
+
+        return run
+
+    monkeypatch.setattr(LaneThreads, "_main", slow_tail(LaneThreads._main))
+    monkeypatch.setattr(TransportService, "_thread_main", slow_tail(TransportService._thread_main))
+    options = ServeOptions(lane_isolation=isolation)
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(
+                functools.partial(serve_env, "CartPole-v1", num_envs=2, options=options)
+            )
+            nursery.cancel_scope.cancel()
+    assert sorted(tails) == ["rlmesh-trio-lane-0", "rlmesh-trio-lane-1", "rlmesh-trio-transport"]
     assert server_threads() == []
 
 

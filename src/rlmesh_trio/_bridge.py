@@ -10,7 +10,9 @@ They meet only here:
   that replies arriving while a wake-up is pending ride along with it (one self-pipe
   write serves several lanes under load);
 * :class:`Worker` -- the transport loop -> one helper thread and back, for CPU-heavy
-  work that must not stall the loop (decoding a huge request).
+  work that must not stall the loop (decoding a huge request);
+* :func:`thread_gone` -- the Trio thread waits for a thread that told it it is done to
+  have returned, so that nothing the server started is alive once it returned.
 
 Nothing here imports asyncio: a loop is passed in as its ``call_soon_threadsafe``.
 """
@@ -30,7 +32,7 @@ import trio
 
 from ._jobs import LaneReply
 
-__all__ = ["ReplyInbox", "ToLoop", "ToTrio", "Worker"]
+__all__ = ["ReplyInbox", "ToLoop", "ToTrio", "Worker", "thread_gone"]
 
 log = logging.getLogger("rlmesh_trio.bridge")
 
@@ -67,6 +69,15 @@ class ToTrio:
         except trio.RunFinishedError:
             return False
         return True
+
+
+async def thread_gone(thread: threading.Thread) -> None:
+    """Trio thread: wait until ``thread``, which already ran its last act and has only
+    to return, is gone. The caller's cancel scope bounds the wait (a thread that does not
+    return in time is left to finish on its own)."""
+    thread.join(timeout=0)
+    if thread.is_alive():
+        await trio.to_thread.run_sync(thread.join, abandon_on_cancel=True)
 
 
 class ReplyInbox:

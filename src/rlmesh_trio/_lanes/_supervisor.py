@@ -23,6 +23,7 @@ from typing import Final
 import outcome
 import trio
 
+from .._bridge import thread_gone
 from .._errors import LaneDeadError, LaneRebuildFailedError
 from .._jobs import Phases
 from ._lane import LANE_THREAD_PREFIX, Incarnation, _Lane, answer
@@ -128,6 +129,7 @@ class Supervisor:
         deadline)."""
         assert lane.scope is not None
         threads: list[Incarnation] = []  # started and not exited yet
+        ending: list[Incarnation] = []  # ran their last act; the OS thread may still be up
         retire_by: dict[int, float] = {}  # id(detached incarnation) -> abandon it then
         retry_at = math.inf
         start_at = math.inf  # when the fresh incarnation starts (a fault storm's backoff)
@@ -138,6 +140,8 @@ class Supervisor:
                 for inc in list(threads):
                     if inc.exited.is_set():
                         threads.remove(inc)
+                        ending[:] = [i for i in ending if i.thread and i.thread.is_alive()]
+                        ending.append(inc)
                         retire_by.pop(id(inc), None)
                         if inc.abandoned:
                             self._ledger.returned(lane, inc)
@@ -193,6 +197,12 @@ class Supervisor:
             for inc in threads:
                 if not inc.abandoned:
                     await inc.exited.wait()
+                    ending.append(inc)
+            # ... and for their OS threads to be gone, so that a caller that returns from
+            # serving finds none of its lane threads alive.
+            for inc in ending:
+                if inc.thread is not None and not inc.abandoned:
+                    await thread_gone(inc.thread)
         for inc in threads:  # no child outlives the teardown; threads are left behind
             if not inc.exited.is_set():
                 inc.interrupt()

@@ -3,7 +3,8 @@
 DESIGN.md decision 2: :meth:`TransportService.run` starts one thread running an asyncio
 ``SelectorEventLoop`` with the grpclib server (:class:`~._server.LoopServer`) on it,
 reports when it listens, and stops it. Nothing here blocks the Trio thread: the thread's
-last act is to report that it stopped, so ``run`` never joins it.
+last act is to report that it stopped; ``run`` then waits, off the Trio thread and
+within the stop bound, for it to have returned (:func:`~.._bridge.thread_gone`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 import trio
 
-from .._bridge import ToLoop, ToTrio
+from .._bridge import ToLoop, ToTrio, thread_gone
 from .._options import Resolved
 from ._server import (
     LOOP_CLOSE_TIMEOUT,
@@ -165,6 +166,10 @@ class TransportService:
                         thread.name,
                         self.stop_timeout,
                     )
+            if stopped.is_set():  # its last act ran: wait (within the bound) for it to return
+                began = started_stopping[0] if started_stopping else trio.current_time()
+                with trio.move_on_at(began + self.stop_timeout, shield=True):
+                    await thread_gone(thread)
         if self._error is not None:
             raise self._error
 
@@ -187,7 +192,7 @@ class TransportService:
             finally:
                 with contextlib.suppress(OSError):
                     self._listener.close()
-                on_stopped()  # the thread's last act: nothing joins it
+                on_stopped()  # the thread's last act (the Trio side then waits for it to return)
 
     async def _amain(
         self,
