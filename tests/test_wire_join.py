@@ -276,10 +276,11 @@ def test_every_truncation_is_refused_or_a_shorter_message(kind: dict[str, Any], 
 def test_hand_written_field_tables_match_the_generated_classes(table: str) -> None:
     """A field added to proto/ (and so to the generated classes) cannot be silently
     dropped by the hand-written decoder or encoder: their tables must list it."""
-    from rlmesh_trio._wire import _join
+    from rlmesh_trio._wire import _decode, _encode
     from rlmesh_trio._wire._protobuf import schema
 
-    for cls, fields in getattr(_join, table).items():
+    module = _decode if table == "REQUEST_FIELDS" else _encode
+    for cls, fields in getattr(module, table).items():
         assert fields == {n: f.name for n, f in schema(cls).items()}, cls.__name__
 
 
@@ -357,11 +358,11 @@ def join_requests(draw: st.DrawFn) -> bytes:
 
 
 def _decoded(data: bytes, fast: bool, monkeypatch: pytest.MonkeyPatch) -> Any:
-    from rlmesh_trio._wire import _join
+    from rlmesh_trio._wire import _decode
 
     with monkeypatch.context() as patch:
         if not fast:
-            patch.setattr(_join, "_plain_step", lambda data: None)
+            patch.setattr(_decode, "_plain_step", lambda data: None)
         try:
             request = decode_join_request(data, max_lanes=8)
         except WireDecodeError as exc:
@@ -385,7 +386,7 @@ def test_the_plain_step_path_decodes_as_the_general_decoder(data: bytes) -> None
 
 
 def test_the_plain_step_path_takes_what_the_clients_send() -> None:
-    from rlmesh_trio._wire import _join
+    from rlmesh_trio._wire import _decode
 
     # rlmesh.run's step of lane 1 (tests/goldens: client_run_lanes3), and ours.
     captured = bytes.fromhex(
@@ -401,7 +402,7 @@ def test_the_plain_step_path_takes_what_the_clients_send() -> None:
         )
     )
     for data in (captured, ours):
-        fast = _join._plain_step(data)
+        fast = _decode._plain_step(data)
         assert fast is not None
         assert fast == decode_join_request(data, max_lanes=8)
     # rlmesh.run's whole-vector step at N = 1 (client_run_scalar) is taken too; two lanes,
@@ -410,7 +411,7 @@ def test_the_plain_step_path_takes_what_the_clients_send() -> None:
         "12360a0a0a08000000000000000010e0a712222430316132323863372d636231312d373434322d38"
         "3432342d6338303630323033613336392a0a677270632d7265712d33"
     )
-    fast = _join._plain_step(scalar)
+    fast = _decode._plain_step(scalar)
     assert fast is not None and fast.step is not None and fast.step.env_indices == []
     assert fast == decode_join_request(scalar, max_lanes=1)
     two = bytes(
@@ -419,5 +420,5 @@ def test_the_plain_step_path_takes_what_the_clients_send() -> None:
         )
     )
     bare = bytes(env_v1.JoinRequest(step=env_v1.StepRequest(env_indices=[0])))
-    assert _join._plain_step(two) is None
-    assert _join._plain_step(bare) is None
+    assert _decode._plain_step(two) is None
+    assert _decode._plain_step(bare) is None

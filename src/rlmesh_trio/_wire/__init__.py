@@ -3,6 +3,11 @@ gRPC framing (one message cutter for server and client) and the size limit, the
 protocol's names. Nothing here does I/O or imports asyncio."""
 
 from .._errors import DecodeError as DecodeError
+from ._decode import Clipped as Clipped
+from ._decode import decode_join_request as decode_join_request
+from ._encode import encode_join_response as encode_join_response
+from ._encode import encode_join_response_framed as encode_join_response_framed
+from ._encode import encode_meta_map as encode_meta_map
 from ._framing import PREFIX_SIZE as PREFIX_SIZE
 from ._framing import SMALL_MESSAGE as SMALL_MESSAGE
 from ._framing import MessageReader as MessageReader
@@ -11,11 +16,6 @@ from ._framing import decode_grpc_message as decode_grpc_message
 from ._framing import encode_grpc_message as encode_grpc_message
 from ._framing import frame as frame
 from ._framing import parse_prefix as parse_prefix
-from ._join import Clipped as Clipped
-from ._join import decode_join_request as decode_join_request
-from ._join import encode_join_response as encode_join_response
-from ._join import encode_join_response_framed as encode_join_response_framed
-from ._join import encode_meta_map as encode_meta_map
 from ._protobuf import decode_message as decode_message
 from ._protocol import HANDSHAKE_PATH as HANDSHAKE_PATH
 from ._protocol import HEALTH_CHECK_PATH as HEALTH_CHECK_PATH
