@@ -651,12 +651,13 @@ class StreamSender:
         if not self._connection.write_ready.is_set() or self._transport.is_closing():
             return False
         h2c = self._h2
+        size = h2c.max_outbound_frame_size
+        if len(payload) <= size and put_plain_data(h2c, self._id, payload):
+            return True  # the everyday reply: one frame, the windows checked on the way
         if h2c.local_flow_control_window(self._id) < len(payload):
             return False
-        size = h2c.max_outbound_frame_size
         if len(payload) <= size:
-            if not put_plain_data(h2c, self._id, payload):
-                h2c.send_data(self._id, payload)
+            h2c.send_data(self._id, payload)
         else:
             view = memoryview(payload)
             for pos in range(0, len(payload), size):
