@@ -276,12 +276,12 @@ def _run(args: argparse.Namespace, auth_token: str | None, probe_tls: Any, out: 
             file=sys.stderr,
             flush=True,
         )
-        states = [(e.address, e.state) for e in fleet.endpoints]
+        states = [(e.address, e.state, e.restarts) for e in fleet.endpoints]
         while not stop.wait(1.0):
             if _reader_gone(out):
                 raise BrokenPipeError("stdout's reader went away")
-            now = [(e.address, e.state) for e in fleet.endpoints]
-            if now != states:  # restarts move addresses: say so, machine-readably
+            now = [(e.address, e.state, e.restarts) for e in fleet.endpoints]
+            if now != states:  # restarts may move addresses: say so, machine-readably
                 states = now
                 _report(fleet, args.json, out)
         print(f"{PROG}: stopping the fleet", file=sys.stderr, flush=True)
