@@ -31,7 +31,7 @@ def server_threads() -> list[str]:
     return [
         t.name
         for t in threading.enumerate()
-        if t.name.startswith(("rlmesh-trio-lane-", "rlmesh-trio-transport"))
+        if t.name.startswith(("rlmesh-trio-lane-", "rlmesh-trio-transport", "rlmesh-trio-metrics"))
     ]
 
 
@@ -129,13 +129,20 @@ async def test_no_server_thread_is_alive_when_serving_returns(
 
     monkeypatch.setattr(LaneThreads, "_main", slow_tail(LaneThreads._main))
     monkeypatch.setattr(TransportService, "_thread_main", slow_tail(TransportService._thread_main))
-    options = ServeOptions(lane_isolation=isolation)
-    with trio.fail_after(BOUND):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(
-                functools.partial(serve_env, "CartPole-v1", num_envs=2, options=options)
-            )
-            nursery.cancel_scope.cancel()
+    options = ServeOptions(lane_isolation=isolation, metrics_address="tcp://127.0.0.1:0")
+    # ... also while the embedding program's worker threads hold every token of Trio's
+    # default thread limiter.
+    default = trio.to_thread.current_default_thread_limiter()
+    old, default.total_tokens = default.total_tokens, 1
+    try:
+        with trio.fail_after(BOUND):
+            async with default, trio.open_nursery() as nursery:
+                await nursery.start(
+                    functools.partial(serve_env, "CartPole-v1", num_envs=2, options=options)
+                )
+                nursery.cancel_scope.cancel()
+    finally:
+        default.total_tokens = old
     assert sorted(tails) == ["rlmesh-trio-lane-0", "rlmesh-trio-lane-1", "rlmesh-trio-transport"]
     assert server_threads() == []
 

@@ -74,10 +74,12 @@ class ToTrio:
 async def thread_gone(thread: threading.Thread) -> None:
     """Trio thread: wait until ``thread``, which already ran its last act and has only
     to return, is gone. The caller's cancel scope bounds the wait (a thread that does not
-    return in time is left to finish on its own)."""
+    return in time is left to finish on its own). The join runs on a worker thread of
+    its own limiter: an embedding program's busy default limiter does not hold it up."""
     thread.join(timeout=0)
     if thread.is_alive():
-        await trio.to_thread.run_sync(thread.join, abandon_on_cancel=True)
+        limiter = trio.CapacityLimiter(1)
+        await trio.to_thread.run_sync(thread.join, abandon_on_cancel=True, limiter=limiter)
 
 
 class ReplyInbox:

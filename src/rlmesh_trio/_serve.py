@@ -238,7 +238,7 @@ async def _run_metrics(
 ) -> None:
     """Serve the metrics over HTTP until the transport has stopped, then stop within
     what is left of the stop bound (the HTTP thread is a daemon: abandoned past it)."""
-    server, _thread, bound = start_http(metrics, address)
+    server, thread, bound = start_http(metrics, address)
     try:
         task_status.started(bound)
         await clock.transport_done.wait()
@@ -247,9 +247,11 @@ async def _run_metrics(
         def close() -> None:
             server.shutdown()  # wakes serve_forever (it polls every 0.5 s)
             server.server_close()
+            thread.join()  # serve_forever has returned: the thread only has to end
 
         with trio.move_on_after(clock.left(), shield=True):
-            await trio.to_thread.run_sync(close, abandon_on_cancel=True)
+            limiter = trio.CapacityLimiter(1)  # not the embedding program's default one
+            await trio.to_thread.run_sync(close, abandon_on_cancel=True, limiter=limiter)
 
 
 async def _run_lanes(
