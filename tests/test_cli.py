@@ -852,5 +852,23 @@ def test_fleet_defaults_name_the_fields() -> None:
     assert args.bind == "auto"
     assert args.num_envs == 1
     assert args.health_period_seconds == 5.0
+    assert args.health_timeout_seconds == 2.0 and args.unhealthy_after == 3
+    assert args.ready_timeout_seconds == 120.0 and args.stop_timeout_seconds == 15.0
     assert args.package == [] and args.app_dir == "." and args.kwargs_json is None
     assert args.auth_token is None and not args.no_auth and not args.json
+
+
+@pytest.mark.parametrize(
+    "flag",
+    [
+        "--health-timeout-seconds",
+        "--ready-timeout-seconds",
+        "--stop-timeout-seconds",
+        "--unhealthy-after",
+    ],
+)
+def test_fleet_bounds_are_checked_before_ray(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["fleet", "--env", "CartPole-v1", "--endpoints", "2", flag, "0"])
+    assert exit_info.value.code == 2
+    assert flag in capsys.readouterr().err

@@ -184,3 +184,50 @@ def test_a_fleet_whose_stdout_is_gone_at_once_exits_quietly() -> None:
     assert proc.returncode == QUIET_EXIT, text
     assert "stdout closed: stopping the fleet" in text
     assert "Traceback" not in text and "BrokenPipeError" not in text, text
+
+
+def test_the_fleet_flags_reach_launch_and_default_as_it_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each supervision and bound flag of ``rlmesh-trio fleet`` is launch()'s keyword of
+    the same name, with launch()'s own default (the CLI spells them without Ray)."""
+    import inspect
+
+    import ray
+
+    from rlmesh_trio._cli import _fleet as cli_fleet
+    from rlmesh_trio._cli import build_parser
+    from rlmesh_trio.fleet import ray as fleet_ray
+
+    fields = (
+        "health_period_seconds",
+        "health_timeout_seconds",
+        "unhealthy_after",
+        "ready_timeout_seconds",
+        "stop_timeout_seconds",
+    )
+    defaults = inspect.signature(fleet_ray.launch).parameters
+    parsed = build_parser().parse_args(["fleet", "--env", "CartPole-v1", "--endpoints", "2"])
+    assert {f: getattr(parsed, f) for f in fields} == {f: defaults[f].default for f in fields}
+
+    seen: dict[str, object] = {}
+
+    def fake_launch(env: object, **kwargs: object) -> None:
+        seen.update(kwargs)
+        raise RuntimeError("not launching")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(fleet_ray, "launch", fake_launch)
+    monkeypatch.setattr(fleet_ray, "resolve_bind", lambda bind: "127.0.0.1")
+    given = ["--health-period-seconds", "0.5", "--health-timeout-seconds", "0.25"]
+    given += ["--unhealthy-after", "5", "--ready-timeout-seconds", "30"]
+    given += ["--stop-timeout-seconds", "4"]
+    args = build_parser().parse_args(["fleet", "--env", "CartPole-v1", "--endpoints", "2", *given])
+    assert cli_fleet.fleet_command(args) == 1  # "cannot launch the fleet: not launching"
+    assert {f: seen[f] for f in fields} == {
+        "health_period_seconds": 0.5,
+        "health_timeout_seconds": 0.25,
+        "unhealthy_after": 5,
+        "ready_timeout_seconds": 30.0,
+        "stop_timeout_seconds": 4.0,
+    }

@@ -43,6 +43,12 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 
 DEFAULT_HEALTH_PERIOD_SECONDS = 5.0
+DEFAULT_HEALTH_TIMEOUT_SECONDS = 2.0
+DEFAULT_UNHEALTHY_AFTER = 3
+DEFAULT_READY_TIMEOUT_SECONDS = 120.0
+DEFAULT_STOP_TIMEOUT_SECONDS = 15.0
+"""``launch()``'s defaults (a test compares them), spelled here so that ``--help`` works
+without importing Ray."""
 
 
 def add_fleet_parser(commands: Any) -> None:
@@ -110,6 +116,36 @@ def add_fleet_parser(commands: Any) -> None:
         metavar="S",
         help="how often the supervisor probes each endpoint "
         f"(default {DEFAULT_HEALTH_PERIOD_SECONDS:g})",
+    )
+    fleet.add_argument(
+        "--health-timeout-seconds",
+        type=seconds(minimum_exclusive=True),
+        default=DEFAULT_HEALTH_TIMEOUT_SECONDS,
+        metavar="S",
+        help=f"the bound of each probe (default {DEFAULT_HEALTH_TIMEOUT_SECONDS:g})",
+    )
+    fleet.add_argument(
+        "--unhealthy-after",
+        type=int_at_least(1, "--unhealthy-after"),
+        default=DEFAULT_UNHEALTHY_AFTER,
+        metavar="N",
+        help="failed probes in a row after which an endpoint is restarted "
+        f"(default {DEFAULT_UNHEALTHY_AFTER})",
+    )
+    fleet.add_argument(
+        "--ready-timeout-seconds",
+        type=seconds(minimum_exclusive=True),
+        default=DEFAULT_READY_TIMEOUT_SECONDS,
+        metavar="S",
+        help="how long an endpoint may take to serve, at launch and after a restart "
+        f"(default {DEFAULT_READY_TIMEOUT_SECONDS:g})",
+    )
+    fleet.add_argument(
+        "--stop-timeout-seconds",
+        type=seconds(minimum_exclusive=True),
+        default=DEFAULT_STOP_TIMEOUT_SECONDS,
+        metavar="S",
+        help=f"the bound of stopping the fleet (default {DEFAULT_STOP_TIMEOUT_SECONDS:g})",
     )
     fleet.add_argument(
         "--auth-token",
@@ -240,6 +276,10 @@ def _run(args: argparse.Namespace, auth_token: str | None, probe_tls: Any, out: 
             placement=args.placement,
             max_restarts=args.max_restarts,
             health_period_seconds=args.health_period_seconds,
+            health_timeout_seconds=args.health_timeout_seconds,
+            unhealthy_after=args.unhealthy_after,
+            ready_timeout_seconds=args.ready_timeout_seconds,
+            stop_timeout_seconds=args.stop_timeout_seconds,
             bind=host,
             auth_token=auth_token,
             require_auth=False if args.no_auth else (True if auth_token or beyond else None),
