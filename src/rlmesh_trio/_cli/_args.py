@@ -121,6 +121,17 @@ def seconds(minimum_exclusive: bool) -> Callable[[str], float]:
     return parse
 
 
+def add_seconds(parser: Any, flag: str, default: float, what: str) -> None:
+    """Add ``flag S``: a finite number of seconds > 0, ``default`` shown in the help."""
+    parser.add_argument(
+        flag,
+        type=seconds(minimum_exclusive=True),
+        default=default,
+        metavar="S",
+        help=f"{what} (default {default:g})",
+    )
+
+
 def fd(value: str) -> int:
     """An argparse type: a file descriptor number (``--ready-fd``)."""
     try:

@@ -25,11 +25,11 @@ from ._args import (
     PROG,
     UsageError,
     add_env_source,
+    add_seconds,
     check_fd,
     fd,
     int_at_least,
     load_env,
-    seconds,
     write_ready_fd,
 )
 from ._hints import describe
@@ -109,20 +109,14 @@ def add_fleet_parser(commands: Any) -> None:
         metavar="R",
         help="Ray restarts per endpoint (-1: forever; default 3)",
     )
-    fleet.add_argument(
+    add_seconds(
+        fleet,
         "--health-period-seconds",
-        type=seconds(minimum_exclusive=True),
-        default=DEFAULT_HEALTH_PERIOD_SECONDS,
-        metavar="S",
-        help="how often the supervisor probes each endpoint "
-        f"(default {DEFAULT_HEALTH_PERIOD_SECONDS:g})",
+        DEFAULT_HEALTH_PERIOD_SECONDS,
+        "how often the supervisor probes each endpoint",
     )
-    fleet.add_argument(
-        "--health-timeout-seconds",
-        type=seconds(minimum_exclusive=True),
-        default=DEFAULT_HEALTH_TIMEOUT_SECONDS,
-        metavar="S",
-        help=f"the bound of each probe (default {DEFAULT_HEALTH_TIMEOUT_SECONDS:g})",
+    add_seconds(
+        fleet, "--health-timeout-seconds", DEFAULT_HEALTH_TIMEOUT_SECONDS, "the bound of each probe"
     )
     fleet.add_argument(
         "--unhealthy-after",
@@ -132,20 +126,17 @@ def add_fleet_parser(commands: Any) -> None:
         help="failed probes in a row after which an endpoint is restarted "
         f"(default {DEFAULT_UNHEALTHY_AFTER})",
     )
-    fleet.add_argument(
+    add_seconds(
+        fleet,
         "--ready-timeout-seconds",
-        type=seconds(minimum_exclusive=True),
-        default=DEFAULT_READY_TIMEOUT_SECONDS,
-        metavar="S",
-        help="how long an endpoint may take to serve, at launch and after a restart "
-        f"(default {DEFAULT_READY_TIMEOUT_SECONDS:g})",
+        DEFAULT_READY_TIMEOUT_SECONDS,
+        "how long an endpoint may take to serve, at launch and after a restart",
     )
-    fleet.add_argument(
+    add_seconds(
+        fleet,
         "--stop-timeout-seconds",
-        type=seconds(minimum_exclusive=True),
-        default=DEFAULT_STOP_TIMEOUT_SECONDS,
-        metavar="S",
-        help=f"the bound of stopping the fleet (default {DEFAULT_STOP_TIMEOUT_SECONDS:g})",
+        DEFAULT_STOP_TIMEOUT_SECONDS,
+        "the bound of stopping the fleet",
     )
     fleet.add_argument(
         "--auth-token",

@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 from .._address import parse_address
-from ._args import PROG, DeprecatedFlag, seconds
+from ._args import PROG, DeprecatedFlag, add_seconds, seconds
 
 __all__ = ["add_client_tls_arguments", "add_probe_parser", "client_tls_from_args", "probe_command"]
 
@@ -29,13 +29,7 @@ def add_probe_parser(commands: Any) -> None:
     )
     probe.add_argument("address", help="tcp://host:port, host:port, port or unix:///path")
     probe.add_argument("--json", action="store_true", help="print one JSON object")
-    probe.add_argument(
-        "--timeout-seconds",
-        type=seconds(minimum_exclusive=True),
-        default=DEFAULT_TIMEOUT_SECONDS,
-        metavar="S",
-        help=f"seconds each call may take (default: {DEFAULT_TIMEOUT_SECONDS:g})",
-    )
+    add_seconds(probe, "--timeout-seconds", DEFAULT_TIMEOUT_SECONDS, "seconds each call may take")
     probe.add_argument(
         "--timeout",
         action=DeprecatedFlag,
