@@ -35,7 +35,7 @@ from rlmesh_trio.client import (
     open_endpoint,
     probe,
 )
-from rlmesh_trio.client._core import DEFAULT_CLOSE_TIMEOUT_SECONDS
+from rlmesh_trio.client._settings import DEFAULT_CLOSE_TIMEOUT_SECONDS
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -23,7 +23,7 @@ from rlmesh_trio.client import (
     VectorEnv,
     open_endpoint,
 )
-from rlmesh_trio.client._core import REPLY_GRACE
+from rlmesh_trio.client._codecs import REPLY_GRACE
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(120)]
 

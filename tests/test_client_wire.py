@@ -35,7 +35,8 @@ from rlmesh_trio.client import (
     VectorEnv,
     open_endpoint,
 )
-from rlmesh_trio.client._core import JoinState, Slot, contract_from_handshake, request_timeout_ms
+from rlmesh_trio.client._contract import contract_from_handshake
+from rlmesh_trio.client._core import JoinState, Slot
 from rlmesh_trio.client._grpc import GrpcConnection
 from rlmesh_trio.client._messages import (
     close_request,
@@ -45,6 +46,7 @@ from rlmesh_trio.client._messages import (
     reset_request,
     step_request,
 )
+from rlmesh_trio.client._settings import request_timeout_ms
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -508,7 +510,8 @@ async def test_big_messages_go_through_flow_control() -> None:
 def test_the_fixed_leaf_fast_path_equals_the_general_codec(space: gym.spaces.Space[Any]) -> None:
     """Single-leaf spaces skip the per-lane conversion; the bytes and the batches must be
     exactly those of the general path (the package codec + gymnasium's batching)."""
-    from rlmesh_trio.client._core import Codecs, Contract
+    from rlmesh_trio.client._codecs import Codecs
+    from rlmesh_trio.client._contract import Contract
 
     codecs = Codecs(Contract("X-v0", 3, None, "DISABLED", {}, {}, space, space))
     assert codecs.fast_action is not None and codecs.fast_observation is not None

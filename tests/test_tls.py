@@ -542,8 +542,8 @@ async def test_beyond_loopback_mtls_counts_as_knowing_the_client(
 def test_a_reset_tls_session_before_any_frame_reads_as_a_refusal() -> None:
     """A busy mTLS server's refusal can arrive as a TCP reset instead of an EOF: before
     the server's first HTTP/2 frame, on TLS, both read as the refusal they are."""
-    from rlmesh_trio.client._core import transport_failure
     from rlmesh_trio.client._grpc import GrpcConnection
+    from rlmesh_trio.client._settings import transport_failure
 
     reset = trio.BrokenResourceError("socket connection broken")
     reset.__cause__ = ConnectionResetError(104, "Connection reset by peer")

@@ -20,7 +20,7 @@ sockets, plaintext or TLS (``tls=``: True, a CA file, or an ``ssl.SSLContext``).
 """
 
 from .._exports import publish as _publish
-from ._core import Contract as Contract
+from ._contract import Contract as Contract
 from ._endpoint import Endpoint as Endpoint
 from ._endpoint import open_endpoint as open_endpoint
 from ._errors import ConnectionLostError as ConnectionLostError

@@ -13,27 +13,22 @@ import time
 from collections.abc import Callable, Sequence
 
 from .._tls import TlsSetting, check_alpn
-from ._core import (
-    HANDSHAKE_PATH,
-    JOIN_PATH,
-    JoinState,
-    Slot,
+from .._wire._protocol import HANDSHAKE_PATH, JOIN_PATH
+from ._codecs import late, reply_deadline
+from ._contract import contract_from_handshake
+from ._core import JoinState, Slot, call_failure, result_of
+from ._errors import ConnectionLostError, EndpointClosedError, EndpointError
+from ._grpc import Call, GrpcConnection
+from ._messages import Episode, Reply, close_request, configure_request, handshake_request
+from ._settings import (
     Target,
-    call_failure,
     check_timeouts,
-    contract_from_handshake,
-    late,
     metadata,
     no_ping_answer,
-    reply_deadline,
-    result_of,
     tls_context,
     tls_failure,
     transport_failure,
 )
-from ._errors import ConnectionLostError, EndpointClosedError, EndpointError
-from ._grpc import Call, GrpcConnection
-from ._messages import Episode, Reply, close_request, configure_request, handshake_request
 
 __all__ = ["BlockingConnection", "BlockingEndpoint", "unary_result"]
 

@@ -22,35 +22,15 @@ from gymnasium.vector import AutoresetMode
 
 from .._deprecation import renamed_kwargs
 from .._tls import TlsSetting, check_alpn
+from .._wire._protocol import HANDSHAKE_PATH, JOIN_PATH
+from ._codecs import decode_frame, lanes_of, late, reply_deadline, seeds_of, step_arrays, timeout_of
+from ._contract import Contract, contract_from_handshake
 from ._core import (
-    DEFAULT_CLOSE_TIMEOUT_SECONDS,
-    DEFAULT_CONNECT_TIMEOUT_SECONDS,
-    DEFAULT_PING_INTERVAL_SECONDS,
-    DEFAULT_PING_TIMEOUT_SECONDS,
-    HANDSHAKE_PATH,
-    JOIN_PATH,
-    OLD_CONNECTION_KEYWORDS,
-    Contract,
     JoinState,
     Slot,
-    Target,
     call_failure,
     check_options,
-    check_timeouts,
-    contract_from_handshake,
-    decode_frame,
-    lanes_of,
-    late,
-    metadata,
-    no_ping_answer,
-    reply_deadline,
     result_of,
-    seeds_of,
-    step_arrays,
-    timeout_of,
-    tls_context,
-    tls_failure,
-    transport_failure,
 )
 from ._errors import ConnectionLostError, EndpointClosedError, EndpointError
 from ._grpc import GrpcConnection
@@ -64,6 +44,20 @@ from ._messages import (
     step_request,
 )
 from ._pool import AsyncPool, Batch, autoreset_mode_of
+from ._settings import (
+    DEFAULT_CLOSE_TIMEOUT_SECONDS,
+    DEFAULT_CONNECT_TIMEOUT_SECONDS,
+    DEFAULT_PING_INTERVAL_SECONDS,
+    DEFAULT_PING_TIMEOUT_SECONDS,
+    OLD_CONNECTION_KEYWORDS,
+    Target,
+    check_timeouts,
+    metadata,
+    no_ping_answer,
+    tls_context,
+    tls_failure,
+    transport_failure,
+)
 
 if sys.version_info < (3, 11):  # pragma: no cover - trio depends on the backport there
     from exceptiongroup import BaseExceptionGroup

@@ -20,24 +20,20 @@ from gymnasium.vector.utils import batch_space, concatenate, create_empty_array,
 from .._deprecation import Rename, renamed_kwargs
 from .._tls import TlsSetting
 from ._blocking import BlockingEndpoint
-from ._core import (
+from ._codecs import decode_frame, lane_infos, step_arrays, timeout_of
+from ._core import JoinState, check_options
+from ._errors import LANE_FAULT_KEY, EndpointError, EnvError
+from ._messages import Episode, Reply, render_request, reset_request, step_request
+from ._pool import Batch, BlockingPool
+from ._settings import (
     DEFAULT_CLOSE_TIMEOUT_SECONDS,
     DEFAULT_CONNECT_TIMEOUT_SECONDS,
     DEFAULT_PING_INTERVAL_SECONDS,
     DEFAULT_PING_TIMEOUT_SECONDS,
     OLD_CONNECTION_KEYWORDS,
-    JoinState,
-    check_options,
-    decode_frame,
-    lane_infos,
     request_timeout_ms,
     seconds_of_ms,
-    step_arrays,
-    timeout_of,
 )
-from ._errors import LANE_FAULT_KEY, EndpointError, EnvError
-from ._messages import Episode, Reply, render_request, reset_request, step_request
-from ._pool import Batch, BlockingPool
 
 __all__ = ["Env", "VectorEnv"]
 

@@ -27,20 +27,17 @@ import trio
 from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import batch_space, iterate
 
-from ._core import (
+from ._codecs import (
     ACTION_ERRORS,
-    JoinState,
-    Slot,
-    check_options,
     invalid_actions,
     lane_infos,
     lanes_of,
     late,
     reply_deadline,
-    result_of,
     step_arrays,
     timeout_of,
 )
+from ._core import JoinState, Slot, check_options, result_of
 from ._errors import (
     LANE_FAULT_KEY,
     EndpointError,

@@ -23,10 +23,11 @@ from .._wire import DecodeError
 from .._wire._protocol import HANDSHAKE_PATH, HEALTH_CHECK_PATH, SERVICE_NAME
 from .._wire._unary import HEALTH_STATUS_NAMES, decode_health_response, encode_health_request
 from ._blocking import BlockingConnection
-from ._core import AUTORESET_NAMES, Target
+from ._contract import AUTORESET_NAMES
 from ._errors import ConnectionLostError, grpc_status_name
 from ._grpc import Call
 from ._messages import decode_handshake_response, handshake_request
+from ._settings import Target
 
 __all__ = ["ProbeResult", "probe"]
 
