@@ -1,5 +1,5 @@
-"""The Join's direct DATA path (``_transport._shim``: ``route_frames``, ``take_plain_data``,
-``put_plain_data``) against h2 alone.
+"""The Join's direct DATA path (``_transport._h2frames``: ``route_frames``,
+``take_plain_data``, ``put_plain_data``) against h2 alone.
 
 The server hands a Join stream's plain DATA frames to its reader without h2's frame
 objects and events, keeping h2's flow-control windows and stream bookkeeping exact, and
@@ -38,7 +38,7 @@ from hyperframe.frame import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rlmesh_trio._transport import _shim
+from rlmesh_trio._transport import _h2frames, _shim
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -294,7 +294,7 @@ def test_direct_path_is_h2(
     direct = _opened(stingy)
     sinks = {stream_id: Sink(direct, stream_id) for stream_id in SINK_STREAMS}
     for chunk in _chunks(stream, cuts):
-        done = _shim.route_frames(
+        done = _h2frames.route_frames(
             direct.h2c, chunk, sinks, direct.receive, lambda: direct.error is not None
         )
         direct.output += direct.h2c.data_to_send()
@@ -333,7 +333,7 @@ def test_plain_data_takes_the_direct_path() -> None:
 
     sinks = {stream_id: Sink(side, stream_id) for stream_id in SINK_STREAMS}
     frames = _data(1, b"a" * 30, set(), 0) + _data(3, b"b" * 20, set(), 0)
-    assert _shim.route_frames(side.h2c, frames, sinks, through_h2, lambda: False)
+    assert _h2frames.route_frames(side.h2c, frames, sinks, through_h2, lambda: False)
     assert taken == []
     assert side.delivered == {1: bytearray(b"a" * 30), 3: bytearray(b"b" * 20)}
     # Padded, END_STREAM, content-length and reader-less streams still go through h2.
@@ -343,7 +343,7 @@ def test_plain_data_takes_the_direct_path() -> None:
         _data(OTHER_STREAM, b"e", set(), 0),
         _data(3, b"f", {"END_STREAM"}, 0),
     ):
-        assert _shim.route_frames(side.h2c, frame, sinks, through_h2, lambda: False)
+        assert _h2frames.route_frames(side.h2c, frame, sinks, through_h2, lambda: False)
     assert len(taken) == 4
     assert side.delivered[1] == b"a" * 30 + b"c"
     assert side.delivered[3] == b"b" * 20 + b"f"
@@ -378,7 +378,7 @@ def test_direct_send_is_h2(sends: list[tuple[int, int, bool]]) -> None:
         outcomes = []
         for h2c, fast in ((alone, False), (direct, True)):
             try:
-                if not (fast and not end and _shim.put_plain_data(h2c, stream_id, payload)):
+                if not (fast and not end and _h2frames.put_plain_data(h2c, stream_id, payload)):
                     h2c.send_data(stream_id, payload, end_stream=end)
                 outcomes.append(None)
             except (h2.exceptions.H2Error, KeyError) as exc:  # h2: KeyError for b"" on 9
