@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import h2.config
 import h2.events
 import h2.exceptions
+import h2.settings
 from grpclib.config import Configuration
 from grpclib.const import Handler as MethodHandler
 from grpclib.const import Status
@@ -72,7 +73,9 @@ from h2.errors import ErrorCodes
 from hyperframe.frame import GoAwayFrame
 
 from .._errors import CompressedRequestError, FrameError, UnauthenticatedError, WireError
+from .._logging import RateLimit
 from .._wire import PREFIX_SIZE, SMALL_MESSAGE, MessageReader, encode_grpc_message, parse_prefix
+from ._flood import ADVERTISED_STREAMS, STREAMS_HARD_LIMIT, Flood, FrameGate
 from ._h2frames import put_plain_data, route_frames
 from ._headers import (
     HEADER_ENCODING,
@@ -89,6 +92,15 @@ log = logging.getLogger("rlmesh_trio.transport")
 
 CHUNK = 1 << 20
 """Bytes read from grpclib's stream buffer at a time for a big message."""
+
+CLOSE_LINGER = 2.0
+"""Seconds a connection we closed may take to hand its last bytes (a GOAWAY) to a client
+before it is aborted: a client that never reads would otherwise keep it, and its buffer,
+forever."""
+
+_REPORTS = RateLimit()
+"""At most a few log lines about hostile or broken connections per window, whatever
+their number."""
 
 ACK_BATCH = 256 << 10
 """Consumed request bytes are acknowledged to h2 in batches of this size (h2 sends a
@@ -165,15 +177,23 @@ class Dispatcher(GrpclibHandler):
         super().__init__(mapping, codec, None, _DispatchServerEvents())
         self._admission = admission
         self.last_stream_id = 0
-        # Set by the connection: a header block that is a connection error (GOAWAY).
+        # Set by the connection: a header block that is a connection error (GOAWAY);
+        # how many streams it has dispatched and not released; a stream refused.
         self.on_connection_error: Callable[[], None] | None = None
+        self.streams_in_use: Callable[[], int] = lambda: 0
+        self.on_refused: Callable[[], None] = lambda: None
 
     def accept(
         self, stream: H2Stream, headers: list[tuple[str, str]], release_stream: Callable[[], Any]
     ) -> None:
-        if self._admission.closing:
-            # After GOAWAY: "not processed, safe to retry elsewhere".
-            stream.reset_nowait(ErrorCodes.REFUSED_STREAM)
+        # grpclib registered this stream before calling us: it counts itself.
+        if self._admission.closing or self.streams_in_use() > ADVERTISED_STREAMS:
+            # After GOAWAY, or past our MAX_CONCURRENT_STREAMS (a client may open more
+            # before it read our SETTINGS): "not processed, safe to retry", this stream
+            # alone (RFC 9113 §5.1.2, §8.7).
+            if stream.closable:  # not already reset by the client
+                stream.reset_nowait(ErrorCodes.REFUSED_STREAM)
+                self.on_refused()
             release_stream()
             return
         verdict, repeated = check_request_headers(headers)
@@ -181,7 +201,9 @@ class Dispatcher(GrpclibHandler):
             # The reference's answers to a malformed header block (see _headers.py).
             log.debug("malformed request headers: %s", verdict.value)
             if verdict is Verdict.RESET_STREAM:
-                stream.reset_nowait(ErrorCodes.PROTOCOL_ERROR)
+                if stream.closable:
+                    stream.reset_nowait(ErrorCodes.PROTOCOL_ERROR)
+                    self.on_refused()
             elif self.on_connection_error is not None:
                 self.on_connection_error()
             release_stream()
@@ -242,8 +264,30 @@ def ensure_nodelay(transport: asyncio.BaseTransport) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+class _EarlyStreams(h2.settings.Settings):
+    """Our local SETTINGS, but h2 lets in up to :data:`STREAMS_HARD_LIMIT` open streams
+    where the value sent (and every other use of it) says :data:`ADVERTISED_STREAMS`:
+    the streams past it are refused one by one by :class:`Dispatcher`, not by a GOAWAY
+    that loses the connection's other calls. h2 reads this property for exactly that
+    check (an h2 that does not leaves the check as it was: a GOAWAY)."""
+
+    @property
+    def max_concurrent_streams(self) -> int:
+        return max(super().max_concurrent_streams, STREAMS_HARD_LIMIT)
+
+    @max_concurrent_streams.setter
+    def max_concurrent_streams(self, value: int) -> None:
+        h2.settings.Settings.max_concurrent_streams.fset(self, value)  # type: ignore[attr-defined]
+
+
 class Connection(H2Protocol):
-    """One HTTP/2 connection; tracked so a stop can GOAWAY and cut every connection."""
+    """One HTTP/2 connection; tracked so a stop can GOAWAY and cut every connection.
+
+    Every byte the client sends passes a :class:`~._flood.FrameGate` first: past a flood
+    limit the connection gets GOAWAY(ENHANCE_YOUR_CALM) and is closed; a read of more than
+    :data:`~._flood.FRAMES_PER_TURN` frames is taken over several turns of the loop
+    (reading paused meanwhile), so that other connections are served in between.
+    """
 
     def __init__(
         self,
@@ -258,22 +302,108 @@ class Connection(H2Protocol):
         self._transport: asyncio.Transport | None = None
         self.readers: dict[int, RequestReader] = {}  # stream id -> its direct reader
         self._malformed = False  # a header block was a connection error
+        self._held: bytes | None = None  # the rest of a read, for the next turn
+        self._lost = False
+        self._gate: FrameGate | None = None
         dispatcher.on_connection_error = self._on_malformed_headers
+        dispatcher.streams_in_use = self._streams_in_use
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if not alpn_is_h2(transport):
+            # Before a byte of HTTP/2 (Python's TLS layer cannot refuse inside the
+            # handshake: OpenSSL goes on without ALPN when nothing matches).
+            _report("a TLS client that did not negotiate h2 by ALPN was refused")
+            self._lost = True
+            cast(asyncio.Transport, transport).abort()
+            return
         super().connection_made(transport)
         self._transport = cast(asyncio.Transport, transport)
+        loop = asyncio.get_running_loop()
+        self._gate = FrameGate(loop.time, self._stream_open, self._output_backlog)
+        self.dispatcher.on_refused = self._gate.refused
+        settings = self.connection._connection.local_settings
+        if type(settings) is h2.settings.Settings:
+            settings.__class__ = _EarlyStreams
         ensure_nodelay(transport)
         self._registry.add(self)
 
     def connection_lost(self, exc: BaseException | None) -> None:
+        if self._transport is None:
+            return  # refused in connection_made: grpclib never saw it
+        self._lost = True
+        self._held = None
         self._registry.discard(self)
         super().connection_lost(exc)
 
+    # -- what the gate needs to know
+
+    def _streams_in_use(self) -> int:
+        processor = getattr(self, "processor", None)
+        return 0 if processor is None else len(processor.streams)
+
+    def _stream_open(self, stream_id: int) -> bool | None:
+        h2_connection = self.connection._connection
+        if stream_id > h2_connection.highest_inbound_stream_id:
+            return None
+        stream = h2_connection.streams.get(stream_id)
+        return stream is not None and not stream.closed
+
+    def _output_backlog(self) -> int:
+        transport = self._transport
+        return 0 if transport is None else transport.get_write_buffer_size()
+
+    # -- the client's bytes
+
     def data_received(self, data: bytes) -> None:
-        """The connection's bytes: plain DATA frames of a stream with a direct reader go
-        straight to it (:func:`take_plain_data`: h2's flow-control windows and stream
-        bookkeeping updated exactly as h2 would), every other frame through h2 and grpclib
+        """The connection's bytes, a turn's worth at a time (:meth:`_take`)."""
+        if self._held is not None:  # reading is paused; a TLS layer may still hand some
+            self._held += data
+            return
+        try:
+            self._take(data)
+        except Exception as exc:  # never asyncio's "Fatal error on transport"
+            _report("a connection's input could not be handled; GOAWAY and close", exc)
+            self._goaway_and_close(ErrorCodes.INTERNAL_ERROR, exc)
+
+    def _take(self, data: bytes) -> None:
+        gate = self._gate
+        assert gate is not None
+        end = gate.scan(data)
+        if gate.flood is not None:
+            self._flood(gate.flood)
+            return
+        self._deliver(data if end == len(data) else data[:end])
+        if gate.flood is not None:  # streams refused while delivering
+            self._flood(gate.flood)
+            return
+        if end < len(data) and not self._closing():
+            self._held = data[end:]
+            assert self._transport is not None
+            self._transport.pause_reading()
+            asyncio.get_running_loop().call_soon(self._next_turn)
+
+    def _next_turn(self) -> None:
+        held, self._held = self._held, None
+        if held is None or self._closing():
+            return
+        self.data_received(held)
+        if self._held is None and not self._closing():
+            assert self._transport is not None
+            self._transport.resume_reading()
+
+    def _flood(self, flood: Flood) -> None:
+        _report(f"HTTP/2 flood from {self._peer()}: {flood.reason}; GOAWAY(ENHANCE_YOUR_CALM)")
+        self._held = None
+        self._goaway_and_close(ErrorCodes(flood.code), None)
+
+    def _peer(self) -> str:
+        peer = None if self._transport is None else self._transport.get_extra_info("peername")
+        return "a client" if not peer else str(peer)
+
+    def _deliver(self, data: bytes) -> None:
+        """Plain DATA frames of a stream with a direct reader go straight to it
+        (:func:`take_plain_data`: h2's flow-control windows and stream bookkeeping
+        updated exactly as h2 would), every other frame through h2 and grpclib
         (:meth:`_receive_h2`), in arrival order."""
         readers = self.readers
         if not readers:
@@ -313,7 +443,15 @@ class Connection(H2Protocol):
             return False
         self.connection.flush()
         readers = self.readers
+        processor = self.processor
         for event in events:
+            if isinstance(event, h2.events.DataReceived) and not event.data:
+                # An empty DATA frame (legal; padding only, or nothing): grpclib's Buffer
+                # would take it for the stream's end. Its padding is given back at once.
+                self._ack_padding(event)
+                continue
+            if isinstance(event, h2.events.UnknownFrameReceived):
+                continue  # an extension frame: ignored (RFC 9113 §4.1, §5.5)
             if readers:
                 # A stream with a direct reader: its DATA goes to the reader, not to
                 # grpclib's per-stream Buffer (and its reader task).
@@ -326,13 +464,22 @@ class Connection(H2Protocol):
                     reader = readers.get(event.stream_id)
                     if reader is not None:
                         reader.end()
-            self.processor.process(event)
+            try:
+                processor.process(event)
+            except NotImplementedError:
+                log.debug("an HTTP/2 event grpclib does not handle: %r; ignored", event)
             if self._malformed:
                 self._goaway_and_close(ErrorCodes.PROTOCOL_ERROR, None)
                 return False
         self.connection.flush()
         self._check_partial_frame()
         return not self._closing()
+
+    def _ack_padding(self, event: h2.events.DataReceived) -> None:
+        size = event.flow_controlled_length
+        if size and event.stream_id is not None:
+            with contextlib.suppress(h2.exceptions.H2Error):
+                self.connection._connection.acknowledge_received_data(size, event.stream_id)
 
     def _on_malformed_headers(self) -> None:
         self._malformed = True
@@ -380,6 +527,19 @@ class Connection(H2Protocol):
             if pending and transport is not None and not transport.is_closing():
                 transport.write(pending)
         self.processor.close("Protocol error")
+        self._abort_later()
+
+    def _abort_later(self) -> None:
+        """Abort the closed connection if it is still there after :data:`CLOSE_LINGER`."""
+        transport = self._transport
+        if transport is None or self._lost:
+            return
+
+        def abort() -> None:
+            if not self._lost:
+                transport.abort()
+
+        asyncio.get_running_loop().call_later(CLOSE_LINGER, abort)
 
     def _check_partial_frame(self) -> None:
         """A frame whose header announces more than our MAX_FRAME_SIZE is an error at once.
@@ -413,6 +573,23 @@ class Connection(H2Protocol):
         """Close the connection (buffered bytes still go out); cancels its handlers."""
         if self._transport is not None and not self._transport.is_closing():
             self.processor.close("server stopped")
+            self._abort_later()
+
+
+def _report(message: str, exc: BaseException | None = None) -> None:
+    """One rate-limited warning (:data:`_REPORTS`) about a connection."""
+    held = _REPORTS.allow()
+    if held is None:
+        return
+    suffix = f" ({held} similar held back)" if held else ""
+    log.warning("%s%s", message, suffix, exc_info=exc)
+
+
+def alpn_is_h2(transport: asyncio.BaseTransport) -> bool:
+    """Not TLS, or TLS whose ALPN agreed on ``h2`` (gRPC over TLS needs it, RFC 9113
+    §3.2): a client that offered only ``http/1.1``, or nothing, would not speak HTTP/2."""
+    ssl_object = transport.get_extra_info("ssl_object")
+    return ssl_object is None or ssl_object.selected_alpn_protocol() == "h2"
 
 
 async def read_message(stream: Stream[Any, Any], limit: int) -> bytes | bytearray | None:

@@ -1,0 +1,270 @@
+"""What one HTTP/2 connection may cost us: flood limits and per-turn slices (issue 28).
+
+Sans-IO: :class:`FrameGate` reads the client's byte stream at frame boundaries *before*
+h2 and grpclib see it (frame headers only: it never holds a payload), counts the frames
+that cost us work or memory without carrying any progress, and says where one turn of the
+loop stops taking this connection's frames. The connection (:class:`._shim.Connection`)
+answers a limit passed with GOAWAY and closes, and hands the rest of a read over in later
+turns, so one connection's frames cannot hold the transport thread.
+
+Every limit is a constant here, each with the anchor it follows. The anchors, as their
+own documentation describes them: the Rust ``h2`` crate under the reference's tonic
+(``max_pending_accept_reset_streams``, ``max_local_error_reset_streams``: streams reset
+before the application took them, by the peer or by us), nghttp2 (a token bucket on
+stream resets, CVE-2023-44487; a cap on queued control-frame answers, CVE-2019-9512 /
+9515; empty DATA and CONTINUATION, CVE-2019-9518) and Go's ``net/http2`` (a cap on queued
+control frames; the connection closed with ENHANCE_YOUR_CALM). A limit passed is
+answered GOAWAY(ENHANCE_YOUR_CALM) and close, as the reference does.
+
+The values are generous for any real gRPC client (the budgets refill over time): a
+client that cancels now and then, pings for keepalive or sends a WINDOW_UPDATE per
+message never comes near them; a flood passes them within a few writes.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = [
+    "ADVERTISED_STREAMS",
+    "CONTROL_FRAMES_BURST",
+    "CONTROL_FRAMES_PER_SECOND",
+    "EMPTY_FRAMES_BURST",
+    "EMPTY_FRAMES_PER_SECOND",
+    "ENHANCE_YOUR_CALM",
+    "FRAMES_PER_TURN",
+    "PREFACE_SIZE",
+    "RESETS_BURST",
+    "RESETS_PER_SECOND",
+    "STREAMS_HARD_LIMIT",
+    "UNREAD_ANSWERS",
+    "Bucket",
+    "Flood",
+    "FrameGate",
+]
+
+FRAMES_PER_TURN = 128
+"""Frames of one connection taken per turn of the transport loop. The rest of a read
+waits (the connection stops reading meanwhile) until the loop has served everyone else
+once: a read of 256 KiB of 9-byte frames would otherwise hold the loop ~0.3 s. A real
+client's read carries a few frames."""
+
+ADVERTISED_STREAMS = 100
+"""MAX_CONCURRENT_STREAMS in our SETTINGS (h2's default, the reference's too). A stream
+past it is refused alone (RST_STREAM REFUSED_STREAM, RFC 9113 §5.1.2): a client may open
+more before it has read our SETTINGS, and its other calls must not pay for that."""
+
+STREAMS_HARD_LIMIT = ADVERTISED_STREAMS + FRAMES_PER_TURN
+"""Open streams h2 itself lets in (more is its GOAWAY PROTOCOL_ERROR). At most one turn's
+frames reach h2 at once, so streams past :data:`ADVERTISED_STREAMS` are refused by us
+before this is ever reached by a client that is merely early."""
+
+RESETS_BURST = 200
+"""Streams reset before they were answered -- by the client (RST_STREAM on a stream still
+open on our side: "Rapid Reset", CVE-2023-44487) or refused by us -- a connection may
+spend at once. The reference closes after about 200 such pairs; nghttp2 keeps a token
+bucket on stream resets, the Rust h2 crate counts both kinds."""
+
+RESETS_PER_SECOND = 50.0
+"""How fast that budget refills: a client that cancels a call now and then never runs
+out of it."""
+
+EMPTY_FRAMES_BURST = 1000
+"""Frames that carry nothing (DATA without a byte of data and without END_STREAM, a
+zero-length CONTINUATION that does not end its header block), at once. Each costs a
+pass through h2 for nothing (CVE-2019-9518); no client needs them. The reference answers
+after a few thousand."""
+
+EMPTY_FRAMES_PER_SECOND = 100.0
+"""How fast that budget refills."""
+
+CONTROL_FRAMES_BURST = 10_000
+"""Control frames (PING, SETTINGS, WINDOW_UPDATE, PRIORITY, and frame types HTTP/2 does
+not define, which are ignored, RFC 9113 §5.5) at once. Go's net/http2 caps its queued
+control frames at 10,000; a client sends one per message at most."""
+
+CONTROL_FRAMES_PER_SECOND = 2_000.0
+"""How fast that budget refills."""
+
+UNREAD_ANSWERS = 1000
+"""Frames that make us answer (PING, SETTINGS, a new stream's HEADERS) taken while our
+output is not being read -- the socket does not take our bytes and they pile up in the
+transport's buffer (CVE-2019-9512 / 9515: nghttp2 caps such queued answers at 1,000).
+Reset whenever the buffer is empty again."""
+
+ENHANCE_YOUR_CALM = 0xB
+"""The GOAWAY error code of a limit passed (RFC 9113 §7)."""
+
+PREFACE_SIZE = 24
+"""``PRI * HTTP/2.0\\r\\n\\r\\nSM\\r\\n\\r\\n``: checked by h2, skipped here."""
+
+_HEADER = struct.Struct(">HBBBL")  # length as 16 + 8 bits, type, flags, stream id
+_DATA, _HEADERS, _PRIORITY, _RST_STREAM, _SETTINGS = 0x0, 0x1, 0x2, 0x3, 0x4
+_PUSH_PROMISE, _PING, _GOAWAY, _WINDOW_UPDATE, _CONTINUATION = 0x5, 0x6, 0x7, 0x8, 0x9
+_END_STREAM = 0x1
+_ACK = 0x1
+_END_HEADERS = 0x4
+_PADDED = 0x8
+_STREAM_ID_MASK = 0x7FFFFFFF
+
+
+@dataclass(frozen=True, slots=True)
+class Flood:
+    """A limit passed: GOAWAY with ``code`` and close; ``reason`` for the log."""
+
+    code: int
+    reason: str
+
+
+class Bucket:
+    """A token bucket: ``burst`` tokens, refilled at ``rate`` per second."""
+
+    __slots__ = ("_clock", "_last", "burst", "rate", "tokens")
+
+    def __init__(self, burst: int, rate: float, clock: Callable[[], float]) -> None:
+        self.burst = burst
+        self.rate = rate
+        self.tokens = float(burst)
+        self._clock = clock
+        self._last = clock()
+
+    def take(self) -> bool:
+        """Spend one token; False when there is none left."""
+        if self.tokens < 1.0:
+            now = self._clock()
+            self.tokens = min(float(self.burst), self.tokens + (now - self._last) * self.rate)
+            self._last = now
+            if self.tokens < 1.0:
+                return False
+        self.tokens -= 1.0
+        return True
+
+
+class FrameGate:
+    """One connection's frame counter and turn slicer (loop thread only).
+
+    ``stream_open(stream_id)``: None for a stream h2 has not seen yet (a new one), else
+    whether it is still open on our side (a reset of it throws away work);
+    ``output_backlog()``: bytes of ours the transport holds because
+    the socket does not take them.
+    """
+
+    __slots__ = (
+        "_control",
+        "_empty",
+        "_head",
+        "_output_backlog",
+        "_preface",
+        "_resets",
+        "_skip",
+        "_stream_open",
+        "_unread",
+        "flood",
+    )
+
+    def __init__(
+        self,
+        clock: Callable[[], float],
+        stream_open: Callable[[int], bool | None],
+        output_backlog: Callable[[], int],
+    ) -> None:
+        self._resets = Bucket(RESETS_BURST, RESETS_PER_SECOND, clock)
+        self._empty = Bucket(EMPTY_FRAMES_BURST, EMPTY_FRAMES_PER_SECOND, clock)
+        self._control = Bucket(CONTROL_FRAMES_BURST, CONTROL_FRAMES_PER_SECOND, clock)
+        self._stream_open = stream_open
+        self._output_backlog = output_backlog
+        self._unread = 0
+        self._preface = PREFACE_SIZE
+        self._head = bytearray()  # a frame header split between reads
+        self._skip = 0  # payload bytes of the current frame still to come
+        self.flood: Flood | None = None
+        """Set once a limit is passed (by :meth:`scan` or :meth:`refused`)."""
+
+    def refused(self) -> None:
+        """We reset a stream before answering it (refused, malformed): one reset spent."""
+        if self.flood is None and not self._resets.take():
+            self.flood = Flood(ENHANCE_YOUR_CALM, "too many streams refused")
+
+    def scan(self, data: bytes) -> int:
+        """Count the frames of ``data`` (the next bytes of the connection) and return how
+        much of it is this turn's: everything, or up to the end of the
+        :data:`FRAMES_PER_TURN`-th frame header met (with what of its payload is there).
+        Stops at a limit passed (:attr:`flood` set; the return value is then meaningless).
+        """
+        size = len(data)
+        pos = 0
+        frames = 0
+        while pos < size:
+            if self._preface:
+                taken = min(self._preface, size - pos)
+                self._preface -= taken
+                pos += taken
+                continue
+            if self._skip:
+                taken = min(self._skip, size - pos)
+                self._skip -= taken
+                pos += taken
+                continue
+            if self._head or size - pos < 9:
+                need = 9 - len(self._head)
+                self._head += data[pos : pos + need]
+                pos += min(need, size - pos)
+                if len(self._head) < 9:
+                    return pos
+                high, low, kind, flags, stream_id = _HEADER.unpack(self._head)
+                self._head.clear()
+            else:
+                high, low, kind, flags, stream_id = _HEADER.unpack_from(data, pos)
+                pos += 9
+            length = high << 8 | low
+            first = data[pos] if length and pos < size else -1
+            self._frame(kind, flags, stream_id & _STREAM_ID_MASK, length, first)
+            if self.flood is not None:
+                return pos
+            self._skip = length
+            frames += 1
+            if frames >= FRAMES_PER_TURN:
+                taken = min(self._skip, size - pos)
+                self._skip -= taken
+                return pos + taken
+        return pos
+
+    def _frame(self, kind: int, flags: int, stream_id: int, length: int, first: int) -> None:
+        if kind == _DATA:
+            if flags & _END_STREAM:
+                return
+            # Padded: the first byte is the pad length; all padding is no data either.
+            empty = length == 0 or (flags & _PADDED and first >= 0 and first + 1 >= length)
+            if empty and not self._empty.take():
+                self.flood = Flood(ENHANCE_YOUR_CALM, "too many empty DATA frames")
+            return
+        if kind == _HEADERS:
+            if self._stream_open(stream_id) is None:  # a new stream (not trailers)
+                self._answer_owed()
+            return
+        if kind == _RST_STREAM:
+            if self._stream_open(stream_id) is not False and not self._resets.take():
+                self.flood = Flood(ENHANCE_YOUR_CALM, "too many streams reset by the client")
+            return
+        if kind == _CONTINUATION:
+            if length == 0 and not flags & _END_HEADERS and not self._empty.take():
+                self.flood = Flood(ENHANCE_YOUR_CALM, "too many empty CONTINUATION frames")
+            return
+        if kind in (_PUSH_PROMISE, _GOAWAY):
+            return  # h2's answer (PROTOCOL_ERROR; the peer is leaving)
+        if not self._control.take():
+            self.flood = Flood(ENHANCE_YOUR_CALM, "too many control frames")
+            return
+        if kind in (_PING, _SETTINGS) and not flags & _ACK:
+            self._answer_owed()
+
+    def _answer_owed(self) -> None:
+        """A frame we must answer: count it while our answers are not being read."""
+        if not self._output_backlog():
+            self._unread = 0
+            return
+        self._unread += 1
+        if self._unread > UNREAD_ANSWERS:
+            self.flood = Flood(ENHANCE_YOUR_CALM, "the client does not read our answers")

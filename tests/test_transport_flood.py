@@ -1,0 +1,251 @@
+"""The frame gate of one connection (issue 28), sans-IO: what each frame costs, where a
+turn ends, and which limit a flood passes. The same gate on real connections:
+tests/reference/test_hostile_floods.py."""
+
+from __future__ import annotations
+
+import pytest
+from hyperframe.frame import (
+    ContinuationFrame,
+    DataFrame,
+    HeadersFrame,
+    PingFrame,
+    PriorityFrame,
+    RstStreamFrame,
+    SettingsFrame,
+    WindowUpdateFrame,
+)
+
+from rlmesh_trio._transport._flood import (
+    CONTROL_FRAMES_BURST,
+    CONTROL_FRAMES_PER_SECOND,
+    EMPTY_FRAMES_BURST,
+    ENHANCE_YOUR_CALM,
+    FRAMES_PER_TURN,
+    PREFACE_SIZE,
+    RESETS_BURST,
+    RESETS_PER_SECOND,
+    UNREAD_ANSWERS,
+    Bucket,
+    FrameGate,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+assert len(PREFACE) == PREFACE_SIZE
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Peer:
+    """What the gate asks the connection: stream states and our output backlog."""
+
+    def __init__(self) -> None:
+        self.highest = 0
+        self.open: set[int] = set()
+        self.backlog = 0
+
+    def stream_open(self, stream_id: int) -> bool | None:
+        if stream_id > self.highest:
+            return None
+        return stream_id in self.open
+
+
+def gate(peer: Peer | None = None, clock: Clock | None = None) -> FrameGate:
+    peer = peer or Peer()
+    new = FrameGate(clock or Clock(), peer.stream_open, lambda: peer.backlog)
+    assert new.scan(PREFACE) == PREFACE_SIZE
+    return new
+
+
+def unknown_frame(kind: int, stream_id: int, body: bytes) -> bytes:
+    return len(body).to_bytes(3, "big") + bytes([kind, 0]) + stream_id.to_bytes(4, "big") + body
+
+
+def test_a_bucket_spends_its_burst_then_refills_at_its_rate() -> None:
+    clock = Clock()
+    bucket = Bucket(3, 2.0, clock)
+    assert [bucket.take() for _ in range(4)] == [True, True, True, False]
+    clock.now = 0.4  # 0.8 of a token
+    assert not bucket.take()
+    clock.now = 0.5  # one token
+    assert bucket.take() and not bucket.take()
+    clock.now = 100.0  # never more than the burst
+    assert [bucket.take() for _ in range(4)] == [True, True, True, False]
+
+
+def test_ordinary_traffic_passes_whatever_its_volume() -> None:
+    """A call's frames -- HEADERS, DATA, END_STREAM, a WINDOW_UPDATE now and then, a
+    keepalive PING -- a thousand calls over ten seconds, cost no budget that matters."""
+    clock = Clock()
+    peer = Peer()
+    g = gate(peer, clock)
+    for call in range(1000):
+        clock.now = call / 100
+        stream_id = 1 + 2 * call
+        data = HeadersFrame(stream_id, b"\x82", flags=["END_HEADERS"]).serialize()
+        data += DataFrame(stream_id, b"\x00\x00\x00\x00\x02\x08\x01").serialize()
+        data += DataFrame(stream_id, b"", flags=["END_STREAM"]).serialize()
+        data += WindowUpdateFrame(0, window_increment=7).serialize()
+        data += PingFrame(0, opaque_data=b"k" * 8).serialize()
+        assert g.scan(data) == len(data)
+        peer.highest = stream_id
+        assert g.flood is None, call
+
+
+@pytest.mark.parametrize(
+    ("frame", "limit"),
+    [
+        (DataFrame(1, b"").serialize(), EMPTY_FRAMES_BURST),
+        # Padded, all padding: one byte of pad length, three of padding, no data.
+        (DataFrame(1, b"", flags=["PADDED"], pad_length=3).serialize(), EMPTY_FRAMES_BURST),
+        (ContinuationFrame(1, b"").serialize(), EMPTY_FRAMES_BURST),
+        (PingFrame(0, opaque_data=b"p" * 8).serialize(), CONTROL_FRAMES_BURST),
+        (PingFrame(0, opaque_data=b"p" * 8, flags=["ACK"]).serialize(), CONTROL_FRAMES_BURST),
+        (SettingsFrame(0).serialize(), CONTROL_FRAMES_BURST),
+        (WindowUpdateFrame(0, window_increment=1).serialize(), CONTROL_FRAMES_BURST),
+        (WindowUpdateFrame(1, window_increment=1).serialize(), CONTROL_FRAMES_BURST),
+        (PriorityFrame(1, depends_on=0).serialize(), CONTROL_FRAMES_BURST),
+        (unknown_frame(0x10, 0, b"\x00\x00\x00\x01u=1"), CONTROL_FRAMES_BURST),
+        (unknown_frame(0xFA, 1, b"x" * 40), CONTROL_FRAMES_BURST),
+    ],
+    ids=[
+        "empty-data",
+        "padding-only-data",
+        "empty-continuation",
+        "ping",
+        "ping-ack",
+        "settings",
+        "window-update-connection",
+        "window-update-stream",
+        "priority",
+        "priority-update",
+        "extension",
+    ],
+)
+def test_a_flood_of_frames_that_carry_nothing_passes_its_limit_exactly(
+    frame: bytes, limit: int
+) -> None:
+    peer = Peer()
+    peer.highest = 1
+    peer.open.add(1)
+    g = gate(peer)
+    for _ in range(limit):
+        g.scan(frame)
+        assert g.flood is None
+    g.scan(frame)
+    assert g.flood is not None and g.flood.code == ENHANCE_YOUR_CALM
+
+
+def test_frames_that_make_progress_are_not_empty() -> None:
+    g = gate()
+    ends = DataFrame(1, b"", flags=["END_STREAM"]).serialize()
+    padded_byte = DataFrame(1, b"x", flags=["PADDED"], pad_length=3).serialize()
+    ends_block = ContinuationFrame(1, b"", flags=["END_HEADERS"]).serialize()
+    for _ in range(EMPTY_FRAMES_BURST * 2):
+        g.scan(ends + padded_byte + ends_block)
+    assert g.flood is None
+
+
+def test_rapid_reset_spends_the_reset_budget_and_resets_of_answered_streams_do_not() -> None:
+    clock = Clock()
+    peer = Peer()
+    g = gate(peer, clock)
+    # Streams we answered (closed on our side): a reset of them costs nothing.
+    peer.highest = 999
+    for stream_id in range(1, 1000, 2):
+        g.scan(RstStreamFrame(stream_id, error_code=8).serialize())
+    assert g.flood is None
+    pairs = b""
+    for index in range(RESETS_BURST):
+        stream_id = 1001 + 2 * index
+        pairs += HeadersFrame(stream_id, b"\x82", flags=["END_HEADERS"]).serialize()
+        pairs += RstStreamFrame(stream_id, error_code=8).serialize()
+    pos = 0
+    while pos < len(pairs):
+        pos += g.scan(pairs[pos:])
+    assert g.flood is None  # exactly the burst
+    clock.now = 1 / RESETS_PER_SECOND  # one more refilled
+    g.scan(RstStreamFrame(5001, error_code=8).serialize())
+    assert g.flood is None
+    g.scan(RstStreamFrame(5003, error_code=8).serialize())
+    assert g.flood is not None and "reset by the client" in g.flood.reason
+
+
+def test_streams_we_refuse_spend_the_same_budget() -> None:
+    g = gate()
+    for _ in range(RESETS_BURST):
+        g.refused()
+    assert g.flood is None
+    g.refused()
+    assert g.flood is not None and "refused" in g.flood.reason
+
+
+def test_answers_owed_while_our_output_is_not_read() -> None:
+    peer = Peer()
+    g = gate(peer)
+    ping = PingFrame(0, opaque_data=b"p" * 8).serialize()
+    peer.backlog = 17  # the socket takes nothing: our answers pile up
+    for _ in range(UNREAD_ANSWERS):
+        g.scan(ping)
+    assert g.flood is None
+    peer.backlog = 0  # the client read: the count starts again
+    g.scan(ping)
+    peer.backlog = 17
+    for _ in range(UNREAD_ANSWERS):
+        g.scan(ping)
+    assert g.flood is None
+    # New streams are answers owed too (a trailers-only refusal, a health reply).
+    g.scan(HeadersFrame(1, b"\x82", flags=["END_HEADERS"]).serialize())
+    assert g.flood is not None and "does not read" in g.flood.reason
+
+
+def test_a_turn_ends_after_frames_per_turn_frames_with_their_payload() -> None:
+    g = gate()
+    big = DataFrame(1, b"d" * 1000).serialize()
+    small = WindowUpdateFrame(0, window_increment=1).serialize()
+    data = small * (FRAMES_PER_TURN - 1) + big + small * 10
+    end = g.scan(data)
+    assert end == len(small) * (FRAMES_PER_TURN - 1) + len(big)
+    assert g.scan(data[end:]) == len(small) * 10
+    assert g.flood is None
+
+
+def test_frames_split_anywhere_are_read_the_same() -> None:
+    """Header, payload and preface cut at every byte: the same counts, the same turn."""
+    frames = [
+        HeadersFrame(1, b"\x82" * 30, flags=["END_HEADERS"]).serialize(),
+        DataFrame(1, b"x" * 300).serialize(),
+        DataFrame(1, b"").serialize(),
+        PingFrame(0, opaque_data=b"p" * 8).serialize(),
+        RstStreamFrame(1, error_code=8).serialize(),
+    ]
+    stream = PREFACE + b"".join(frames) * 3
+    whole = FrameGate(Clock(), Peer().stream_open, lambda: 0)
+    assert whole.scan(stream) == len(stream)
+    for step in (1, 2, 5, 9, 10, 17):
+        split = FrameGate(Clock(), Peer().stream_open, lambda: 0)
+        for pos in range(0, len(stream), step):
+            piece = stream[pos : pos + step]
+            assert split.scan(piece) == len(piece)
+        for name in ("_resets", "_empty", "_control"):
+            assert getattr(split, name).tokens == getattr(whole, name).tokens, (step, name)
+        assert split.flood is None
+
+
+def test_control_budget_refills() -> None:
+    clock = Clock()
+    g = gate(clock=clock)
+    frame = WindowUpdateFrame(0, window_increment=1).serialize()
+    for second in range(20):
+        clock.now = float(second)
+        for _ in range(int(CONTROL_FRAMES_PER_SECOND) - 1):
+            g.scan(frame)
+    assert g.flood is None
