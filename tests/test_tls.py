@@ -553,3 +553,45 @@ def test_a_reset_tls_session_before_any_frame_reads_as_a_refusal() -> None:
     assert transport_failure(plain, reset, "lost").startswith("lost: BrokenResourceError(")
     eof = ssl.SSLEOFError(8, "EOF occurred in violation of protocol")
     assert "abruptly" in transport_failure(plain, eof, "lost")
+
+
+def _tls_first_bytes(address: str, ca: str, alpn: list[str] | None) -> tuple[str | None, bytes]:
+    """A raw TLS client offering ``alpn`` (None: no ALPN at all) that sends the HTTP/2
+    preface: what ALPN it agreed on, and what the server sent before closing (or 1 s)."""
+    import socket
+
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    context = ssl.create_default_context(cafile=ca)
+    if alpn is not None:
+        context.set_alpn_protocols(alpn)
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000")
+    with (
+        socket.create_connection((host, int(port)), timeout=WAIT) as raw,
+        context.wrap_socket(raw, server_hostname=host) as sock,
+    ):
+        selected = sock.selected_alpn_protocol()
+        received = b""
+        with contextlib.suppress(OSError):
+            sock.sendall(preface)
+            sock.settimeout(1.0)
+            while chunk := sock.recv(4096):
+                received += chunk
+    return selected, received
+
+
+@pytest.mark.parametrize("alpn", [["http/1.1"], None], ids=["http1-only", "no-alpn"])
+async def test_a_tls_client_that_does_not_negotiate_h2_is_refused(
+    pki: Pki, alpn: list[str] | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 28, row 8: before, such a client was served HTTP/2 anyway. Now the
+    connection is closed before a byte of HTTP/2 (not even our SETTINGS), with one
+    warning; a client that offers h2 is served on the same server right after."""
+    async with serving(pki.server()) as info:
+        selected, received = await in_thread(_tls_first_bytes, info.address, pki.ca, alpn)
+        assert selected is None and received == b""
+        selected, received = await in_thread(
+            _tls_first_bytes, info.address, pki.ca, ["http/1.1", "h2"]
+        )
+        assert selected == "h2" and received[3] == 0x4  # our SETTINGS frame first
+        assert await _a_session(info.address, tls=pki.ca) == 2
+    assert any("did not negotiate h2" in r.getMessage() for r in caplog.records)
