@@ -4,6 +4,8 @@ tests/reference/test_hostile_floods.py."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from hyperframe.frame import (
     ContinuationFrame,
@@ -249,3 +251,71 @@ def test_control_budget_refills() -> None:
         for _ in range(int(CONTROL_FRAMES_PER_SECOND) - 1):
             g.scan(frame)
     assert g.flood is None
+
+
+# -- on a real connection: an error of ours while taking a client's bytes
+
+
+def _goaway_after_preface(address: str) -> int | None:
+    """Send the preface and a SETTINGS frame; the GOAWAY's error code that comes back."""
+    import socket
+
+    from hyperframe.frame import Frame, GoAwayFrame
+
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(PREFACE + SettingsFrame(0).serialize())
+        received = b""
+        with contextlib.suppress(OSError):
+            while chunk := sock.recv(65536):
+                received += chunk
+    pos = 0
+    while pos + 9 <= len(received):
+        frame, length = Frame.parse_frame_header(memoryview(received[pos : pos + 9]))
+        if isinstance(frame, GoAwayFrame):
+            frame.parse_body(memoryview(received[pos + 9 : pos + 9 + length]))
+            return int(frame.error_code)
+        pos += 9 + length
+    return None
+
+
+async def test_an_error_of_ours_is_a_goaway_and_one_warning_never_asyncios_fatal_error(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bug in taking a client's bytes (here: the gate raising) closes that connection
+    with GOAWAY(INTERNAL_ERROR) and logs a rate-limited warning; asyncio's "Fatal error on
+    transport" handler never sees it, and the server serves the next connection."""
+    import trio
+
+    from rlmesh_trio import ServeOptions, serve_env
+    from rlmesh_trio._transport import _flood
+    from rlmesh_trio.client import open_endpoint
+
+    real_scan = _flood.FrameGate.scan
+    broken = {"on": True}
+
+    def scan(self: FrameGate, data: bytes) -> int:
+        if broken["on"]:
+            raise RuntimeError("a bug")
+        return real_scan(self, data)
+
+    monkeypatch.setattr(_flood.FrameGate, "scan", scan)
+    async with trio.open_nursery() as nursery:
+        with trio.fail_after(30):
+            info = await nursery.start(
+                lambda task_status: serve_env(
+                    "CartPole-v1", num_envs=1, options=ServeOptions(), task_status=task_status
+                )
+            )
+            codes = [
+                await trio.to_thread.run_sync(_goaway_after_preface, info.address) for _ in range(3)
+            ]
+            broken["on"] = False
+            async with open_endpoint(info.address) as endpoint:
+                await endpoint.reset(seeds=1)
+        nursery.cancel_scope.cancel()
+    assert codes == [0x2, 0x2, 0x2]  # INTERNAL_ERROR
+    messages = [record.getMessage() for record in caplog.records]
+    assert not any("Fatal error" in message for message in messages), messages
+    warned = [m for m in messages if "input could not be handled" in m]
+    assert 1 <= len(warned) <= 3, messages
