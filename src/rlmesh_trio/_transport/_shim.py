@@ -36,6 +36,15 @@ grpclib is pinned (0.4.9); each use below is covered by the transport tests:
   windows. Anything else goes through h2. ``tests/test_transport_shim.py`` feeds the
   same byte streams to h2 alone and to this path and compares everything observable.
 
+* Flood limits and refusals (issue 28; :mod:`._flood` itself touches neither library):
+  :class:`Connection` asks h2's public ``highest_inbound_stream_id``, ``streams`` and a
+  stream's ``closed`` for the gate's stream states, and grpclib's
+  ``EventsProcessor.streams`` for the streams dispatched and not yet released; it swaps
+  the class of h2's ``local_settings`` for :class:`_EarlyStreams` (a subclass of the
+  public ``h2.settings.Settings``) so that h2's own stream limit sits above the one we
+  advertise and the streams past it are refused one by one; it ignores the events
+  grpclib's processor has no handler for (it raises ``NotImplementedError``).
+
 * Server reflection (:mod:`._reflection`) uses grpclib's servicers, built with their
   underscored constructor argument ``_service_names`` and their ``_pool`` attribute set
   to our own descriptor pool (the public ``ServerReflection.extend`` names services
