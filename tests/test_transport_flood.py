@@ -319,3 +319,19 @@ async def test_an_error_of_ours_is_a_goaway_and_one_warning_never_asyncios_fatal
     assert not any("Fatal error" in message for message in messages), messages
     warned = [m for m in messages if "input could not be handled" in m]
     assert 1 <= len(warned) <= 3, messages
+
+
+def test_a_frame_over_our_max_frame_size_is_known_on_its_header() -> None:
+    """Its body need not arrive (h2 would wait for all of it): FRAME_SIZE_ERROR, and the
+    frames before it are this turn's (their streams count for the GOAWAY)."""
+    g = FrameGate(Clock(), Peer().stream_open, lambda: 0, 16_384)
+    headers = HeadersFrame(1, b"\x82", flags=["END_HEADERS"]).serialize()
+    data = PREFACE + headers + bytes.fromhex("004001000000000001")  # 16,385 bytes announced
+    assert g.scan(data) == len(PREFACE) + len(headers)
+    assert g.flood is not None and g.flood.code == 0x6
+    split = FrameGate(Clock(), Peer().stream_open, lambda: 0, 16_384)
+    assert split.scan(data[:-4]) == len(data) - 4  # the header is not whole yet
+    assert split.scan(data[-4:]) == 0 and split.flood is not None  # it began before
+    fits = FrameGate(Clock(), Peer().stream_open, lambda: 0, 16_384)
+    fits.scan(PREFACE + bytes.fromhex("004000000000000001"))  # exactly 16,384
+    assert fits.flood is None

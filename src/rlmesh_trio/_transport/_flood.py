@@ -35,6 +35,7 @@ __all__ = [
     "EMPTY_FRAMES_PER_SECOND",
     "ENHANCE_YOUR_CALM",
     "FRAMES_PER_TURN",
+    "FRAME_SIZE_ERROR",
     "PREFACE_SIZE",
     "RESETS_BURST",
     "RESETS_PER_SECOND",
@@ -97,6 +98,11 @@ Reset whenever the buffer is empty again."""
 ENHANCE_YOUR_CALM = 0xB
 """The GOAWAY error code of a limit passed (RFC 9113 §7)."""
 
+FRAME_SIZE_ERROR = 0x6
+"""The GOAWAY error code of a frame header announcing more than our MAX_FRAME_SIZE: known
+on the header, before its body (h2 would wait for the whole body first; the reference
+answers on the header)."""
+
 PREFACE_SIZE = 24
 """``PRI * HTTP/2.0\\r\\n\\r\\nSM\\r\\n\\r\\n``: checked by h2, skipped here."""
 
@@ -148,13 +154,14 @@ class FrameGate:
     ``stream_open(stream_id)``: None for a stream h2 has not seen yet (a new one), else
     whether it is still open on our side (a reset of it throws away work);
     ``output_backlog()``: bytes of ours the transport holds because
-    the socket does not take them.
+    the socket does not take them; ``max_frame_size``: our SETTINGS_MAX_FRAME_SIZE.
     """
 
     __slots__ = (
         "_control",
         "_empty",
         "_head",
+        "_max_frame_size",
         "_output_backlog",
         "_preface",
         "_resets",
@@ -169,7 +176,9 @@ class FrameGate:
         clock: Callable[[], float],
         stream_open: Callable[[int], bool | None],
         output_backlog: Callable[[], int],
+        max_frame_size: int = 16_384,
     ) -> None:
+        self._max_frame_size = max_frame_size
         self._resets = Bucket(RESETS_BURST, RESETS_PER_SECOND, clock)
         self._empty = Bucket(EMPTY_FRAMES_BURST, EMPTY_FRAMES_PER_SECOND, clock)
         self._control = Bucket(CONTROL_FRAMES_BURST, CONTROL_FRAMES_PER_SECOND, clock)
@@ -191,7 +200,9 @@ class FrameGate:
         """Count the frames of ``data`` (the next bytes of the connection) and return how
         much of it is this turn's: everything, or up to the end of the
         :data:`FRAMES_PER_TURN`-th frame header met (with what of its payload is there).
-        Stops at a limit passed (:attr:`flood` set; the return value is then meaningless).
+        At a limit passed (:attr:`flood` set) it stops and returns where the frame that
+        passed it starts in ``data`` (0 if it started in an earlier read): what comes
+        before it may still be handed on.
         """
         size = len(data)
         pos = 0
@@ -207,7 +218,9 @@ class FrameGate:
                 self._skip -= taken
                 pos += taken
                 continue
+            start = pos
             if self._head or size - pos < 9:
+                start = 0 if self._head else pos
                 need = 9 - len(self._head)
                 self._head += data[pos : pos + need]
                 pos += min(need, size - pos)
@@ -219,10 +232,13 @@ class FrameGate:
                 high, low, kind, flags, stream_id = _HEADER.unpack_from(data, pos)
                 pos += 9
             length = high << 8 | low
+            if length > self._max_frame_size:
+                self.flood = Flood(FRAME_SIZE_ERROR, f"a frame of {length} bytes announced")
+                return start
             first = data[pos] if length and pos < size else -1
             self._frame(kind, flags, stream_id & _STREAM_ID_MASK, length, first)
             if self.flood is not None:
-                return pos
+                return start
             self._skip = length
             frames += 1
             if frames >= FRAMES_PER_TURN:

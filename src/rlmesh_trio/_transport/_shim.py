@@ -9,8 +9,8 @@ grpclib is pinned (0.4.9); each use below is covered by the transport tests:
 * ``grpclib.protocol.H2Protocol`` is subclassed (:class:`Connection`) to track
   connections, write GOAWAY frames, cut connections, and answer an HTTP/2 protocol error
   with the GOAWAY h2 prepared (grpclib closes without sending it; this reads the h2
-  connection inside grpclib's ``Connection._connection``), and to refuse an over-long
-  frame on its header (h2's ``incoming_buffer._data``, ``_terminate_connection``).
+  connection inside grpclib's ``Connection._connection``). An over-long frame is refused
+  on its header by the frame gate (:mod:`._flood`), which needs no private.
 * ``grpclib.server.Stream._stream`` (the h2-level stream) is read directly, so a message's
   length prefix is read before its body and a big body is copied into one buffer as it
   arrives instead of being joined from thousands of chunks at the end.
@@ -328,7 +328,13 @@ class Connection(H2Protocol):
         super().connection_made(transport)
         self._transport = cast(asyncio.Transport, transport)
         loop = asyncio.get_running_loop()
-        self._gate = FrameGate(loop.time, self._stream_open, self._output_backlog)
+        h2_connection = self.connection._connection
+        self._gate = FrameGate(
+            loop.time,
+            self._stream_open,
+            self._output_backlog,
+            h2_connection.max_inbound_frame_size,
+        )
         self.dispatcher.on_refused = self._gate.refused
         settings = self.connection._connection.local_settings
         if type(settings) is h2.settings.Settings:
@@ -378,11 +384,9 @@ class Connection(H2Protocol):
         gate = self._gate
         assert gate is not None
         end = gate.scan(data)
+        if end:
+            self._deliver(data if end == len(data) else data[:end])
         if gate.flood is not None:
-            self._flood(gate.flood)
-            return
-        self._deliver(data if end == len(data) else data[:end])
-        if gate.flood is not None:  # streams refused while delivering
             self._flood(gate.flood)
             return
         if end < len(data) and not self._closing():
@@ -401,9 +405,21 @@ class Connection(H2Protocol):
             self._transport.resume_reading()
 
     def _flood(self, flood: Flood) -> None:
-        _report(f"HTTP/2 flood from {self._peer()}: {flood.reason}; GOAWAY(ENHANCE_YOUR_CALM)")
+        """A limit passed: GOAWAY with its code, naming the last stream h2 saw, and close."""
         self._held = None
-        self._goaway_and_close(ErrorCodes(flood.code), None)
+        if self._closing():
+            return
+        code = ErrorCodes(flood.code)
+        if code is ErrorCodes.FRAME_SIZE_ERROR:  # a protocol error, not a flood
+            log.debug("HTTP/2 protocol error: %s; GOAWAY and close", flood.reason)
+        else:
+            _report(f"HTTP/2 flood from {self._peer()}: {flood.reason}; GOAWAY({code.name})")
+        with contextlib.suppress(Exception):
+            h2_connection = self.connection._connection
+            h2_connection.close_connection(
+                error_code=code, last_stream_id=h2_connection.highest_inbound_stream_id
+            )
+        self._protocol_error(h2.exceptions.ProtocolError(flood.reason))
 
     def _peer(self) -> str:
         peer = None if self._transport is None else self._transport.get_extra_info("peername")
@@ -444,7 +460,7 @@ class Connection(H2Protocol):
         try:
             events = self.connection.feed(data)
         except h2.exceptions.ProtocolError as exc:
-            self._protocol_error(exc, frame_size=self._header_announces_too_much(exc))
+            self._protocol_error(exc)
             return False
         except Exception as exc:  # never asyncio's "Fatal error on transport"
             log.debug("unreadable HTTP/2 input; GOAWAY and close", exc_info=True)
@@ -481,7 +497,6 @@ class Connection(H2Protocol):
                 self._goaway_and_close(ErrorCodes.PROTOCOL_ERROR, None)
                 return False
         self.connection.flush()
-        self._check_partial_frame()
         return not self._closing()
 
     def _ack_padding(self, event: h2.events.DataReceived) -> None:
@@ -502,37 +517,12 @@ class Connection(H2Protocol):
             )
         self._protocol_error(exc or h2.exceptions.ProtocolError("malformed header block"))
 
-    def _header_announces_too_much(self, exc: Exception) -> bool:
-        """h2 refused a frame header it could not parse (say, a SETTINGS type on a
-        stream), and that header also announces more than our MAX_FRAME_SIZE.
-
-        The reference checks the length first and answers FRAME_SIZE_ERROR; h2 checks
-        the type first. h2 leaves such a header at the front of its frame buffer
-        (``incoming_buffer._data``).
-        """
-        if not str(exc).startswith("Received frame with invalid header"):
-            return False
-        buffer = self.connection._connection.incoming_buffer
-        pending = buffer._data
-        return len(pending) >= 9 and int.from_bytes(pending[:3], "big") > buffer.max_frame_size
-
-    def _protocol_error(self, exc: Exception, *, frame_size: bool = False) -> None:
-        """Write what h2 queued (its GOAWAY last), then close. With ``frame_size``, h2's
-        GOAWAY (PROTOCOL_ERROR) is replaced by one with FRAME_SIZE_ERROR."""
+    def _protocol_error(self, exc: Exception) -> None:
+        """Write what h2 queued (its GOAWAY last), then close."""
         log.debug("HTTP/2 protocol error (%r); GOAWAY and close", exc)
         transport = self._transport
         with contextlib.suppress(Exception):
-            h2_connection = self.connection._connection
-            pending = h2_connection.data_to_send()
-            if frame_size:
-                goaway = GoAwayFrame(
-                    0,
-                    last_stream_id=h2_connection.highest_inbound_stream_id,
-                    error_code=ErrorCodes.FRAME_SIZE_ERROR,
-                ).serialize()
-                if len(pending) >= len(goaway) and pending[-len(goaway) + 3] == GoAwayFrame.type:
-                    pending = pending[: -len(goaway)]  # h2's own, with PROTOCOL_ERROR
-                pending += goaway
+            pending = self.connection._connection.data_to_send()
             if pending and transport is not None and not transport.is_closing():
                 transport.write(pending)
         self.processor.close("Protocol error")
@@ -549,26 +539,6 @@ class Connection(H2Protocol):
                 transport.abort()
 
         asyncio.get_running_loop().call_later(CLOSE_LINGER, abort)
-
-    def _check_partial_frame(self) -> None:
-        """A frame whose header announces more than our MAX_FRAME_SIZE is an error at once.
-
-        h2 checks a frame's length only when its whole body has arrived, so a header
-        announcing 16 MiB would hold the connection open waiting for it; the reference
-        answers GOAWAY(FRAME_SIZE_ERROR) on the header, and so do we. Reads h2's frame
-        buffer (``H2Connection.incoming_buffer``).
-        """
-        h2_connection = self.connection._connection
-        buffer = h2_connection.incoming_buffer
-        pending = buffer._data
-        if len(pending) < 9:
-            return
-        length = int.from_bytes(pending[:3], "big")
-        if length > buffer.max_frame_size:
-            h2_connection._terminate_connection(ErrorCodes.FRAME_SIZE_ERROR)
-            self._protocol_error(
-                h2.exceptions.FrameTooLargeError(f"frame of {length} bytes announced")
-            )
 
     def send_goaway(self, last_stream_id: int) -> None:
         transport = self._transport
