@@ -47,6 +47,8 @@ def test_parser_defaults_and_flags() -> None:
     assert args.on_lane_fault == "error"
     assert args.lane_timeout_seconds is None
     assert args.max_abandoned_lanes == 8
+    assert args.max_given_up_lanes == 0
+    assert args.min_serving_lanes == 1
     assert args.lane_isolation == "thread"
     args = build_parser().parse_args(
         [
@@ -80,6 +82,10 @@ def test_parser_defaults_and_flags() -> None:
             "30",
             "--max-abandoned-lanes",
             "2",
+            "--max-given-up-lanes",
+            "3",
+            "--min-serving-lanes",
+            "2",
             "--lane-isolation",
             "process",
         ]
@@ -98,6 +104,8 @@ def test_parser_defaults_and_flags() -> None:
     assert args.on_lane_fault == "truncate"
     assert args.lane_timeout_seconds == 30.0
     assert args.max_abandoned_lanes == 2
+    assert args.max_given_up_lanes == 3
+    assert args.min_serving_lanes == 2
     assert args.lane_isolation == "process"
 
 
@@ -121,6 +129,8 @@ def test_parser_defaults_and_flags() -> None:
         (["serve", "--env", "A", "--on-lane-fault", "retry"], "invalid choice"),
         (["serve", "--env", "A", "--lane-timeout-seconds", "0"], "> 0"),
         (["serve", "--env", "A", "--max-abandoned-lanes", "-1"], "must be >= 0"),
+        (["serve", "--env", "A", "--max-given-up-lanes", "-1"], "must be >= 0"),
+        (["serve", "--env", "A", "--max-given-up-lanes", "all"], "invalid int value"),
         (["serve", "--env", "A", "--lane-isolation", "vm"], "invalid choice"),
     ],
 )
@@ -407,6 +417,19 @@ def test_app_dir_makes_a_local_module_importable(
     monkeypatch.delitem(sys.modules, "appdir_probe_mod")
 
 
+def test_the_lane_health_flags_reach_serve_options() -> None:
+    parse = build_parser().parse_args
+    config = _serve._configure(parse(["serve", "--env", "CartPole-v1"]), "tcp://127.0.0.1:0")
+    options = config.options
+    assert (options.max_given_up_lanes, options.min_serving_lanes) == (0, 1)
+    assert options.max_abandoned_lanes == 8
+    argv = ["serve", "--env", "CartPole-v1", "--num-envs", "4", "--max-given-up-lanes", "4"]
+    argv += ["--min-serving-lanes", "2", "--max-abandoned-lanes", "64"]
+    options = _serve._configure(parse(argv), "tcp://127.0.0.1:0").options
+    assert (options.max_given_up_lanes, options.min_serving_lanes) == (4, 2)
+    assert options.max_abandoned_lanes == 64
+
+
 def test_an_unregistered_namespace_names_the_fix() -> None:
     import gymnasium
 
@@ -612,6 +635,9 @@ def test_health_follows_the_lanes(procs: list[subprocess.Popen[bytes]]) -> None:
 def test_health_is_not_serving_once_no_lane_can_serve(
     procs: list[subprocess.Popen[bytes]],
 ) -> None:
+    """With --max-given-up-lanes 2 (a lane-scoped user's rule: lanes lost for good are
+    tolerated; by default the first one turns health NOT_SERVING), --min-serving-lanes
+    (default 1) alone decides."""
     _, address = start_serving(
         procs,
         "--entrypoint",
@@ -620,6 +646,8 @@ def test_health_is_not_serving_once_no_lane_can_serve(
         "2",
         "--lane-isolation",
         "process",
+        "--max-given-up-lanes",
+        "2",
     )
 
     async def segfault() -> None:

@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.timeout(90), pytest.mark.skipif(sys.platform == "win32
 
 Code = env_v1.EnvErrorCode
 BOUND = 20.0
-SERVING = b"\x08\x01"
+SERVING, NOT_SERVING = b"\x08\x01", b"\x08\x02"
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -113,14 +113,20 @@ async def test_envs_live_in_their_own_processes_and_answer_as_thread_lanes_do() 
     ("action", "how"), [(SEGFAULT, "SIGSEGV"), (EXIT, "exit code 3")], ids=["segfault", "exit"]
 )
 async def test_a_child_that_dies_costs_the_other_lanes_nothing(action: int, how: str) -> None:
+    """Policy ``error``: the lane is lost for good (given up), the other lanes serve on,
+    and health says NOT_SERVING (``max_given_up_lanes`` 0) so that it is restarted."""
+
     async def client(address: str) -> dict[str, Any]:
         out: dict[str, Any] = {}
         async with wire.WireClient(address) as c, c.join() as j:
             out["reset"] = await j.call(wire.reset(seeds=[1, 2, 3, 4]))
+            out["health"] = (await c.unary(HEALTH_CHECK_PATH, b"")).reply
             out["death"] = await j.call(wire.step(acts(action), env_indices=[2]))
             for lane in (0, 1, 3):
                 out[lane] = await j.call(wire.step(acts(OK), env_indices=[lane]))
             out["gone"] = await j.call(wire.reset(env_indices=[2]))
+            # (after the refusal: the failed step is answered before the lane is marked)
+            out["health after"] = (await c.unary(HEALTH_CHECK_PATH, b"")).reply
         return out
 
     async with served() as address:
@@ -135,6 +141,7 @@ async def test_a_child_that_dies_costs_the_other_lanes_nothing(action: int, how:
     code, message, recoverable = error(out["gone"])
     assert (code, recoverable) == (Code.INTERNAL, False)
     assert message.startswith(f"lane 2 is gone: lane 2 process died ({how})"), message
+    assert (out["health"], out["health after"]) == (SERVING, NOT_SERVING)
 
 
 @pytest.mark.parametrize("mode", ["rebuild", "truncate"])

@@ -783,6 +783,50 @@ async def test_the_watchdog_abandons_a_wedged_call_and_counts_it() -> None:
         assert engine.healthy
 
 
+async def test_a_lane_down_for_a_while_leaves_health_alone() -> None:
+    """Neither a lane being rebuilt (its factory still running) nor one dead until its
+    next rebuild attempt is given up: health stays SERVING (the other lane meets
+    ``min_serving_lanes=1``) and nothing is counted against ``max_given_up_lanes=0``."""
+    ctl = Controller()
+    replies = Replies()
+    async with engine_for(ctl, on_fault="rebuild", rebuild_backoff=(30.0, 30.0)) as engine:
+        ctl.block_builds = ctl.fail_builds = 1  # the rebuild's factory hangs, then raises
+        engine.post(1, step_job(RAISE), replies.to("fault"))
+        await replies.get("fault")
+        await trio.to_thread.run_sync(ctl.wait_hanging)
+        assert engine.status()[1].state == "rebuilding"
+        assert (engine.given_up, engine.serving, engine.healthy) == (0, 2, True)
+        ctl.release.set()
+        await wait_for(lambda: engine.status()[1].state == "dead")
+        assert (engine.given_up, engine.serving, engine.healthy) == (0, 1, True)
+
+
+@pytest.mark.parametrize("tolerated", [0, 1])
+async def test_a_lane_whose_thread_dies_of_an_engine_bug_is_given_up(
+    monkeypatch: pytest.MonkeyPatch, tolerated: int
+) -> None:
+    """A lane thread that dies of a bug of ours stops its lane for good while the engine
+    runs: given up like any other, so health follows ``max_given_up_lanes``."""
+
+    def broken(*args: Any) -> bool:
+        raise RuntimeError("an engine bug")
+
+    monkeypatch.setattr("rlmesh_trio._lanes._thread.LaneThreads._rebuilt", broken)
+    ctl = Controller()
+    replies = Replies()
+    async with engine_for(ctl, on_fault="rebuild", max_given_up=tolerated) as engine:
+        assert (engine.given_up, engine.healthy) == (0, True)
+        engine.post(1, step_job(RAISE), replies.to("fault"))
+        await replies.get("fault")
+        await wait_for(lambda: engine.status()[1].state == "stopped")
+        assert (engine.given_up, engine.serving) == (1, 1)
+        assert engine.healthy is (tolerated == 1)
+        with pytest.raises(LaneBrokenError, match="lane 1 is no longer running"):
+            engine.post(1, ResetJob(seed=1, options=None), replies.to("never"))
+        engine.post(0, ResetJob(seed=1, options=None), replies.to("other"))
+        assert isinstance((await replies.get("other")).outcome, outcome.Value)
+
+
 # ------------------------------------------------------------------ rlmesh.run
 
 
@@ -926,6 +970,63 @@ async def test_a_lane_that_leaves_too_many_threads_behind_is_given_up(
         "(an env.close() or env call that does not return); restart the server to get it back"
     )
     assert out["health"] == NOT_SERVING
+    await wait_for(lambda: not threads_named("-abandoned"))
+
+
+@pytest.mark.parametrize(
+    ("options", "health"),
+    [({}, NOT_SERVING), ({"max_given_up_lanes": 1}, SERVING)],
+    ids=["default", "max_given_up_lanes=1"],
+)
+async def test_a_given_up_lane_turns_health_not_serving_unless_tolerated(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    options: dict[str, Any],
+    health: bytes,
+) -> None:
+    """The soak's lane 3: given up after its hangs while ``max_abandoned_lanes`` is far
+    above them. Every whole-vector request fails from then on, so health says NOT_SERVING
+    at once by default, with lane 0 still serving; ``max_given_up_lanes=1`` keeps today's
+    rule for lane-scoped clients (SERVING while ``min_serving_lanes`` is met)."""
+    monkeypatch.setattr("rlmesh_trio._lanes._supervisor.MAX_LEFT_BEHIND", 0)  # 1st hang
+    ctl = Controller()
+
+    async def client(address: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        async with wire.WireClient(address) as c, c.join() as j:
+            await j.call(wire.reset(seeds=[1, 2]))
+            out["before"] = (await c.unary(HEALTH_CHECK_PATH, b"")).reply
+            # The watchdog abandons the hung step; the lane is given up instead of rebuilt.
+            out["hang"] = await j.call(wire.step(acts(HANG), env_indices=[1]))
+            # Refused, or queued and then refused by the give-up: either way it is dead.
+            out["dead"] = await j.call(wire.reset(env_indices=[1]))
+            out["after"] = (await c.unary(HEALTH_CHECK_PATH, b"")).reply
+            out["lane 0"] = await j.call(wire.step(acts(0), env_indices=[0]))
+            out["whole"] = await j.call(wire.step(acts(0, 0)))
+        return out
+
+    caplog.set_level(logging.WARNING, "rlmesh_trio.lanes")
+    async with served(
+        ctl, on_lane_fault="rebuild", lane_timeout_seconds=0.1, max_abandoned_lanes=64, **options
+    ) as address:
+        out = await on_wire(client(address))
+        ctl.release.set()
+    assert out["before"] == SERVING
+    assert error(out["hang"])[0] == Code.CRASHED
+    code, message, recoverable = error(out["dead"])
+    assert (code, recoverable) == (Code.INTERNAL, False)
+    assert message.startswith("lane 1 is given up after repeated faults"), message
+    assert out["after"] == health
+    assert out["lane 0"].step is not None, out["lane 0"]
+    assert out["whole"].error is not None, out["whole"]
+    said = [r.getMessage() for r in caplog.records]
+    if health == NOT_SERVING:
+        assert (
+            "lane 1 is given up for good: health now reports NOT_SERVING (1 of 2 lanes given "
+            "up, max_given_up_lanes tolerates 0); restart this server"
+        ) in said, said
+    else:
+        assert any("health stays SERVING" in m for m in said), said
     await wait_for(lambda: not threads_named("-abandoned"))
 
 

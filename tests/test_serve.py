@@ -197,6 +197,9 @@ async def test_address_in_use_raises_before_any_env_is_built() -> None:
         ({"options": ServeOptions(min_serving_lanes=0)}, "min_serving_lanes"),
         ({"options": ServeOptions(min_serving_lanes=True)}, "min_serving_lanes"),
         ({"options": ServeOptions(min_serving_lanes=3), "num_envs": 2}, "min_serving_lanes=3"),
+        ({"options": ServeOptions(max_given_up_lanes=-1)}, "max_given_up_lanes"),
+        ({"options": ServeOptions(max_given_up_lanes=False)}, "max_given_up_lanes"),
+        ({"options": ServeOptions(max_given_up_lanes=1.0)}, "max_given_up_lanes"),  # type: ignore[arg-type]
         ({"options": ServeOptions(lane_isolation="fiber")}, "lane_isolation"),  # type: ignore[arg-type]
         ({"address": "http://x:1"}, "unsupported address scheme"),
         ({"num_envs": 0}, "num_envs"),
@@ -467,6 +470,20 @@ def test_event_loop_option_resolves_to_an_installed_loop(monkeypatch: pytest.Mon
     monkeypatch.setattr(importlib.util, "find_spec", real)
     if real("uvloop") is not None:
         assert resolve(ServeOptions()).event_loop == "uvloop"
+
+
+def test_max_given_up_lanes_resolves_with_its_neighbours() -> None:
+    """Default 0 (the first lane given up turns health NOT_SERVING); any int >= 0,
+    more than the lanes served too (then only min_serving_lanes and max_abandoned_lanes
+    decide, as before the option)."""
+    from rlmesh_trio._options import DEFAULT_MAX_GIVEN_UP_LANES, resolve
+
+    resolved = resolve(ServeOptions(), environ={})
+    assert resolved.max_given_up_lanes == DEFAULT_MAX_GIVEN_UP_LANES == 0
+    assert (resolved.min_serving_lanes, resolved.max_abandoned_lanes) == (1, 8)
+    assert resolve(ServeOptions(max_given_up_lanes=64), environ={}).max_given_up_lanes == 64
+    with pytest.raises(ValueError, match=r"^max_given_up_lanes must be an int >= 0, got -1$"):
+        resolve(ServeOptions(max_given_up_lanes=-1), environ={})
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,9 @@ LaneIsolation = Literal["thread", "process"]
 
 DEFAULT_MAX_ABANDONED_LANES = 8
 """Wedged lane threads the process tolerates before health reports NOT_SERVING."""
+
+DEFAULT_MAX_GIVEN_UP_LANES = 0
+"""Lanes given up for good the process tolerates before health reports NOT_SERVING."""
 """The transport thread's event loop: uvloop when installed (``auto``), or one of them."""
 """How soft conformance violations are handled (SPEC §3.7.8)."""
 
@@ -78,10 +81,18 @@ class ServeOptions:
     requests' own ``timeout_ms`` bound a job.
     ``max_abandoned_lanes``: how many abandoned (wedged, still running) lane threads the
     process tolerates before grpc.health.v1 reports NOT_SERVING.
+    ``max_given_up_lanes``: how many lanes *given up for good* (dead, never rebuilt
+    again in this process: one that left more than 8 abandoned threads behind, a process
+    lane lost under ``on_lane_fault="error"``, a lane thread that died of an engine bug)
+    the process tolerates before grpc.health.v1 reports NOT_SERVING. Default 0: the
+    first one, since every whole-vector request fails from then on. For lane-scoped
+    clients that can live with some lanes lost: ``num_envs`` (or more) leaves health to
+    ``min_serving_lanes`` and ``max_abandoned_lanes`` alone. A lane down only for a
+    while (rebuilding, dead until its next rebuild attempt, wedged) is never counted.
     ``min_serving_lanes``: grpc.health.v1 reports NOT_SERVING while fewer lanes than this
-    can serve (a lane that is dead, wedged or stopped cannot; one being rebuilt can:
-    its jobs queue for the fresh env). Default 1: NOT_SERVING once no lane can serve.
-    At most ``num_envs``.
+    can serve (a lane that is dead, wedged or stopped cannot, for good or for a while;
+    one being rebuilt can: its jobs queue for the fresh env). Default 1: NOT_SERVING
+    once no lane can serve. At most ``num_envs``.
     ``lane_isolation``: ``thread`` (each env on a thread of the server) or ``process``
     (each env in a child process of its own: a segfault or a GIL-holding env costs the
     other lanes nothing, and pure-Python envs use every core; the factory must pickle).
@@ -114,6 +125,7 @@ class ServeOptions:
     tls_key_file: str | os.PathLike[str] | None = None
     tls_client_ca_file: str | os.PathLike[str] | None = None
     reflection: bool = False
+    max_given_up_lanes: int = DEFAULT_MAX_GIVEN_UP_LANES
 
     def remote_shutdown_allowed(self, environ: Mapping[str, str] = os.environ) -> bool:
         """The option, or the environment variable (which can only enable it)."""
@@ -165,6 +177,7 @@ class Resolved:
     reflection: bool = False
     tls: TlsFiles | None = None
     """The server's certificate, key and (mTLS) client CA; None: plaintext."""
+    max_given_up_lanes: int = DEFAULT_MAX_GIVEN_UP_LANES
 
     @property
     def mtls(self) -> bool:
@@ -300,6 +313,9 @@ def resolve(options: ServeOptions, environ: Mapping[str, str] = os.environ) -> R
     floor = options.min_serving_lanes
     if isinstance(floor, bool) or not isinstance(floor, int) or floor < 1:
         raise ValueError(f"min_serving_lanes must be an int >= 1, got {floor!r}")
+    lost = options.max_given_up_lanes
+    if isinstance(lost, bool) or not isinstance(lost, int) or lost < 0:
+        raise ValueError(f"max_given_up_lanes must be an int >= 0, got {lost!r}")
     tls = tls_files(options)
     drain, close, idle = (
         options.drain_timeout_seconds,
@@ -323,6 +339,7 @@ def resolve(options: ServeOptions, environ: Mapping[str, str] = os.environ) -> R
         else float(options.lane_timeout_seconds),
         max_abandoned_lanes=cap,
         min_serving_lanes=floor,
+        max_given_up_lanes=lost,
         lane_isolation=options.lane_isolation,
         tls=tls,
         reflection=bool(options.reflection),

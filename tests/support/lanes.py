@@ -22,6 +22,8 @@ _FIELDS = {
     "on_fault": "on_lane_fault",
     "lane_timeout": "lane_timeout_seconds",
     "max_abandoned": "max_abandoned_lanes",
+    "max_given_up": "max_given_up_lanes",
+    "min_serving": "min_serving_lanes",
     "isolation": "lane_isolation",
 }
 

@@ -32,7 +32,7 @@ from .._crash import CrashWitness
 from .._lanes import UNKNOWN_ENV_ID
 from .._logging import JsonFormatter
 from .._logging import configure as configure_logging
-from .._options import DEFAULT_MAX_ABANDONED_LANES, ServeOptions
+from .._options import DEFAULT_MAX_ABANDONED_LANES, DEFAULT_MAX_GIVEN_UP_LANES, ServeOptions
 from .._serve import ServerInfo, serve_env
 from ._args import (
     PROG,
@@ -149,12 +149,23 @@ def add_serve_parser(commands: Any) -> None:
         f"(default: {DEFAULT_MAX_ABANDONED_LANES})",
     )
     serve.add_argument(
+        "--max-given-up-lanes",
+        type=int_at_least(0),
+        metavar="N",
+        default=DEFAULT_MAX_GIVEN_UP_LANES,
+        help="lanes given up for good (dead, never rebuilt again: too many abandoned "
+        "threads, a process lane lost under --on-lane-fault error) tolerated before health "
+        "reports NOT_SERVING (default: 0, the first one: whole-vector requests fail from "
+        "then on); for lane-scoped clients that can live with lost lanes, --num-envs "
+        "leaves health to --min-serving-lanes",
+    )
+    serve.add_argument(
         "--min-serving-lanes",
         type=int_at_least(1),
         metavar="N",
         default=1,
         help="health reports NOT_SERVING while fewer lanes than N can serve (dead or "
-        "wedged lanes cannot; at most --num-envs; default: 1)",
+        "wedged lanes cannot, for good or for a while; at most --num-envs; default: 1)",
     )
     serve.add_argument(
         "--auth-token",
@@ -332,6 +343,7 @@ def _configure(args: argparse.Namespace, address: str) -> _Config:
         lane_timeout_seconds=args.lane_timeout_seconds,
         max_abandoned_lanes=args.max_abandoned_lanes,
         min_serving_lanes=args.min_serving_lanes,
+        max_given_up_lanes=args.max_given_up_lanes,
         lane_isolation=args.lane_isolation,
         tls_cert_file=args.tls_cert_file,
         tls_key_file=args.tls_key_file,

@@ -49,7 +49,7 @@ from ._contract import EnvFacts, agree
 from ._incarnation import spawner
 from ._lane import _STOP, LANE_THREAD_PREFIX, Incarnation, _Lane, answer, stopped_error
 from ._state import LaneState
-from ._supervisor import REBUILD_BACKOFF, AbandonedLedger, Supervisor
+from ._supervisor import REBUILD_BACKOFF, AbandonedLedger, GivenUpLanes, Supervisor
 from ._thread import LaneThreads
 from ._watchdog import Wedges
 from ._work import LaneWork
@@ -93,9 +93,10 @@ class LaneEngine:
 
     ``options`` are the server's resolved options (:func:`~rlmesh_trio._options.resolve`,
     which validated them; the engine reads ``policy``, ``close_timeout`` -- its teardown
-    deadline --, ``on_lane_fault``, ``lane_timeout``, ``max_abandoned_lanes`` and
-    ``lane_isolation``); None: the defaults. ``rebuild_backoff`` is the first delay and
-    the cap, in seconds, between failed rebuild attempts.
+    deadline --, ``on_lane_fault``, ``lane_timeout``, ``max_abandoned_lanes``,
+    ``max_given_up_lanes``, ``min_serving_lanes`` and ``lane_isolation``); None: the
+    defaults. ``rebuild_backoff`` is the first delay and the cap, in seconds, between
+    failed rebuild attempts.
 
     Lifecycle: construct, then ``await nursery.start(engine.run)``; post jobs with
     :meth:`post` from any thread; stop with :meth:`close` (any thread) or by cancelling
@@ -138,9 +139,11 @@ class LaneEngine:
                 f"{num_envs} lanes served"
             )
         self._min_serving = options.min_serving_lanes
+        self._given_up = GivenUpLanes(self._lanes, options.max_given_up_lanes)
         self._supervisor = Supervisor(
             start=self._start_thread,
             ledger=self._ledger,
+            given_up=self._given_up,
             rebuilds=rebuilds,
             retire_timeout=self._teardown_timeout,
             backoff=rebuild_backoff,
@@ -154,6 +157,7 @@ class LaneEngine:
             exited=self._exited,
             wake=self._wake_lane,
             rebuild_delay=self._supervisor.rebuild_delay,
+            gave_up=self._given_up.added,
         )
         self._wedges = Wedges(
             self._lanes,
@@ -226,11 +230,19 @@ class LaneEngine:
         return sum(lane.state not in _CANNOT_SERVE for lane in self._lanes)
 
     @property
+    def given_up(self) -> int:
+        """Lanes given up for good: dead, never rebuilt again in this process. Any thread."""
+        return self._given_up.count
+
+    @property
     def healthy(self) -> bool:
-        """False once more lane threads are abandoned than ``max_abandoned`` tolerates,
-        or fewer lanes can serve than ``min_serving_lanes``: the process should be
-        restarted (health reports NOT_SERVING)."""
-        return self._ledger.healthy and self.serving >= self._min_serving
+        """False once more lanes are given up for good than ``max_given_up_lanes``
+        tolerates (default 0: any), more lane threads are abandoned than
+        ``max_abandoned_lanes`` tolerates, or fewer lanes can serve than
+        ``min_serving_lanes``: the process should be restarted (health reports
+        NOT_SERVING). A lane down only for a while (rebuilding, dead until its next
+        rebuild attempt, wedged) counts against ``min_serving_lanes`` alone."""
+        return self._given_up.healthy and self._ledger.healthy and self.serving >= self._min_serving
 
     def status(self) -> list[LaneStatus]:
         """Every lane's state and counters, in lane order. Any thread."""

@@ -182,7 +182,9 @@ class _Lane:
         self.proven = False
         """A rebuilt env answered a step: the lane is not in a fault storm (backoff)."""
         self.given_up = False
-        """The lane left too many threads behind: it is dead and never rebuilt again."""
+        """The lane is lost for good: dead (too many threads left behind; a process lane
+        lost under policy ``error``) or its thread died of an engine bug. Never rebuilt
+        again; health counts it (``max_given_up_lanes``) until the process restarts."""
 
     # ---- transitions (the lane lock held) --------------------------------------------
 
@@ -259,11 +261,14 @@ class _Lane:
         self.refusal = refusal
         return self.take_queued() if refusal is not None else []
 
-    def dead(self, refusal: LaneDeadError, cause: str) -> list[_Item]:
-        """-> DEAD: a rebuild failed, or a process lane was lost under ``error``, or the
-        lane was given up (too many threads left behind). Jobs are refused with
-        ``refusal``; the queued ones are returned for the caller to answer."""
+    def dead(self, refusal: LaneDeadError, cause: str, *, for_good: bool = False) -> list[_Item]:
+        """-> DEAD: a rebuild failed (for a while: the supervisor tries again), or, with
+        ``for_good``, the lane is given up (:attr:`given_up`: a process lane lost under
+        ``error``, too many threads left behind). Jobs are refused with ``refusal``; the
+        queued ones are returned for the caller to answer."""
         self._move(LaneState.DEAD)
+        if for_good:
+            self.given_up = True
         self.last_cause = cause
         self.refusal = refusal
         return self.take_queued()

@@ -32,8 +32,10 @@ class LaneState(enum.Enum):
     """Policy ``error``: an env call overran a deadline and has not returned. Jobs are
     refused at once (naming the lane) until it does."""
     DEAD = "dead"
-    """A rebuild failed (jobs are refused, fatal, until the next attempt), or a process
-    lane's child died under policy ``error`` (refused until the server stops)."""
+    """A rebuild failed (jobs are refused, fatal, until the next attempt), or the lane is
+    given up for good -- a process lane's child died under policy ``error``, or it left
+    too many threads behind -- and refuses until the server stops (health then reports
+    NOT_SERVING, unless ``max_given_up_lanes`` tolerates it)."""
     STOPPED = "stopped"
     """The engine closed the lane (or it was abandoned at teardown)."""
 

@@ -9,6 +9,8 @@ gives its (shielded) cancel scope.
 
 :class:`AbandonedLedger` counts, process-wide, the threads left behind inside an env call:
 past ``max_abandoned`` the engine is no longer healthy (health reports NOT_SERVING).
+:class:`GivenUpLanes` counts the lanes given up for good: past ``max_given_up_lanes``
+(default 0: the first one) the engine is no longer healthy either.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from time import perf_counter_ns
 from typing import Final
 
@@ -29,7 +31,14 @@ from .._jobs import Phases
 from ._lane import LANE_THREAD_PREFIX, Incarnation, _Lane, answer
 from ._state import LaneState
 
-__all__ = ["FREE_REBUILDS", "MAX_LEFT_BEHIND", "REBUILD_BACKOFF", "AbandonedLedger", "Supervisor"]
+__all__ = [
+    "FREE_REBUILDS",
+    "MAX_LEFT_BEHIND",
+    "REBUILD_BACKOFF",
+    "AbandonedLedger",
+    "GivenUpLanes",
+    "Supervisor",
+]
 
 logger = logging.getLogger("rlmesh_trio.lanes")
 
@@ -94,12 +103,59 @@ class AbandonedLedger:
         )
 
 
+class GivenUpLanes:
+    """The lanes given up for good (:attr:`_Lane.given_up`: dead, never rebuilt again
+    in this process), for health. Any thread.
+
+    Such a lane fails every whole-vector request from then on, so past ``tolerated``
+    (``max_given_up_lanes``; default 0) the engine is no longer healthy: health reports
+    NOT_SERVING and a supervisor restarts the process. A lane that is down only for a
+    while (rebuilding, dead until its next rebuild attempt, wedged) is not counted here;
+    ``min_serving_lanes`` counts those.
+    """
+
+    def __init__(self, lanes: Sequence[_Lane], tolerated: int) -> None:
+        self._lanes = lanes
+        self.tolerated = tolerated
+
+    @property
+    def count(self) -> int:
+        return sum(lane.given_up for lane in self._lanes)
+
+    @property
+    def healthy(self) -> bool:
+        return self.count <= self.tolerated
+
+    def added(self, lane: _Lane) -> None:
+        """``lane`` was just given up (its ``given_up`` set): say what that does to health."""
+        count = self.count
+        if count > self.tolerated:
+            logger.error(
+                "lane %d is given up for good: health now reports NOT_SERVING (%d of %d "
+                "lanes given up, max_given_up_lanes tolerates %d); restart this server",
+                lane.index,
+                count,
+                len(self._lanes),
+                self.tolerated,
+            )
+        else:
+            logger.warning(
+                "lane %d is given up for good; health stays SERVING (%d of %d lanes "
+                "given up, max_given_up_lanes tolerates %d): whole-vector requests fail "
+                "until this server restarts",
+                lane.index,
+                count,
+                len(self._lanes),
+                self.tolerated,
+            )
+
+
 class Supervisor:
     """The supervisors of an engine's lanes (one :meth:`run` task per lane).
 
     ``start(lane, inc)`` starts an incarnation's thread; ``rebuilds`` is false under
     policy ``error`` (a dead lane then stays dead); ``max_left_behind`` is
-    :data:`MAX_LEFT_BEHIND`.
+    :data:`MAX_LEFT_BEHIND`; a lane it gives up is told to ``given_up``.
     """
 
     def __init__(
@@ -107,6 +163,7 @@ class Supervisor:
         *,
         start: Callable[[_Lane, Incarnation], None],
         ledger: AbandonedLedger,
+        given_up: GivenUpLanes,
         rebuilds: bool,
         retire_timeout: float,
         backoff: tuple[float, float],
@@ -114,6 +171,7 @@ class Supervisor:
     ) -> None:
         self._start = start
         self._ledger = ledger
+        self._given_up = given_up
         self._rebuilds = rebuilds
         self._retire_timeout = retire_timeout
         self._backoff = backoff
@@ -257,14 +315,14 @@ class Supervisor:
         with lane.lock:
             if lane.stopping or lane.state is not LaneState.REBUILDING:
                 return
-            lane.given_up = True
-            waiting = lane.dead(refusal, cause)
+            waiting = lane.dead(refusal, cause, for_good=True)
         logger.error(
             "lane %d: given up, not rebuilt again: %s (at most %d tolerated)",
             lane.index,
             cause,
             self._max_left_behind,
         )
+        self._given_up.added(lane)
         for item in waiting:
             answer(lane.index, item, outcome.Error(refusal), Phases())
 

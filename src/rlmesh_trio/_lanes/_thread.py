@@ -48,7 +48,9 @@ class LaneThreads:
     engine's run is over); ``report(index, outcome)`` (Trio thread) receives the first
     incarnation's facts; ``exited(lane, inc)`` (Trio thread) a thread's last act;
     ``wake(index)`` (Trio thread) wakes the lane's supervisor; ``rebuild_delay(attempt)``
-    is the supervisor's backoff (for the log).
+    is the supervisor's backoff (for the log); ``gave_up(lane)`` (any thread) is told of
+    a lane given up for good here (a process lane lost under ``error``, a lane thread
+    that died of an engine bug).
 
     Startup: the first incarnations build, report, and wait on :attr:`go`; the engine
     sets :attr:`work` and :attr:`facts0` (the contract is agreed) before setting ``go``,
@@ -66,6 +68,7 @@ class LaneThreads:
         exited: Callable[[_Lane, Incarnation], None],
         wake: Callable[[int], None],
         rebuild_delay: Callable[[int], float],
+        gave_up: Callable[[_Lane], None],
     ) -> None:
         self._rebuilds = rebuilds
         self._truncate = truncate
@@ -75,6 +78,7 @@ class LaneThreads:
         self._exited = exited
         self._wake = wake
         self._rebuild_delay = rebuild_delay
+        self._gave_up = gave_up
         self.go = threading.Event()
         self.work: LaneWork | None = None
         self.facts0: EnvFacts | None = None
@@ -93,6 +97,7 @@ class LaneThreads:
 
     def _main(self, lane: _Lane, inc: Incarnation) -> None:
         """One incarnation's whole life: build the env, serve the mailbox, close the env."""
+        died = False
         try:
             if lane.stopping:  # closed (or startup failed elsewhere) before we built
                 return
@@ -127,14 +132,21 @@ class LaneThreads:
             self._serve(lane, inc, inc.executor(self.work))
         except Exception:
             # Only an engine bug gets here (job and callback errors are caught per job):
-            # the lane stops (its jobs are answered below); the other lanes go on.
+            # the lane stops (its jobs are answered below), given up for good while the
+            # engine runs; the other lanes go on.
             logger.exception("lane %d died", lane.index)
+            died = True
         finally:
             with lane.lock:
                 mine = lane.incarnation is inc and not inc.detached
                 dead = lane.state is LaneState.DEAD
+                lost = mine and died and not lane.stopping and not lane.given_up
                 if mine:
                     lane.running = False
+                if lost:
+                    lane.given_up = True
+            if lost:
+                self._gave_up(lane)
             if mine and not dead:
                 lane.fail_pending()
             inc.close(self._close_timeout)
@@ -255,8 +267,9 @@ class LaneThreads:
             f"lane {lane.index} is gone: {reason} (--on-lane-fault rebuild would rebuild it)"
         )
         with lane.lock:
-            waiting = lane.dead(refusal, reason)
+            waiting = lane.dead(refusal, reason, for_good=True)
         logger.error("lane %d: %s; the lane is lost (policy error)", lane.index, reason)
+        self._gave_up(lane)
         for item in waiting:
             answer(lane.index, item, outcome.Error(refusal), Phases())
 
