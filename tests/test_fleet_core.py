@@ -6,19 +6,24 @@ does not kill them); the client is rlmesh 0.1.0's own ``rlmesh.run``.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import rlmesh
 import rlmesh.numpy
+from support import wire
+from support.given_up import give_up_lane
 from support.refserver import ServerConfig, ServerPool
 
+from rlmesh_trio.client import probe
 from rlmesh_trio.fleet import Fleet, FleetError, FleetRunResult
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(120)]
@@ -212,6 +217,63 @@ def test_killed_endpoint_its_unfinished_seeds_move_to_the_other(servers: ServerP
     # rlmesh.run lists episodes as they end (lanes race); the fleet's are in seed order.
     reference = {e.seed: _key(e) for e in rlmesh.run(MODEL, survivor.address, seeds=seeds).episodes}
     assert [_key(e) for e in result.episodes] == [reference[s] for s in seeds]
+
+
+def hang_on_lane_1(marker: Path) -> ServerConfig:
+    """CartPole x2 whose lane 1 hangs at the third step of every episode in the one
+    process that claims ``marker`` (support.fleet_envs); the soak's flags: thread lanes,
+    truncate, a short lane timeout, abandoned threads tolerated far beyond the hangs."""
+    return ServerConfig(
+        entrypoint="support.fleet_envs:make_hang_on_lane",
+        num_envs=2,
+        ours_args=(
+            "--kwargs-json",
+            json.dumps({"marker": str(marker)}),
+            "--on-lane-fault",
+            "truncate",
+            "--lane-timeout-seconds",
+            "0.2",
+            "--max-abandoned-lanes",
+            "64",
+        ),
+    )
+
+
+def test_an_endpoint_whose_lane_is_given_up_is_reported_not_serving_and_left_out(
+    servers: ServerPool, tmp_path: Path
+) -> None:
+    """The soak's endpoint: lane 1 hangs until the server gives it up (9 threads left
+    behind, far fewer than --max-abandoned-lanes 64); every whole-vector request of that
+    endpoint fails from then on. Its health says NOT_SERVING (before max_given_up_lanes
+    it stayed SERVING and took its shards, every one of them failing), so the fleet
+    reports it and runs on the other endpoint alone. A static fleet restarts nothing
+    itself: its orchestrator does, on the same health (the Kubernetes recipe's probes);
+    the Ray fleet's supervisor does, in tests/test_fleet_ray.py."""
+    marker = tmp_path / "claimed"
+    config = hang_on_lane_1(marker)
+    lost, other = servers.fresh("ours", config), servers.fresh("ours", config)
+    with Fleet.from_addresses([lost.address, other.address]) as fleet:
+        fleet.wait_ready(30)
+        refused = wire.run(give_up_lane(lost.address))
+        assert refused.error is not None and not refused.error.is_recoverable, refused
+        assert "lane 1 is given up" in refused.error.message, refused
+        assert int(marker.read_text()) == lost.pid
+
+        report = fleet.health()
+        assert (report[0].serving, report[0].status) == (False, "NOT_SERVING")
+        assert report[1].serving
+        assert [e.state for e in fleet.endpoints] == ["restarting", "serving"]
+        found = probe(lost.address, timeout_seconds=5.0)
+        assert found.lane_states == ("serving", "dead") and not found.serving
+
+        seeds = list(range(8))
+        result = fleet.run(MODEL, seeds=seeds, recover_timeout_seconds=1.0)
+        assert {s.endpoint for s in result.shards} == {1}
+        assert result.retries == () and all(s.error is None for s in result.shards)
+    reference = rlmesh.run(MODEL, other.address, seeds=seeds)
+    assert [_key(e) for e in result.episodes] == [
+        {e.seed: _key(e) for e in reference.episodes}[s] for s in seeds
+    ]
 
 
 def test_map_runs_shards_in_order_and_retries_failures(pair: list[str]) -> None:

@@ -31,7 +31,10 @@ import rlmesh  # noqa: E402
 import rlmesh.numpy  # noqa: E402
 import support.fleet_envs  # noqa: E402
 from conftest import leaked_threads  # noqa: E402
+from support import wire  # noqa: E402
+from support.given_up import give_up_lane  # noqa: E402
 
+from rlmesh_trio import ServeOptions  # noqa: E402
 from rlmesh_trio.fleet import FleetRunResult  # noqa: E402
 from rlmesh_trio.fleet.ray import RayFleet, launch  # noqa: E402
 
@@ -214,6 +217,47 @@ def test_wedged_endpoint_is_detected_by_the_supervisor_and_restarted(tmp_path: P
         assert fleet.info(wedged).pid not in pids
         assert [e.state for e in fleet.endpoints] == ["serving", "serving"]
         assert any(s.error is not None and s.endpoint == wedged for s in result.shards)
+        assert {e.seed: _key(e) for e in result.episodes} == _reference(fleet)
+
+
+def test_an_endpoint_whose_lane_is_given_up_is_restarted_and_runs_resume(
+    tmp_path: Path,
+) -> None:
+    """The soak's endpoint: lane 1 of endpoint 0 hangs until the server gives it up (9
+    threads left behind; --max-abandoned-lanes 64 tolerates them all). Its health turns
+    NOT_SERVING (max_given_up_lanes, default 0), so the supervisor kills it after
+    ``unhealthy_after`` probes and Ray restarts it; a run over the fleet then gives
+    what each endpoint gives alone (before the option it stayed SERVING, was never
+    restarted, and every whole-vector run on it failed)."""
+    marker = tmp_path / "claimed"
+    options = ServeOptions(
+        on_lane_fault="truncate", lane_timeout_seconds=0.2, max_abandoned_lanes=64
+    )
+    with launch(
+        support.fleet_envs.make_hang_on_lane,
+        endpoints=2,
+        num_envs=2,
+        env_kwargs={"marker": str(marker)},
+        options=options,
+        bind="127.0.0.1",
+        **FAST,
+    ) as fleet:
+        pids = [fleet.info(i).pid for i in range(2)]
+        began = time.monotonic()
+        refused = wire.run(give_up_lane(fleet.addresses[0]))
+        assert refused.error is not None and "lane 1 is given up" in refused.error.message
+        assert int(marker.read_text()) == pids[0]
+        fleet.wait_ready(90)  # NOT_SERVING until the supervisor had it restarted
+        print(f"given up to serving again: {time.monotonic() - began:.2f} s, {fleet.stats()}")
+        assert fleet.info(0).pid != pids[0]  # the restarted process never hangs
+        assert fleet.info(1).pid == pids[1]
+        assert fleet.stats().kills >= 1
+        assert fleet.endpoints[0].restarts >= 1
+        assert [e.state for e in fleet.endpoints] == ["serving", "serving"]
+        result = fleet.run(MODEL, seeds=SEEDS)
+        _check_exactly_once(result)
+        assert {s.endpoint for s in result.shards} == {0, 1}
+        assert result.retries == () and all(s.error is None for s in result.shards)
         assert {e.seed: _key(e) for e in result.episodes} == _reference(fleet)
 
 
