@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import struct
-from collections import deque
 from types import SimpleNamespace
 from typing import Any
 
@@ -45,43 +44,22 @@ class FakeH2:
         self.acked += size
 
 
-class FakeQueue:
-    """grpclib's ``Buffer._unacked`` (an asyncio.Queue of (data, size, ack_size))."""
-
-    def __init__(self, items: list[tuple[bytes, int, int]]) -> None:
-        self._items = deque(items)
-
-    def empty(self) -> bool:
-        return not self._items
-
-    def get_nowait(self) -> tuple[bytes, int, int]:
-        return self._items.popleft()
-
-
 class Harness:
-    def __init__(
-        self,
-        *,
-        early: list[tuple[bytes, int, int]] | None = None,
-        early_eof: bool = False,
-        limit: int = LIMIT,
-    ) -> None:
+    def __init__(self, *, limit: int = LIMIT) -> None:
         self.h2 = FakeH2()
         self.flushes = 0
         grpclib_connection = SimpleNamespace(is_closing=lambda: False, flush=self._flush)
-        self.connection = SimpleNamespace(readers={}, connection=grpclib_connection)
-        buffer = SimpleNamespace(_unacked=FakeQueue(early or []), _eof=early_eof)
-        raw = SimpleNamespace(id=1, _h2_connection=self.h2, buffer=buffer)
+        self.connection = SimpleNamespace(
+            readers={}, connection=grpclib_connection, _h2=lambda: self.h2
+        )
+        self.limit = limit
         self.messages: list[bytes] = []
         self.ends: list[WireError | None] = []
         self.pause_after: set[int] = set()  # message indexes after which to pause
-        self.reader = RequestReader(
-            self.connection,  # type: ignore[arg-type]
-            SimpleNamespace(_stream=raw),  # type: ignore[arg-type]
-            limit,
-            self._on_message,
-            self.ends.append,
-        )
+        self.reader = RequestReader(self.connection, 1)  # type: ignore[arg-type]
+
+    def start(self) -> None:
+        self.reader.start(self.limit, self._on_message, self.ends.append)
 
     def _flush(self) -> None:
         self.flushes += 1
@@ -101,7 +79,7 @@ def test_messages_split_anywhere_are_cut_out_in_order() -> None:
     stream = b"".join(frame(m) for m in messages)
     for size in (1, 2, 4, 5, 6, 7, 13, len(stream)):
         h = Harness()
-        h.reader.attach()
+        h.start()
         for pos in range(0, len(stream), size):
             h.reader.feed(stream[pos : pos + size], len(stream[pos : pos + size]))
         h.reader.end()
@@ -115,8 +93,7 @@ def test_a_big_message_is_read_into_one_buffer(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(_framing, "SMALL_MESSAGE", 100)  # the cutter's (rlmesh_trio._wire)
     got: list[Any] = []
     h = Harness()
-    h.reader._on_message = got.append
-    h.reader.attach()
+    h.reader.start(LIMIT, got.append, h.ends.append)
     body = bytes(range(256)) * 10
     stream = frame(body) + frame(b"after")
     for pos in range(0, len(stream), 333):
@@ -128,7 +105,7 @@ def test_a_big_message_is_read_into_one_buffer(monkeypatch: pytest.MonkeyPatch) 
 def test_paused_consumes_and_acknowledges_nothing_until_resumed() -> None:
     h = Harness()
     h.pause_after = {0}
-    h.reader.attach()
+    h.start()
     first, second, third = frame(b"one"), frame(b"two"), frame(b"three")
     h.reader.feed(first + second, len(first + second) + 7)  # 7 bytes of padding
     assert h.messages == [b"one"] and h.reader.paused
@@ -147,7 +124,7 @@ def test_paused_consumes_and_acknowledges_nothing_until_resumed() -> None:
 
 def test_stop_keeps_data_unacknowledged_and_reports_no_end() -> None:
     h = Harness()
-    h.reader.attach()
+    h.start()
     h.reader.feed(frame(b"a"), 6)
     h.reader.stop()
     h.reader.feed(frame(b"b"), 6)
@@ -162,26 +139,46 @@ def test_stop_keeps_data_unacknowledged_and_reports_no_end() -> None:
 
 def test_closed_acknowledges_and_drops_what_still_comes() -> None:
     h = Harness()
-    h.reader.attach()
+    h.start()
     assert h.connection.readers == {1: h.reader}
     h.reader.close()
     h.reader.feed(frame(b"late"), 9)
     assert h.messages == [] and h.h2.acked == 9
 
 
-def test_data_grpclib_buffered_before_attaching_comes_first() -> None:
+def test_data_that_came_before_the_handler_started_is_held_then_comes_first() -> None:
+    """The reader takes the stream's DATA from its first frame (grpclib's buffer never
+    sees it) and holds it, unacknowledged, until the Join handler starts it."""
+    h = Harness()
+    assert h.connection.readers == {1: h.reader}
     early = frame(b"early")
-    h = Harness(early=[(early[:3], 3, 3), (early[3:], len(early) - 3, len(early) - 3 + 2)])
-    h.reader.attach()
+    h.reader.feed(early[:3], 3)
+    h.reader.feed(early[3:], len(early) - 3 + 2)  # 2 bytes of padding
+    assert h.messages == [] and h.h2.acked == 0
+    h.start()
     assert h.messages == [b"early"] and h.h2.acked == len(early) + 2
     h.reader.feed(frame(b"later"), 10)
     assert h.messages == [b"early", b"later"]
 
 
-def test_a_half_close_grpclib_saw_before_attaching_ends_the_stream() -> None:
-    h = Harness(early=[(frame(b"x"), 6, 6), (b"", 0, 0)], early_eof=True)
-    h.reader.attach()
+def test_a_half_close_before_the_handler_started_ends_the_stream_after_its_data() -> None:
+    h = Harness()
+    h.reader.feed(frame(b"x"), 6)
+    h.reader.end()
+    assert h.ends == []
+    h.start()
     assert h.messages == [b"x"] and h.ends == [None]
+
+
+def test_a_stream_released_before_it_was_started_gives_its_window_back() -> None:
+    h = Harness()
+    released: list[bool] = []
+    release = h.reader.releasing(lambda: released.append(True))
+    h.reader.feed(frame(b"never read"), 15)
+    release()
+    assert released == [True] and h.h2.acked == 15 and h.connection.readers == {}
+    h.reader.feed(frame(b"late"), 9)  # dropped, acknowledged
+    assert h.h2.acked == 24 and h.messages == []
 
 
 @pytest.mark.parametrize(
@@ -198,7 +195,7 @@ def test_unreadable_input_ends_once_and_gives_the_window_back(
     data: bytes, error: type[Exception], text: str
 ) -> None:
     h = Harness()
-    h.reader.attach()
+    h.start()
     h.reader.feed(frame(b"ok") + data, len(frame(b"ok") + data))
     h.reader.end()
     assert h.messages == [b"ok"]
@@ -215,8 +212,7 @@ def test_a_failing_handler_ends_the_reader_instead_of_the_connection() -> None:
     def boom(data: bytes | bytearray) -> None:
         raise RuntimeError("bug")
 
-    h.reader._on_message = boom
-    h.reader.attach()
+    h.reader.start(LIMIT, boom, h.ends.append)
     h.reader.feed(frame(b"a") + frame(b"b"), 12)
     assert len(h.ends) == 1 and isinstance(h.ends[0], FrameError)
     assert h.h2.acked == 12
@@ -238,7 +234,7 @@ def test_any_chunking_and_pausing_delivers_everything_once(
     try:
         h = Harness()
         h.pause_after = pauses
-        h.reader.attach()
+        h.start()
         stream = b"".join(frame(m) for m in messages)
         points = sorted({0, len(stream), *(c for c in cuts if c < len(stream))})
         fed_flow = 0
@@ -269,7 +265,7 @@ def test_acknowledgements_are_batched_and_none_is_forgotten(
 ) -> None:
     monkeypatch.setattr(_shim, "ACK_BATCH", 100)
     h = Harness()
-    h.reader.attach()
+    h.start()
     one = frame(b"x" * 25)  # 30 bytes
     h.reader.feed(one, 30)
     h.reader.feed(one, 30)

@@ -5,7 +5,9 @@ client speaks h2 on Trio itself).
 * :mod:`._server` -- the loop side: method table, the one error-to-status mapping,
   health, idle timer, stop phases;
 * :mod:`._join` -- the Join driver (explicit states, back-pressure);
-* :mod:`._shim` -- every use of a grpclib private.
+* :mod:`._shim` -- grpclib's seam: dispatcher, connection, the Join's reader and sender;
+* :mod:`._flood` -- what one connection may cost (flood limits, per-turn slices);
+* :mod:`._privates` -- every private name of grpclib and h2 used, its check and fallback.
 
 ``rlmesh-trio probe`` and the fleets' health checks are a client's job:
 :func:`rlmesh_trio.client.probe`.

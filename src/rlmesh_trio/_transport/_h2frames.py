@@ -4,10 +4,11 @@
 DATA frames to its reader (:func:`take_plain_data`), everything else to h2;
 :func:`put_plain_data` queues a reply's DATA frame on h2's output. Both change exactly
 what h2's ``receive_data`` / ``send_data`` would change, which reads and writes h2
-privates (listed in :mod:`._shim`'s docstring, the one list of every grpclib/h2 private
-this package uses): this module and :mod:`._shim` are the two files to read on an h2 or
-grpclib upgrade. ``tests/test_transport_shim.py`` feeds the same byte streams to h2 alone
-and to this path and compares everything observable.
+privates, each listed in :mod:`._privates` (the one list of every grpclib/h2 private this
+package uses), which checks them once per process; when they are not what this module
+expects, the transport does not call it (h2's public API instead).
+``tests/test_transport_shim.py`` feeds the same byte streams to h2 alone and to this path
+and compares everything observable.
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ from ._shim import (
     Connection,
     RequestReader,
     StreamSender,
-    find_connection,
+    reader_of,
     reset_if_open,
     send_framed,
 )
@@ -436,19 +436,14 @@ class JoinCall:
             self.reader.stop()
 
     def _start_reading(self) -> None:
-        connection = find_connection(self.stream, self.context.protocols)
-        if connection is None:  # the connection is already gone
+        reader = reader_of(self.stream, self.context.protocols)
+        if reader is None:  # the connection is already gone
             self.ended.set()
             return
-        self.reader = RequestReader(
-            connection,
-            self.stream,
-            self.context.max_message_bytes,
-            self._on_message,
-            self._on_reader_end,
-            self._on_read,
+        self.reader = reader
+        reader.start(
+            self.context.max_message_bytes, self._on_message, self._on_reader_end, self._on_read
         )
-        self.reader.attach()
 
     async def run(self) -> None:
         writer: asyncio.Task[None] | None = None

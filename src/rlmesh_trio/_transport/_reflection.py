@@ -104,6 +104,11 @@ class ReflectionServices:
         self._parse_v1 = v1_messages.ServerReflectionRequest.FromString
         self._parse_v1alpha = v1alpha_messages.ServerReflectionRequest.FromString
 
+    def handlers(self) -> list[tuple[str, Any]]:
+        """(path, handler) of each reflection service this grpclib can serve."""
+        served = [(V1_PATH, self._v1, self.v1), (V1ALPHA_PATH, self._v1alpha, self.v1alpha)]
+        return [(path, handler) for path, servicer, handler in served if servicer is not None]
+
     async def v1(self, stream: Stream[bytes, bytes]) -> None:
         await self._v1.ServerReflectionInfo(_MessageStream(stream, self._parse_v1))
         await stream.send_trailing_metadata()

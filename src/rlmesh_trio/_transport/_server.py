@@ -63,7 +63,7 @@ from .._wire import (
 )
 from .._wire import encode_health_response as health_response
 from ._join import OFF_LOOP_DECODE_BYTES, JoinCall, JoinContext, SessionLike
-from ._reflection import V1_PATH, V1ALPHA_PATH, ReflectionServices
+from ._reflection import ReflectionServices
 from ._shim import (
     Connection,
     Dispatcher,
@@ -258,7 +258,7 @@ class LoopServer:
         )
         if options.reflection:
             reflection = ReflectionServices()  # RuntimeError without protobuf: at startup
-            for path, handler in ((V1_PATH, reflection.v1), (V1ALPHA_PATH, reflection.v1alpha)):
+            for path, handler in reflection.handlers():
                 self.mapping[path] = MethodHandler(
                     self._mapped(handler), Cardinality.STREAM_STREAM, bytes, bytes
                 )
@@ -309,7 +309,10 @@ class LoopServer:
 
     def _make_protocol(self) -> Connection:
         return Connection(
-            Dispatcher(self, self.mapping, self.codec), self.config, self.h2_config, self.protocols
+            Dispatcher(self, self.mapping, self.codec, frozenset({JOIN_PATH})),
+            self.config,
+            self.h2_config,
+            self.protocols,
         )
 
     def request_stop(self, reason: str, *, drain: bool = True) -> None:
@@ -355,7 +358,7 @@ class LoopServer:
         if self._drain_joins:
             try:
                 await asyncio.wait_for(self._until(self._streams_done), left(options.drain_timeout))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 log.info(
                     "drain bound of %.3g s expired with %d stream(s) open",
                     options.drain_timeout,
@@ -368,7 +371,7 @@ class LoopServer:
         inflight = left(options.close_timeout + INFLIGHT_GRACE)
         try:
             await asyncio.wait_for(self._until(self._nothing_in_flight), inflight)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("requests still in flight %.3g s after the drain; cutting them", inflight)
         handlers = [proto.dispatcher for proto in self.protocols]
         for proto in list(self.protocols):

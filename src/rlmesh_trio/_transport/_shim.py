@@ -1,55 +1,40 @@
-"""Every use of a grpclib (or h2) private, listed here, in this file and (the direct DATA
-path over h2's internals) :mod:`._h2frames`: a grpclib or h2 upgrade is two files to read.
+"""grpclib's seam: the request dispatcher, the HTTP/2 connection, the Join's reader and
+sender, unary reads.
 
-grpclib is pinned (0.4.9); each use below is covered by the transport tests:
+Every private name of grpclib and h2 this package uses is listed, with why and its
+fallback, in :mod:`._privates` (``tests/test_transport_privates.py`` fails on one that is
+not). What this module builds on, by public names:
 
 * ``grpclib.server.Handler`` is subclassed (:class:`Dispatcher`) to see request headers
-  before dispatch: refuse streams while stopping, refuse compressed requests, remember
-  the last stream id for GOAWAY.
-* ``grpclib.protocol.H2Protocol`` is subclassed (:class:`Connection`) to track
-  connections, write GOAWAY frames, cut connections, and answer an HTTP/2 protocol error
-  with the GOAWAY h2 prepared (grpclib closes without sending it; this reads the h2
-  connection inside grpclib's ``Connection._connection``). An over-long frame is refused
-  on its header by the frame gate (:mod:`._flood`), which needs no private.
-* ``grpclib.server.Stream._stream`` (the h2-level stream) is read directly, so a message's
-  length prefix is read before its body and a big body is copied into one buffer as it
-  arrives instead of being joined from thousands of chunks at the end.
-* ``grpclib.events._DispatchServerEvents`` and ``Configuration.__for_server__`` build the
-  handler as ``grpclib.server.Server`` does.
+  before dispatch: refuse streams while stopping or past our MAX_CONCURRENT_STREAMS,
+  refuse compressed or unauthenticated requests (trailers-only, from tasks of its own:
+  ``cancel``/``close``/``wait_closed`` know them), remember the last stream id for GOAWAY,
+  and give a direct-path call (the Join) its :class:`RequestReader` from its first frame.
+  The handler task grpclib creates inside ``accept`` finds its connection and h2-level
+  stream in a context variable (:func:`call_of`).
+* ``grpclib.protocol.H2Protocol`` is subclassed (:class:`Connection`), and its
+  ``connection_made`` done here with grpclib's public ``Connection`` and
+  ``EventsProcessor``, so the h2 connection is ours to hold: track connections, pass
+  every byte through the frame gate (:mod:`._flood`), write GOAWAY frames, cut
+  connections, answer an HTTP/2 protocol error with the GOAWAY h2 prepared (grpclib closes
+  without sending it), ignore the events grpclib has no handler for (extension frames)
+  and empty DATA (grpclib's buffer would take it for the end). h2's own stream limit is
+  raised above the advertised one by the class of its ``local_settings``
+  (:class:`_EarlyStreams`, a subclass of the public ``h2.settings.Settings``), so the
+  streams past it are refused one by one.
 * The Join's fast path (issue 9): :class:`StreamSender` writes a reply's DATA frames with
-  the h2 connection (``Stream._h2_connection``, ``_transport``, grpclib's
-  ``Connection.write_ready``) at once when the flow-control window and the socket take
-  them, and :class:`RequestReader` takes a stream's DATA out of :class:`Connection`'s
-  ``data_received`` (the events never reach grpclib's per-stream ``Buffer``; what
-  arrived before it attached is taken from ``Buffer._unacked``) and acknowledges it to
-  h2 (``acknowledge_received_data``) only as it is consumed; :func:`send_framed` sends
-  an already framed message with grpclib's h2-level ``Stream.send_data`` (its flow
-  control and write-ready waits), so a big reply is not framed, and copied, again.
-* The direct DATA path (issue 20): :func:`route_frames` hands a Join stream's plain DATA
-  frames to its reader without h2's frame objects and events, and :func:`put_plain_data`
-  queues a reply's DATA frames on h2's output (``_data_to_send``) without them. Both
-  change exactly what h2's ``receive_data`` / ``send_data`` would change, which reads and
-  writes h2 privates: the frame buffer's ``_data``, ``_preamble_len`` and
-  ``_headers_buffer`` (h2 holds nothing), the connection's and streams' state machines,
-  ``_inbound_flow_control_window_manager``, a stream's ``_inbound_window_manager``,
-  ``_expected_content_length`` and ``_actual_content_length``, and both outbound
-  windows. Anything else goes through h2. ``tests/test_transport_shim.py`` feeds the
-  same byte streams to h2 alone and to this path and compares everything observable.
-
-* Flood limits and refusals (issue 28; :mod:`._flood` itself touches neither library):
-  :class:`Connection` asks h2's public ``highest_inbound_stream_id``, ``streams`` and a
-  stream's ``closed`` for the gate's stream states, and grpclib's
-  ``EventsProcessor.streams`` for the streams dispatched and not yet released; it swaps
-  the class of h2's ``local_settings`` for :class:`_EarlyStreams` (a subclass of the
-  public ``h2.settings.Settings``) so that h2's own stream limit sits above the one we
-  advertise and the streams past it are refused one by one; it ignores the events
-  grpclib's processor has no handler for (it raises ``NotImplementedError``).
-
-* Server reflection (:mod:`._reflection`) uses grpclib's servicers, built with their
-  underscored constructor argument ``_service_names`` and their ``_pool`` attribute set
-  to our own descriptor pool (the public ``ServerReflection.extend`` names services
-  from servicer objects, which ours are not; 0.4.8 has no ``_pool`` argument), the
-  v1alpha one from ``grpclib.reflection._deprecated`` (:func:`reflection_servicers`).
+  the connection's h2 (grpclib's public ``Connection.write_ready`` says the socket takes
+  them) at once when the flow-control window takes them; :class:`RequestReader` takes the
+  stream's DATA inside the connection's data callback and acknowledges it to h2 only as it
+  is consumed; :func:`send_framed` sends an already framed message with grpclib's h2-level
+  ``Stream.send_data`` (its flow control and write-ready waits).
+* The direct DATA path (issue 20, :mod:`._h2frames`) takes a Join's plain DATA frames and
+  queues its replies past h2's frame objects, changing exactly what h2 would; it needs
+  h2's privates and is checked once per process (:func:`._privates.direct_data_path`):
+  h2's public API is the fallback. ``tests/test_transport_shim.py`` feeds the same byte
+  streams to h2 alone and to this path and compares everything observable.
+* Server reflection (:mod:`._reflection`) uses grpclib's servicers
+  (:func:`reflection_servicers`), with our own descriptor pool.
 
 h2 cannot send a GOAWAY and keep serving the open streams (its state machine closes the
 connection), so the GOAWAY frames of a graceful stop are written next to it with
@@ -60,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import socket
 from collections import deque
@@ -74,11 +60,13 @@ from grpclib.config import Configuration
 from grpclib.const import Handler as MethodHandler
 from grpclib.const import Status
 from grpclib.encoding.base import CodecBase
-from grpclib.events import _DispatchServerEvents
-from grpclib.protocol import H2Protocol
+from grpclib.protocol import Connection as GrpclibConnection
+from grpclib.protocol import EventsProcessor, H2Protocol
 from grpclib.server import Handler as GrpclibHandler
 from grpclib.server import Stream
+from h2.connection import H2Connection
 from h2.errors import ErrorCodes
+from h2.settings import SettingCodes
 from hyperframe.frame import GoAwayFrame
 
 from .._errors import CompressedRequestError, FrameError, UnauthenticatedError, WireError
@@ -93,6 +81,7 @@ from ._headers import (
     for_dispatch,
     header_value,
 )
+from ._privates import direct_data_path, dispatch_events, library_version, server_configuration
 
 if TYPE_CHECKING:
     from grpclib.protocol import Stream as H2Stream
@@ -167,12 +156,27 @@ def server_config() -> tuple[Configuration, h2.config.H2Configuration]:
         normalize_inbound_headers=False,
         normalize_outbound_headers=False,
     )
-    return Configuration().__for_server__(), h2_config
+    return server_configuration(), h2_config
+
+
+_CALL: contextvars.ContextVar[tuple[Connection, H2Stream]] = contextvars.ContextVar("_CALL")
+"""The connection and h2-level stream of the call whose handler task this is: set by
+:meth:`Dispatcher.accept` around grpclib's ``accept``, which creates the handler task
+(a task copies the context it was created in). Public ground: grpclib's server
+``Stream`` keeps its h2-level stream in a private attribute."""
+
+
+def call_of(stream: Stream[Any, Any]) -> tuple[Connection, H2Stream]:
+    """The :class:`Connection` and h2-level stream of ``stream``, the call this handler
+    task (or a task it started) serves."""
+    try:
+        return _CALL.get()
+    except LookupError:
+        raise RuntimeError("not inside a request handler's task") from None
 
 
 def h2_stream(stream: Stream[Any, Any]) -> H2Stream:
-    raw: H2Stream = stream._stream
-    return raw
+    return call_of(stream)[1]
 
 
 def _count(headers: list[tuple[str, str]], name: str) -> int:
@@ -182,9 +186,18 @@ def _count(headers: list[tuple[str, str]], name: str) -> int:
 class Dispatcher(GrpclibHandler):
     """One per connection: grpclib's request dispatcher, with our admission checks."""
 
-    def __init__(self, admission: Admission, mapping: MethodTable, codec: CodecBase) -> None:
-        super().__init__(mapping, codec, None, _DispatchServerEvents())
+    def __init__(
+        self,
+        admission: Admission,
+        mapping: MethodTable,
+        codec: CodecBase,
+        direct_paths: frozenset[str] = frozenset(),
+    ) -> None:
+        super().__init__(mapping, codec, None, dispatch_events())
         self._admission = admission
+        self._direct_paths = direct_paths
+        self._refusals: dict[H2Stream, asyncio.Task[None]] = {}
+        self.owner: Connection | None = None  # set by the connection
         self.last_stream_id = 0
         # Set by the connection: a header block that is a connection error (GOAWAY);
         # how many streams it has dispatched and not released; a stream refused.
@@ -235,9 +248,42 @@ class Dispatcher(GrpclibHandler):
                 error = CompressedRequestError(encoding)
         if error is not None:
             task = self.loop.create_task(self._admission.refuse(stream, error, release_stream))
-            self._tasks[stream] = task
+            self._refusals[stream] = task
+            task.add_done_callback(lambda _: self._refusals.pop(stream, None))
             return
-        super().accept(stream, headers, release_stream)
+        owner = self.owner
+        assert owner is not None and stream.id is not None
+        if path in self._direct_paths:
+            # Its DATA goes to a reader of ours from the first frame on (held until the
+            # handler starts it), never to grpclib's per-stream buffer.
+            reader = RequestReader(owner, stream.id)
+            release_stream = reader.releasing(release_stream)
+        token = _CALL.set((owner, stream))
+        try:
+            super().accept(stream, headers, release_stream)
+        finally:
+            _CALL.reset(token)
+
+    def cancel(self, stream: H2Stream) -> None:
+        task = self._refusals.pop(stream, None)
+        if task is not None:
+            task.cancel()
+            return
+        super().cancel(stream)
+
+    def close(self) -> None:
+        for task in self._refusals.values():
+            task.cancel()
+        super().close()
+
+    async def wait_closed(self) -> None:
+        refusals = list(self._refusals.values())
+        if refusals:
+            await asyncio.wait(refusals)
+        await super().wait_closed()
+
+    def check_closed(self) -> bool:
+        return not self._refusals and super().check_closed()
 
 
 async def send_trailers_only(
@@ -314,8 +360,11 @@ class Connection(H2Protocol):
         self._held: bytes | None = None  # the rest of a read, for the next turn
         self._lost = False
         self._gate: FrameGate | None = None
+        self._direct = direct_data_path()  # the Join's DATA frames past h2 (issue 20)
+        self.h2: H2Connection | None = None
         dispatcher.on_connection_error = self._on_malformed_headers
         dispatcher.streams_in_use = self._streams_in_use
+        dispatcher.owner = self
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if not alpn_is_h2(transport):
@@ -325,10 +374,25 @@ class Connection(H2Protocol):
             self._lost = True
             cast(asyncio.Transport, transport).abort()
             return
-        super().connection_made(transport)
         self._transport = cast(asyncio.Transport, transport)
+        # What grpclib's H2Protocol.connection_made does, with public names only, so that
+        # the h2 connection is ours to hold (grpclib keeps it private).
+        h2_connection = self.h2 = H2Connection(config=self.h2_config)
+        h2_connection.initiate_connection()
+        initial = h2_connection.local_settings.initial_window_size
+        if self.config.http2_connection_window_size != initial:
+            h2_connection.increment_flow_control_window(
+                self.config.http2_connection_window_size - initial
+            )
+        if self.config.http2_stream_window_size != initial:
+            h2_connection.update_settings(
+                {SettingCodes.INITIAL_WINDOW_SIZE: self.config.http2_stream_window_size}
+            )
+        self.connection = GrpclibConnection(h2_connection, self._transport, config=self.config)
+        self.connection.flush()
+        self.connection.initialize()
+        self.processor = EventsProcessor(self.handler, self.connection)
         loop = asyncio.get_running_loop()
-        h2_connection = self.connection._connection
         self._gate = FrameGate(
             loop.time,
             self._stream_open,
@@ -336,7 +400,7 @@ class Connection(H2Protocol):
             h2_connection.max_inbound_frame_size,
         )
         self.dispatcher.on_refused = self._gate.refused
-        settings = self.connection._connection.local_settings
+        settings = h2_connection.local_settings
         if type(settings) is h2.settings.Settings:
             settings.__class__ = _EarlyStreams
         ensure_nodelay(transport)
@@ -350,6 +414,10 @@ class Connection(H2Protocol):
         self._registry.discard(self)
         super().connection_lost(exc)
 
+    def _h2(self) -> H2Connection:
+        assert self.h2 is not None
+        return self.h2
+
     # -- what the gate needs to know
 
     def _streams_in_use(self) -> int:
@@ -357,7 +425,7 @@ class Connection(H2Protocol):
         return 0 if processor is None else len(processor.streams)
 
     def _stream_open(self, stream_id: int) -> bool | None:
-        h2_connection = self.connection._connection
+        h2_connection = self._h2()
         if stream_id > h2_connection.highest_inbound_stream_id:
             return None
         stream = h2_connection.streams.get(stream_id)
@@ -415,7 +483,7 @@ class Connection(H2Protocol):
         else:
             _report(f"HTTP/2 flood from {self._peer()}: {flood.reason}; GOAWAY({code.name})")
         with contextlib.suppress(Exception):
-            h2_connection = self.connection._connection
+            h2_connection = self._h2()
             h2_connection.close_connection(
                 error_code=code, last_stream_id=h2_connection.highest_inbound_stream_id
             )
@@ -434,13 +502,21 @@ class Connection(H2Protocol):
         if not readers:
             self._receive_h2(data)
             return
+        if not self._direct:  # h2's public path: its DataReceived events feed the readers
+            told = [reader.on_read for reader in readers.values() if reader.on_read is not None]
+            for on_read in told:
+                on_read(True)
+            try:
+                self._receive_h2(data)
+            finally:
+                for on_read in told:
+                    on_read(False)
+            return
         told = [reader.on_read for reader in readers.values() if reader.on_read is not None]
         for on_read in told:
             on_read(True)
         try:
-            if route_frames(
-                self.connection._connection, data, readers, self._receive_h2, self._closing
-            ):
+            if route_frames(self._h2(), data, readers, self._receive_h2, self._closing):
                 self.connection.flush()  # the WINDOW_UPDATEs of what the readers consumed
         finally:
             for on_read in told:
@@ -503,7 +579,7 @@ class Connection(H2Protocol):
         size = event.flow_controlled_length
         if size and event.stream_id is not None:
             with contextlib.suppress(h2.exceptions.H2Error):
-                self.connection._connection.acknowledge_received_data(size, event.stream_id)
+                self._h2().acknowledge_received_data(size, event.stream_id)
 
     def _on_malformed_headers(self) -> None:
         self._malformed = True
@@ -512,7 +588,7 @@ class Connection(H2Protocol):
         """GOAWAY(``code``) naming the last stream dispatched, then close (the
         reference's answer to a header field HTTP cannot carry)."""
         with contextlib.suppress(Exception):
-            self.connection._connection.close_connection(
+            self._h2().close_connection(
                 error_code=code, last_stream_id=self.dispatcher.last_stream_id
             )
         self._protocol_error(exc or h2.exceptions.ProtocolError("malformed header block"))
@@ -522,7 +598,7 @@ class Connection(H2Protocol):
         log.debug("HTTP/2 protocol error (%r); GOAWAY and close", exc)
         transport = self._transport
         with contextlib.suppress(Exception):
-            pending = self.connection._connection.data_to_send()
+            pending = self._h2().data_to_send()
             if pending and transport is not None and not transport.is_closing():
                 transport.write(pending)
         self.processor.close("Protocol error")
@@ -605,15 +681,41 @@ async def read_message(stream: Stream[Any, Any], limit: int) -> bytes | bytearra
 
 
 def reflection_servicers(service_names: tuple[str, ...], pool: Any) -> tuple[Any, Any]:
-    """grpclib's reflection servicers (v1, v1alpha) answering from ``pool``."""
-    from grpclib.reflection._deprecated import ServerReflection as V1Alpha
+    """grpclib's reflection servicers (v1, v1alpha) answering from ``pool``; None for
+    one whose privates are not there (listed in :mod:`._privates`), with a warning."""
     from grpclib.reflection.service import ServerReflection as V1
 
-    servicers = (V1(_service_names=service_names), V1Alpha(_service_names=service_names))
-    for servicer in servicers:
-        # grpclib 0.4.9 takes ``_pool=`` too, 0.4.8 does not; both keep it in ``_pool``.
-        servicer._pool = pool
-    return servicers
+    classes: list[Any] = [V1, None]
+    try:
+        from grpclib.reflection._deprecated import ServerReflection as V1Alpha
+
+        classes[1] = V1Alpha
+    except ImportError:
+        log.warning(
+            "grpclib %s has no grpclib.reflection._deprecated: grpc.reflection.v1alpha "
+            "is not served",
+            library_version("grpclib"),
+        )
+    servicers: list[Any] = []
+    for cls in classes:
+        servicer = None
+        if cls is not None:
+            try:
+                servicer = cls(_service_names=service_names)
+                if not hasattr(servicer, "_pool"):
+                    raise AttributeError("_pool")
+                # grpclib 0.4.9 takes ``_pool=`` too, 0.4.8 does not; both keep it here.
+                servicer._pool = pool
+            except (TypeError, AttributeError) as exc:
+                log.warning(
+                    "grpclib %s's reflection servicer is not what we expect (%s): "
+                    "reflection is not served",
+                    library_version("grpclib"),
+                    exc,
+                )
+                servicer = None
+        servicers.append(servicer)
+    return servicers[0], servicers[1]
 
 
 async def send_framed(stream: Stream[Any, Any], payload: bytes) -> None:
@@ -630,13 +732,13 @@ def reset_if_open(stream: Stream[Any, Any]) -> None:
         raw.reset_nowait()
 
 
-def find_connection(stream: Stream[Any, Any], connections: set[Connection]) -> Connection | None:
-    """The :class:`Connection` a grpclib stream belongs to (None once it is gone)."""
-    owner = h2_stream(stream).connection
-    for connection in connections:
-        if getattr(connection, "connection", None) is owner:
-            return connection
-    return None
+def reader_of(stream: Stream[Any, Any], connections: set[Connection]) -> RequestReader | None:
+    """The reader :class:`Dispatcher` made for ``stream`` (a direct path's call), None
+    once its connection is gone."""
+    connection, raw = call_of(stream)
+    if connection not in connections or raw.id is None:
+        return None
+    return connection.readers.get(raw.id)
 
 
 class StreamSender:
@@ -653,15 +755,16 @@ class StreamSender:
     peer's max frame size.
     """
 
-    __slots__ = ("_connection", "_h2", "_id", "_transport")
+    __slots__ = ("_connection", "_direct", "_h2", "_id", "_transport")
 
     def __init__(self, stream: Stream[Any, Any]) -> None:
-        raw = h2_stream(stream)
-        assert raw.id is not None
+        connection, raw = call_of(stream)
+        assert raw.id is not None and connection._transport is not None
         self._id: int = raw.id
-        self._connection = raw.connection
-        self._h2 = raw._h2_connection
-        self._transport = raw._transport
+        self._connection = connection.connection
+        self._h2 = connection._h2()
+        self._transport = connection._transport
+        self._direct = connection._direct
 
     def try_send(self, payload: bytes) -> bool:
         """Queue a framed gRPC message (prefix included) on the h2 connection now, or
@@ -673,7 +776,8 @@ class StreamSender:
             return False
         h2c = self._h2
         size = h2c.max_outbound_frame_size
-        if len(payload) <= size and put_plain_data(h2c, self._id, payload):
+        direct = self._direct
+        if direct and len(payload) <= size and put_plain_data(h2c, self._id, payload):
             return True  # the everyday reply: one frame, the windows checked on the way
         if h2c.local_flow_control_window(self._id) < len(payload):
             return False
@@ -683,7 +787,7 @@ class StreamSender:
             view = memoryview(payload)
             for pos in range(0, len(payload), size):
                 chunk = view[pos : pos + size]
-                if not put_plain_data(h2c, self._id, chunk):
+                if not (direct and put_plain_data(h2c, self._id, chunk)):
                     h2c.send_data(self._id, chunk)
             view.release()
         return True
@@ -698,38 +802,31 @@ class StreamSender:
 class RequestReader:
     """Reads one stream's gRPC messages inside the connection's data callback.
 
-    No reader task and no queue: :class:`Connection` hands the stream's DATA to
-    :meth:`feed`, which cuts it into messages (the prefix checked first, so an over-size
-    message is refused before its body is buffered; a big body copied into one buffer as
-    it arrives) and calls ``on_message`` with each, in order, on the loop.
+    No reader task and no queue: created by :class:`Dispatcher` as the stream is
+    accepted, it takes the stream's DATA from its first frame on (:class:`Connection`
+    hands it to :meth:`feed`; grpclib's per-stream buffer never sees it) and holds it
+    until the handler calls :meth:`start`; from then on it cuts it into messages (the
+    prefix checked first, so an over-size message is refused before its body is
+    buffered; a big body copied into one buffer as it arrives) and calls
+    ``on_message`` with each, in order, on the loop.
 
-    Back-pressure is explicit: while :attr:`paused` (the session is saturated, a big
-    request is being decoded off the loop) or after :meth:`stop`, arriving data is kept
-    as it came and is **not** acknowledged to h2, so no WINDOW_UPDATE goes out and the
-    peer can send at most its flow-control window (grpclib's 4 MiB) more; consuming it
-    later acknowledges it. The stream's end (or an unreadable message) is reported once
-    through ``on_end`` (None, or the :class:`~rlmesh_trio._errors.WireError`), after
-    every message before it was delivered.
+    Back-pressure is explicit: until started, while :attr:`paused` (the session is
+    saturated, a big request is being decoded off the loop) or after :meth:`stop`,
+    arriving data is kept as it came and is **not** acknowledged to h2, so no
+    WINDOW_UPDATE goes out and the peer can send at most its flow-control window
+    (grpclib's 4 MiB) more; consuming it later acknowledges it. The stream's end (or an
+    unreadable message) is reported once through ``on_end`` (None, or the
+    :class:`~rlmesh_trio._errors.WireError`), after every message before it was
+    delivered.
     """
 
-    def __init__(
-        self,
-        connection: Connection,
-        stream: Stream[Any, Any],
-        limit: int,
-        on_message: Callable[[bytes | bytearray], None],
-        on_end: Callable[[WireError | None], None],
-        on_read: Callable[[bool], None] | None = None,
-    ) -> None:
-        raw = h2_stream(stream)
-        assert raw.id is not None
-        self._id: int = raw.id
-        self._raw = raw
+    def __init__(self, connection: Connection, stream_id: int) -> None:
+        self._id = stream_id
         self._connection = connection
-        self._h2 = raw._h2_connection
-        self._on_message = on_message
-        self._on_end = on_end
-        self.on_read = on_read
+        self._h2 = connection._h2()
+        self._on_message: Callable[[bytes | bytearray], None] | None = None  # not started
+        self._on_end: Callable[[WireError | None], None] = lambda error: None
+        self.on_read: Callable[[bool], None] | None = None
         """``on_read(True)`` before the connection hands over one read's frames, and
         ``on_read(False)`` after them: what the messages of one read cause can be done
         once for all of them (lane wake-ups, a write)."""
@@ -741,24 +838,32 @@ class RequestReader:
         self._stopped = False
         self._paused = False
         self._pumping = False
-        self._cutter = MessageReader(limit)  # the message being read
+        self._cutter = MessageReader(0)  # the message being read (its limit at start)
+        connection.readers[stream_id] = self
 
     # -- control
 
-    def attach(self) -> None:
-        """Take over the stream's DATA: what grpclib buffered so far, then all that comes."""
-        self._connection.readers[self._id] = self
-        buffer = self._raw.buffer
-        queued = buffer._unacked
-        while not queued.empty():
-            data, _, ack_size = queued.get_nowait()
-            if not ack_size and not data:
-                self._eof = True
-            else:
-                self._chunks.append((data, ack_size))
-                self.buffered += len(data)
-        if buffer._eof:
-            self._eof = True
+    def releasing(self, release_stream: Callable[[], Any]) -> Callable[[], Any]:
+        """``release_stream``, detaching this reader first (the call is over)."""
+
+        def release() -> Any:
+            self.detach()
+            return release_stream()
+
+        return release
+
+    def start(
+        self,
+        limit: int,
+        on_message: Callable[[bytes | bytearray], None],
+        on_end: Callable[[WireError | None], None],
+        on_read: Callable[[bool], None] | None = None,
+    ) -> None:
+        """Deliver messages from now on: what was held first, then all that comes."""
+        self._cutter = MessageReader(limit)
+        self._on_end = on_end
+        self.on_read = on_read
+        self._on_message = on_message
         self._pump()
         self._flush()
 
@@ -841,14 +946,15 @@ class RequestReader:
             self._consume()
         finally:
             self._pumping = False
-        if self._consumed and (self._paused or self._stopped):
+        if self._consumed and (self._paused or self._stopped or self._on_message is None):
             # Held back: what was consumed must not wait for a batch that may never come.
             self._ack(self._consumed)
             self._consumed = 0
 
     def _consume(self) -> None:
         chunks = self._chunks
-        while not (self._done or self._paused or self._stopped):
+        on_message = self._on_message
+        while not (self._done or self._paused or self._stopped or on_message is None):
             if not chunks:
                 if self._eof:
                     mid_message = self._cutter.mid_message
@@ -873,7 +979,7 @@ class RequestReader:
             del data
             if message is not None:
                 try:
-                    self._on_message(message)
+                    on_message(message)
                 except Exception:
                     log.exception("a Join request could not be handled")
                     self._report_end(FrameError("request handling failed"))
