@@ -147,6 +147,25 @@ def tests_process(session: nox.Session) -> None:
     )
 
 
+@nox.session(name="public-path")
+def public_path(session: nox.Session) -> None:
+    """The transport without h2's privates (issue 29): the interop and differential
+    suites with the Join's direct DATA path forced off (``RLMESH_TRIO_DIRECT_DATA=0``),
+    then again with h2 4.2.0 forced in, whose privates differ (the server must find that
+    out itself and serve through h2's public API)."""
+    session.install("-c", CI_CONSTRAINTS, ".[test]")
+    suites = [
+        "tests/reference/test_interop.py",
+        "tests/reference/test_differential.py",
+        "tests/test_transport_service.py",
+        "tests/test_transport_privates.py",
+    ]
+    session.run("pytest", *suites, *session.posargs, env={"RLMESH_TRIO_DIRECT_DATA": "0"})
+    session.install("--no-deps", "h2==4.2.0")
+    session.run("python", "-c", "import h2; assert h2.__version__ == '4.2.0', h2.__version__")
+    session.run("pytest", *suites, "tests/reference/test_hostile.py", *session.posargs)
+
+
 @nox.session
 def envs(session: nox.Session) -> None:
     """Popular third-party envs (MiniGrid, ...) served through rlmesh's own clients."""
