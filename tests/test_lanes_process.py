@@ -2,7 +2,9 @@
 
 The envs of :mod:`support.crashy` segfault, ``os._exit``, hold the GIL in native code or
 raise on demand; the other lanes, the health service and the server itself must not
-notice, and no child may outlive the server (also when the server is SIGKILLed).
+notice, and no child may outlive the server (also when the server is SIGKILLed). The env
+of :mod:`support.pipe_liar` writes to its own lane's pipe: a child that lies there costs
+the server no memory and is killed like a crashed one.
 """
 
 from __future__ import annotations
@@ -10,22 +12,30 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import pickle
+import re
 import signal
+import socket
+import struct
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import AsyncIterator
+import tracemalloc
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
 import trio
-from support import crashy, wire
+from support import crashy, pipe_liar, wire
 from support.crashy import EXIT, HOG, OK, RAISE, SEGFAULT
 
 from rlmesh_trio import ServeOptions, serve_env
+from rlmesh_trio._lanes._process import PIPE_MESSAGE_CAP, RECV_CHUNK, PipeEnd, PipeViolation
+from rlmesh_trio._options import MAX_MESSAGE_BYTES
 from rlmesh_trio._proto.rlmesh.env import v1 as env_v1
 from rlmesh_trio._wire import HEALTH_CHECK_PATH
 
@@ -38,12 +48,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @asynccontextmanager
-async def served(num_envs: int = 4, **options: Any) -> AsyncIterator[str]:
+async def served(
+    num_envs: int = 4, factory: Callable[[], Any] = crashy.make_crashy, **options: Any
+) -> AsyncIterator[str]:
     async with trio.open_nursery() as nursery:
         info = await nursery.start(
             functools.partial(
                 serve_env,
-                crashy.make_crashy,
+                factory,
                 num_envs=num_envs,
                 options=ServeOptions(lane_isolation="process", **options),
             )
@@ -368,3 +380,300 @@ async def test_a_wedged_child_dumps_its_stack(capfd: pytest.CaptureFixture[str])
                 await trio.sleep(0.05)
                 err += capfd.readouterr().err
     assert "Current thread" in err or "Thread 0x" in err, err  # faulthandler's dump
+
+
+# ------------------------------------------------------------------ a hostile pipe
+#
+# The child's end of a lane's pipe is env code's to write to: the parent reads it as it
+# reads the network, never sizing a buffer from a length the child wrote.
+
+BIG = 4 << 20
+"""Far below any lie below, far above what one read and its doubling may hold."""
+
+
+def framed(data: bytes) -> bytes:
+    return struct.pack("!I", len(data)) + data
+
+
+class Spy:
+    """The parent's socket, counting the reads :class:`PipeEnd` makes of it;
+    ``after_read`` runs after each."""
+
+    def __init__(self, sock: socket.socket, after_read: Callable[[], object] = int) -> None:
+        self.sock = sock
+        self.reads = 0
+        self._after_read = after_read
+
+    def recv(self, size: int) -> bytes:
+        data = self.sock.recv(size)
+        self.reads += 1
+        self._after_read()
+        return data
+
+    def recv_into(self, buffer: memoryview) -> int:
+        got = self.sock.recv_into(buffer)
+        self.reads += 1
+        self._after_read()
+        return got
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    """The parent's end and the child's end of a lane's socketpair; a read that would wait
+    for bytes that never come fails in 10 s instead of hanging."""
+    ours, theirs = socket.socketpair()
+    ours.settimeout(10.0)
+    with ours, theirs:
+        yield ours, theirs
+
+
+def parent_end(spy: Spy) -> PipeEnd:
+    return PipeEnd(cast(socket.socket, spy))
+
+
+def peak_while(fn: Callable[[], object]) -> int:
+    """The most bytes Python held (tracemalloc) while ``fn`` ran, above what it held before."""
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_the_cap_is_above_the_largest_message_the_server_sends() -> None:
+    assert MAX_MESSAGE_BYTES + (1 << 20) <= PIPE_MESSAGE_CAP < 1 << 30
+
+
+@pytest.mark.parametrize(
+    "size", [RECV_CHUNK, 200 << 20, PIPE_MESSAGE_CAP], ids=["64KiB", "200MiB", "cap"]
+)
+def test_a_lying_length_costs_what_arrived_not_what_was_announced(
+    pair: tuple[socket.socket, socket.socket], size: int
+) -> None:
+    """A length under the cap, a few bytes, EOF: the child is gone (EOFError), and the
+    parent never held more than one read's worth (it held ``size`` bytes before)."""
+    ours, child = pair
+    child.sendall(struct.pack("!I", size) + b"a few bytes")
+    child.shutdown(socket.SHUT_WR)
+
+    def recv() -> None:
+        with pytest.raises(EOFError):
+            PipeEnd(ours).recv()
+
+    assert peak_while(recv) < BIG
+
+
+@pytest.mark.parametrize("size", [PIPE_MESSAGE_CAP + 1, 1 << 30, (1 << 32) - 1])
+def test_a_length_over_the_cap_is_refused_at_once(
+    pair: tuple[socket.socket, socket.socket], size: int
+) -> None:
+    """... without waiting for the bytes announced (nor for EOF), and allocating nothing."""
+    ours, child = pair
+    child.sendall(struct.pack("!I", size) + b"a few bytes")
+
+    def recv() -> None:
+        with pytest.raises(PipeViolation) as caught:
+            PipeEnd(ours).recv()
+        assert str(caught.value) == (
+            f"announced a {size}-byte message; the cap is {PIPE_MESSAGE_CAP} bytes"
+        )
+
+    assert peak_while(recv) < BIG
+
+
+def test_a_length_split_across_reads_is_checked_too(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    ours, child = pair
+    header = struct.pack("!I", 1 << 30)
+    read = threading.Event()
+    spy = Spy(ours, read.set)
+
+    def send() -> None:
+        child.sendall(header[:1])
+        read.wait(10.0)  # the parent read the first byte alone
+        child.sendall(header[1:])
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    try:
+        with pytest.raises(PipeViolation, match="announced a 1073741824-byte message"):
+            parent_end(spy).recv()
+    finally:
+        read.set()
+        sender.join()
+    assert spy.reads >= 2  # the header did arrive in two reads
+
+
+@pytest.mark.parametrize(
+    ("data", "error"),
+    [
+        (framed(pickle.dumps("ok")) + b"xyz", "sent 3 bytes past a {size}-byte message"),
+        (framed(b"\xffnot a pickle"), "sent a 13-byte message that does not unpickle ("),
+        (framed(pickle.dumps("ok")[:-1]), "does not unpickle (UnpicklingError: "),
+        (framed(b"\x80\x05" + bytes(RECV_CHUNK)), "does not unpickle ("),  # over one read
+    ],
+    ids=["bytes-past", "garbage", "truncated-pickle", "long-garbage"],
+)
+def test_bytes_past_a_message_or_garbage_break_the_pipe(
+    pair: tuple[socket.socket, socket.socket], data: bytes, error: str
+) -> None:
+    ours, child = pair
+    sender = threading.Thread(target=child.sendall, args=(data,))
+    sender.start()
+    try:
+        with pytest.raises(PipeViolation) as caught:
+            PipeEnd(ours).recv()
+    finally:
+        sender.join()
+    assert error.format(size=len(pickle.dumps("ok"))) in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("size", "piece"),
+    [(10, 1), (RECV_CHUNK - 100, 4096), (RECV_CHUNK, 4096), (300_000, 997), (3 << 20, 65_521)],
+    ids=["bytewise", "one-read", "just-over", "frame-sized", "3MiB"],
+)
+def test_a_message_split_across_many_sends_arrives_whole(
+    pair: tuple[socket.socket, socket.socket], size: int, piece: int
+) -> None:
+    ours, child = pair
+    message = ("stepped", [os.urandom(size)], 1.5)
+    data = framed(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
+
+    def send() -> None:
+        for at in range(0, len(data), piece):
+            child.sendall(data[at : at + piece])
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    try:
+        assert PipeEnd(ours).recv() == message
+    finally:
+        sender.join()
+
+
+def test_a_small_message_is_one_read(pair: tuple[socket.socket, socket.socket]) -> None:
+    """The point of PipeEnd: a step's answer crosses in one syscall."""
+    ours, child = pair
+    spy = Spy(ours)
+    message = ("stepped", [bytes(RECV_CHUNK - 100)], 1.0)
+    PipeEnd(child).send(message)
+    assert parent_end(spy).recv() == message
+    assert spy.reads == 1
+
+
+@pytest.mark.parametrize(
+    ("action", "sent"),
+    [
+        (pipe_liar.LIE, f"announced a {pipe_liar.LIE_BYTES}-byte message; the cap is "),
+        (pipe_liar.GARBAGE, "sent "),
+    ],
+    ids=["lie", "garbage"],
+)
+def test_the_proxy_kills_a_child_that_breaks_its_pipe(action: int, sent: str) -> None:
+    """Killed (SIGKILL), not asked to exit: the child may still be writing, or waiting for
+    a job; the job is answered as the child's death (``faulted``: the policy applies)."""
+    import outcome
+
+    from rlmesh_trio._jobs import StepJob
+    from rlmesh_trio._lanes._process import ChildLane, LaneProcessDiedError
+
+    child = ChildLane(pipe_liar.make_pipe_liar, "warn", 3, 0)
+    try:
+        child.build()
+        job = StepJob(leaves=[wire.i64([action])], n=1, row=0, validated=False, id=1)
+        result, _, faulted = child.execute(job, 0)
+        assert faulted
+        assert isinstance(result, outcome.Error), result
+        assert isinstance(result.error, LaneProcessDiedError)
+        assert str(result.error).startswith(
+            f"step failed: lane 3 process killed: lane pipe: the child {sent}"
+        ), result.error
+        assert child._process.returncode == -signal.SIGKILL
+    finally:
+        child.close()
+
+
+def rss() -> int | None:
+    """This process's resident set (bytes), where /proc tells it."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+@pytest.mark.parametrize(
+    ("action", "expected"),
+    [
+        (
+            pipe_liar.LIE,
+            re.escape(
+                "step failed: lane 1 process killed: lane pipe: the child announced a "
+                f"{pipe_liar.LIE_BYTES}-byte message; the cap is {PIPE_MESSAGE_CAP} bytes"
+            ),
+        ),
+        (
+            pipe_liar.GARBAGE,
+            # the garbage alone in a read, or the child's real answer right behind it
+            r"step failed: lane 1 process killed: lane pipe: the child sent "
+            rf"(a {len(pipe_liar.GARBAGE_BODY)}-byte message that does not unpickle "
+            rf"\(UnpicklingError: .*\)|\d+ bytes past a {len(pipe_liar.GARBAGE_BODY)}-byte "
+            r"message)",
+        ),
+        (pipe_liar.STALL, re.escape("env.step timed out after 1000ms")),  # the watchdog
+    ],
+    ids=["lie", "garbage", "stall"],
+)
+async def test_a_child_that_breaks_its_pipe_is_killed_and_its_lane_rebuilt(
+    action: int, expected: str
+) -> None:
+    """Env code in a child writes to its lane's socket: a 1 GiB length (the server once
+    allocated it at once, per lane), a message that does not unpickle, a length under the
+    cap for bytes that never come. The step is answered as for a crashed child, the child
+    is killed, the lane is rebuilt and serves again, and the server's memory did not grow."""
+
+    async def client(address: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        async with wire.WireClient(address) as c, c.join() as j:
+            out["reset"] = await j.call(wire.reset(seeds=[1, 2]))
+            before = rss()
+            tracemalloc.start()
+            try:
+                out["broke"] = await j.call(wire.step(acts(action), env_indices=[1]))
+                out["peak"] = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+            after = rss()
+            out["rss"] = None if before is None or after is None else after - before
+            out["other"] = await j.call(wire.step(acts(pipe_liar.HONEST), env_indices=[0]))
+            out["again"] = await j.call(wire.reset(seeds=[3], env_indices=[1]))
+            out["step"] = await j.call(wire.step(acts(pipe_liar.HONEST, pipe_liar.HONEST)))
+        return out
+
+    async with served(
+        num_envs=2,
+        factory=pipe_liar.make_pipe_liar,
+        on_lane_fault="rebuild",
+        lane_timeout_seconds=1.0,
+    ) as address:
+        out = await on_wire(client(address))
+        liar = pids(out["reset"])[1]
+        await wait_gone([liar])  # killed, not left running (also for the lie and garbage)
+    code, message, recoverable = error(out["broke"])
+    assert (code, recoverable) == (Code.CRASHED, True)
+    assert re.fullmatch(
+        f"{expected} \\(lane 1 faulted and was rebuilt: reset it to go on\\)", message
+    ), message
+    assert out["peak"] < 64 << 20, out["peak"]
+    if out["rss"] is not None:
+        assert out["rss"] < 64 << 20, out["rss"]
+    assert out["other"].step is not None, out["other"]
+    fresh = pids(out["again"])[0]
+    assert fresh != liar
+    assert pids(out["step"]) == [pids(out["reset"])[0], fresh]

@@ -7,7 +7,11 @@ lane does (:class:`~rlmesh_trio._lanes._work.LaneWork`), on its main thread, for
 whole life. A child that segfaults, is killed, or calls ``os._exit`` is seen as a closed
 pipe: the job in flight is answered as a fault naming the lane and the signal. A child
 that hangs, even holding its own GIL, costs the server nothing: the server's transport
-and the other lanes run in another process, and the watchdog kills the child.
+and the other lanes run in another process, and the watchdog kills the child. The pipe is
+read as the network is (env code in the child can write anything to it): a message's
+buffer grows with the bytes that came, a length over :data:`PIPE_MESSAGE_CAP`, bytes past
+a message or bytes that do not unpickle get the child killed, and the job in flight is
+answered as for a child that died, naming the lane and what the child sent.
 
 Why a plain child (``python -m rlmesh_trio._lanechild``, a socketpair carrying pickled
 messages, :class:`PipeEnd`) and not trio-parallel or ``multiprocessing``'s
@@ -47,7 +51,7 @@ import outcome
 
 from .._errors import LaneError
 from .._jobs import Job, Phases, ResetResult, StepJob, StepResult
-from .._options import Policy
+from .._options import MAX_MESSAGE_BYTES, Policy
 from .._proto.rlmesh.spaces import v1 as spaces_v1
 from .._wire import decode_message, encode_meta_map
 from ._contract import EnvFacts, lane_facts
@@ -106,6 +110,23 @@ RECV_CHUNK = 1 << 16
 """Bytes asked of the socket at once: a step's whole message (header and body) in one
 read, a big observation in as few as its size needs."""
 
+PIPE_MESSAGE_CAP: Final = MAX_MESSAGE_BYTES + (16 << 20)
+"""The largest message a lane's pipe carries (bytes of pickle): 272 MiB; a longer one is
+a protocol violation (:class:`PipeViolation`).
+
+A message is one lane's share of one request or reply: a step's action leaves, a
+result's observation leaves and info map (as bytes), a PNG frame, an exception's text.
+The server refuses a gRPC message over ``max_message_bytes`` (256 MiB by default,
+:data:`~rlmesh_trio._options.MAX_MESSAGE_BYTES`) either way, so a legit message is at
+most that plus pickle's framing (a few bytes per leaf); 16 MiB above it is room to
+spare, far above an Atari frame (100 KiB) or a big observation dict, and far below what
+a buggy env writing 4 stray bytes could otherwise announce (up to 4 GiB)."""
+
+
+class PipeViolation(Exception):
+    """The other end of a lane's pipe broke the protocol: a length over the cap, bytes
+    past a message, a message that does not unpickle. The text says what it sent."""
+
 
 class PipeEnd:
     """One end of a lane's socketpair: whole pickled messages, each a 4-byte big-endian
@@ -117,6 +138,11 @@ class PipeEnd:
     strictly request/answer, so a read never holds the start of the next one. EOFError
     when the other end is gone; ``send`` pickles before it writes, so an object that
     cannot be pickled raises and nothing is sent.
+
+    The other end is not trusted (env code in a child can write anything to its fd): a
+    longer message's buffer grows with the bytes that arrived (at most twice them), never
+    from the length the peer announced, and :class:`PipeViolation` is raised for a length
+    over :data:`PIPE_MESSAGE_CAP`, bytes past a message, or bytes that do not unpickle.
     """
 
     __slots__ = ("_sock",)
@@ -129,37 +155,69 @@ class PipeEnd:
         self._sock.sendall(_LENGTH.pack(len(data)) + data)
 
     def recv(self) -> Any:
+        chunk = self._sock.recv(RECV_CHUNK)
+        if len(chunk) >= 4 and _LENGTH.unpack_from(chunk)[0] == len(chunk) - 4:
+            try:  # the common case: the whole message in one read
+                return pickle.loads(memoryview(chunk)[4:])
+            except Exception as exc:
+                raise _garbage(len(chunk) - 4, exc) from None
+        return self._recv_rest(chunk)
+
+    def _recv_rest(self, chunk: bytes) -> Any:
+        """A message longer than one read, or a header split across reads."""
         sock = self._sock
-        chunk = sock.recv(RECV_CHUNK)
-        while len(chunk) < 4:
+        head = chunk
+        while len(head) < 4:
             more = sock.recv(RECV_CHUNK)
             if not more:
                 raise EOFError
-            chunk += more
-        (size,) = _LENGTH.unpack_from(chunk)
-        have = len(chunk) - 4
-        if have == size:
-            return pickle.loads(memoryview(chunk)[4:])
-        if have > size:  # never, with one message in flight: the peer broke the protocol
-            raise OSError(f"lane pipe: {have - size} bytes past a {size}-byte message")
-        body = bytearray(size)
-        body[:have] = memoryview(chunk)[4:]
-        view = memoryview(body)
+            head += more
+        (size,) = _LENGTH.unpack_from(head)
+        if size > PIPE_MESSAGE_CAP:
+            raise PipeViolation(
+                f"announced a {size}-byte message; the cap is {PIPE_MESSAGE_CAP} bytes"
+            )
+        have = len(head) - 4
+        if have > size:  # never, with one message in flight
+            raise PipeViolation(f"sent {have - size} bytes past a {size}-byte message")
+        # Sized from what arrived, not from ``size``: a peer that announces 200 MiB and
+        # sends 3 bytes costs one read's worth; the buffer doubles as the bytes come.
+        body = bytearray(min(size, max(2 * have, RECV_CHUNK)))
+        body[:have] = memoryview(head)[4:]
+        del head, chunk
         while have < size:
-            got = sock.recv_into(view[have:])
+            if have == len(body):
+                grown = bytearray(min(size, 2 * have))
+                grown[:have] = body
+                body = grown
+            got = sock.recv_into(memoryview(body)[have:])
             if not got:
                 raise EOFError
             have += got
-        return pickle.loads(body)
+        try:
+            return pickle.loads(body)
+        except Exception as exc:
+            raise _garbage(size, exc) from None
 
     def close(self) -> None:
         self._sock.close()
+
+
+def _garbage(size: int, exc: Exception) -> PipeViolation:
+    return PipeViolation(
+        f"sent a {size}-byte message that does not unpickle ({type(exc).__name__}: {exc})"
+    )
 
 
 class ChildLane:
     """The proxy's handle on one child: start it, run jobs, stop or kill it.
 
     Used by one lane thread (the proxy); :meth:`kill` may be called from any thread.
+
+    A child that breaks its pipe's protocol (:class:`PipeViolation`, or an answer of no
+    shape it sends) is killed and then treated as a child that died: the job in flight
+    gets a :class:`LaneProcessDiedError` naming the lane and what the child sent, and the
+    lane's fault policy applies.
     """
 
     def __init__(
@@ -167,6 +225,7 @@ class ChildLane:
     ) -> None:
         self.index = index
         self._closed = False
+        self._broken: str | None = None  # what the child sent that broke its pipe
         self._lock = threading.Lock()
         ours, theirs = socket.socketpair()
         try:
@@ -196,11 +255,16 @@ class ChildLane:
         message = self._recv()
         if message is None:
             raise self.died("make_env")
-        kind, payload = message
-        if kind == "error":
-            raise _rebuild(payload)
-        facts: EnvFacts = payload
-        return facts
+        try:  # the child's answer, unless it sent something of no shape it sends
+            kind, payload = message
+            if kind == "built" and isinstance(payload, EnvFacts):
+                return payload
+            if kind != "error":
+                raise TypeError(f"not an answer: {message!r:.100}")
+            error = _rebuild(payload)
+        except Exception as exc:
+            raise self._malformed("make_env", exc) from None
+        raise error
 
     def execute(self, job: Job, queue_ns: int) -> tuple[outcome.Outcome[Any], Phases, bool]:
         """Run one job in the child (same contract as :meth:`LaneWork.execute`)."""
@@ -213,21 +277,43 @@ class ChildLane:
         message = self._recv()
         if message is None:
             return outcome.Error(self.died(verb_of(job))), Phases(), True
-        kind = message[0]
-        if kind == "error":  # the child could not run the job at all
-            return outcome.Error(_rebuild(message[1])), Phases(), False
-        if kind != "done":
-            return unpack_result(message)
-        result, phases, faulted = message[1]
-        if isinstance(result, tuple):  # an exception, sent apart from its traceback
-            result = outcome.Error(_rebuild(result))
-        return result, phases, faulted
+        try:  # the child's answer, unless it sent something of no shape it sends
+            kind = message[0]
+            if kind == "error":  # the child could not run the job at all
+                return outcome.Error(_rebuild(message[1])), Phases(), False
+            if kind != "done":
+                return unpack_result(message)
+            result, phases, faulted = message[1]
+            if isinstance(result, tuple):  # an exception, sent apart from its traceback
+                result = outcome.Error(_rebuild(result))
+            elif not isinstance(result, outcome.Outcome):
+                raise TypeError(f"not an outcome: {type(result).__name__}")
+            return result, phases, faulted
+        except Exception as exc:
+            return outcome.Error(self._malformed(verb_of(job), exc)), Phases(), True
 
     def died(self, verb: str) -> LaneProcessDiedError:
+        """The job's error once the child is gone (or its pipe broke: then it is killed)."""
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._process.wait(CHILD_STOP_TIMEOUT)
+        if self._broken is not None:
+            return LaneProcessDiedError(
+                f"{verb} failed: lane {self.index} process killed: lane pipe: "
+                f"the child {self._broken}"
+            )
         how = signal_name(self._process.returncode)
         return LaneProcessDiedError(f"{verb} failed: lane {self.index} process died ({how})")
+
+    def _malformed(self, verb: str, exc: Exception) -> LaneProcessDiedError:
+        """The child sent a message that unpickled but is no answer of the protocol."""
+        self._broke(f"sent a message that is no answer ({type(exc).__name__}: {exc})")
+        return self.died(verb)
+
+    def _broke(self, what: str) -> None:
+        """The child broke its pipe: kill it (it may still be writing, or waiting)."""
+        if self._broken is None:
+            self._broken = what
+        self.kill()
 
     def kill(self) -> None:
         """Any thread: SIGKILL the child (the proxy then sees its pipe close)."""
@@ -258,9 +344,13 @@ class ChildLane:
             self._conn.close()
 
     def _recv(self) -> Any:
+        """The child's next message; None once it is gone or has broken its pipe."""
         try:
             return self._conn.recv()
         except (OSError, EOFError):
+            return None
+        except PipeViolation as exc:
+            self._broke(str(exc))
             return None
 
 
