@@ -215,6 +215,7 @@ async def test_a_renamed_h2_private_falls_back_to_the_public_path_with_one_warni
     buffer is ``data``, not ``_data``). The server then serves every frame through h2's
     public API -- the same observations and rewards -- and says so once."""
     baseline = await _served_session()
+    caplog.clear()  # (an h2 whose privates really differ has said so already)
     real = _privates.check_h2
     monkeypatch.setattr(_privates, "check_h2", lambda: ["FrameBuffer._data is not a bytes"])
     _privates.direct_data_path.cache_clear()
