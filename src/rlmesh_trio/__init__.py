@@ -4,6 +4,11 @@ The public surface is what this module re-exports; everything in ``_*`` modules 
 internal. Of the error hierarchy only what a caller can meet is public: the base class,
 and the startup errors of :func:`serve_env` (an env whose spaces cannot be served, lanes
 that disagree on the env contract).
+
+Importing it registers the gymnasium id ``rlmesh_trio/Remote-v0`` (docs/trainers.md):
+``gymnasium.make("rlmesh_trio/Remote-v0", address=...)`` is a one-lane
+:class:`rlmesh_trio.client.Env`, ``gymnasium.make_vec(..., num_envs=N, address=...)`` a
+:class:`rlmesh_trio.client.VectorEnv`; the client itself is imported when one is made.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -20,6 +25,28 @@ from ._version import __version__ as __version__
 if TYPE_CHECKING:
     from ._serve import ServerInfo as ServerInfo
     from ._serve import serve_env as serve_env
+
+
+_REMOTE_ENV_ID = "rlmesh_trio/Remote-v0"
+
+
+def _register_with_gymnasium() -> None:
+    """Register ``rlmesh_trio/Remote-v0`` once (string entry points: nothing of the
+    client is imported until an env is made). The passive env checker stays on, as for
+    any registered env: it checks the results of the caller's first reset, step and
+    render and never calls the env itself."""
+    from gymnasium.envs.registration import register, registry
+
+    if _REMOTE_ENV_ID in registry:
+        return
+    register(
+        id=_REMOTE_ENV_ID,
+        entry_point="rlmesh_trio.client:Env",
+        vector_entry_point="rlmesh_trio.client:VectorEnv",
+    )
+
+
+_register_with_gymnasium()
 
 
 def __getattr__(name: str) -> Any:

@@ -4,6 +4,10 @@ Both run the blocking driver in the caller's thread. :class:`VectorEnv` does gym
 autoreset on the client with lane-scoped resets, following ``SyncVectorEnv`` step by
 step (same rewards, flags, ``final_obs`` / ``final_info`` and masks, same seeding
 rules), so it works with any lane endpoint — rlmesh-trio's or rlmesh 0.1.0's.
+
+They are the entry points of the gymnasium id ``rlmesh_trio/Remote-v0`` (registered by
+``import rlmesh_trio``): ``gymnasium.make`` builds an :class:`Env`, ``gymnasium.make_vec``
+a :class:`VectorEnv` (``num_envs=`` checked against the endpoint's lanes).
 """
 
 from __future__ import annotations
@@ -44,6 +48,17 @@ OLD_ADAPTER_KEYWORDS: dict[str, Rename] = {
 }
 """The adapters' 0.1 keywords (deprecated, removed in 0.2): ``request_timeout_ms`` (int
 milliseconds) becomes ``request_timeout_seconds`` (float seconds)."""
+
+
+def _check_render_mode(address: str, asked: str | None, served: str | None) -> None:
+    """``render_mode=`` (what ``gymnasium.make`` passes when asked for one) must be the
+    served env's: the server renders, the client only carries its frames."""
+    if asked is not None and asked != served:
+        raise ValueError(
+            f"render_mode={asked!r}, but the env at {address} is served with "
+            f"render_mode={served!r}; the server's env decides (serve it with that "
+            "render_mode, e.g. rlmesh-trio serve --kwargs-json '{\"render_mode\": ...}')"
+        )
 
 
 def _open(
@@ -89,6 +104,11 @@ class VectorEnv(gym.vector.VectorEnv):
     are ready (docs/client.md). With ``batch_size < num_envs``, :meth:`step` is refused
     (it would wait for every lane: that is what the pool avoids); with
     ``batch_size == num_envs`` it works as ever once no lane is in flight.
+
+    ``num_envs`` (what ``gymnasium.make_vec`` passes; default: whatever the endpoint
+    serves) must equal the endpoint's lane count, else a ``ValueError`` naming both.
+    ``render_mode`` (None: the served env's) must be the served env's. A constructor
+    that raises has closed its connection first.
     """
 
     @renamed_kwargs(**OLD_ADAPTER_KEYWORDS)
@@ -96,8 +116,10 @@ class VectorEnv(gym.vector.VectorEnv):
         self,
         address: str,
         *,
+        num_envs: int | None = None,
         autoreset_mode: str | AutoresetMode = AutoresetMode.NEXT_STEP,
         batch_size: int | None = None,
+        render_mode: str | None = None,
         auth_token: str | None = None,
         tls: TlsSetting = None,
         request_timeout_seconds: float | None = None,
@@ -111,6 +133,10 @@ class VectorEnv(gym.vector.VectorEnv):
             if isinstance(autoreset_mode, AutoresetMode)
             else AutoresetMode(autoreset_mode)
         )
+        if num_envs is not None and (
+            isinstance(num_envs, bool) or not isinstance(num_envs, int | np.integer)
+        ):
+            raise TypeError(f"num_envs must be an int, not {type(num_envs).__name__}")
         self._timeout_ms = request_timeout_ms(request_timeout_seconds)
         self._ep = _open(
             address,
@@ -123,19 +149,37 @@ class VectorEnv(gym.vector.VectorEnv):
                 close_timeout_seconds,
             ),
         )
-        self._state: JoinState = self._ep.state
-        contract = self._state.contract
         try:
-            if contract.autoreset_mode != "DISABLED":
-                raise ValueError(
-                    f"{address} autoresets on the server ({contract.autoreset_mode}); "
-                    "VectorEnv needs a lane endpoint (autoreset DISABLED)"
-                )
-            if contract.num_envs > 1 and not contract.subset_step:
-                raise ValueError(f"{address} does not take lane-scoped requests (no subset_step)")
+            self._setup(address, num_envs, mode, batch_size, render_mode)
         except BaseException:
+            # Nothing held past a failed constructor (its traceback keeps ``self``).
             self._ep.close()
             raise
+
+    def _setup(
+        self,
+        address: str,
+        num_envs: int | None,
+        mode: AutoresetMode,
+        batch_size: int | None,
+        render_mode: str | None,
+    ) -> None:
+        self._state: JoinState = self._ep.state
+        contract = self._state.contract
+        if contract.autoreset_mode != "DISABLED":
+            raise ValueError(
+                f"{address} autoresets on the server ({contract.autoreset_mode}); "
+                "VectorEnv needs a lane endpoint (autoreset DISABLED)"
+            )
+        if contract.num_envs > 1 and not contract.subset_step:
+            raise ValueError(f"{address} does not take lane-scoped requests (no subset_step)")
+        if num_envs is not None and int(num_envs) != contract.num_envs:
+            raise ValueError(
+                f"num_envs={int(num_envs)}, but the endpoint at {address} serves "
+                f"{contract.num_envs} lanes: a VectorEnv drives all of an endpoint's lanes "
+                f"(pass num_envs={contract.num_envs}; gymnasium.make_vec's default is 1)"
+            )
+        _check_render_mode(address, render_mode, contract.render_mode)
         self.final_episodes: list[Episode] = []
         """What the server reported at :meth:`close` (episodes still running then)."""
         self.autoreset_mode = mode
@@ -154,13 +198,9 @@ class VectorEnv(gym.vector.VectorEnv):
         self._terminations = np.zeros((n,), dtype=np.bool_)
         self._truncations = np.zeros((n,), dtype=np.bool_)
         self._autoreset_envs = np.zeros((n,), dtype=np.bool_)
-        try:
-            self._pool = BlockingPool(
-                self._ep, _VectorBook(self), batch_size=batch_size, autoreset_mode=mode
-            )
-        except BaseException:
-            self._ep.close()
-            raise
+        self._pool = BlockingPool(
+            self._ep, _VectorBook(self), batch_size=batch_size, autoreset_mode=mode
+        )
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -499,16 +539,23 @@ class Env(gym.Env):
 
     ``reset(seed=...)`` also seeds the adapter's own ``np_random`` (as ``gymnasium.Env``
     does), the env's own randomness lives on the server. ``render()`` returns the
-    server's frame as an ``(H, W, 3)`` array (``render_mode`` from the contract).
-    Every keyword (``auth_token``, ``tls``, ``request_timeout_seconds``, the connection's
+    server's frame as an ``(H, W, 3)`` array (``render_mode`` from the contract;
+    ``render_mode=``, which ``gymnasium.make`` passes when asked for one, must be the
+    served env's). Every other keyword
+    (``auth_token``, ``tls``, ``request_timeout_seconds``, the connection's
     ``*_seconds``, and the deprecated 0.1 names) as :class:`VectorEnv` takes it.
     """
+
+    metadata: dict[str, Any] = {"render_modes": ["rgb_array"]}
+    """The class's (what ``gymnasium.make`` reads before connecting): the wire carries
+    RGB frames. An instance's is the served env's."""
 
     @renamed_kwargs(**OLD_ADAPTER_KEYWORDS)
     def __init__(
         self,
         address: str,
         *,
+        render_mode: str | None = None,
         auth_token: str | None = None,
         tls: TlsSetting = None,
         request_timeout_seconds: float | None = None,
@@ -531,9 +578,13 @@ class Env(gym.Env):
         )
         self._state: JoinState = self._ep.state
         contract = self._state.contract
-        if contract.num_envs != 1:
+        try:
+            if contract.num_envs != 1:
+                raise ValueError(f"{address} has {contract.num_envs} lanes; use VectorEnv for it")
+            _check_render_mode(address, render_mode, contract.render_mode)
+        except BaseException:
             self._ep.close()
-            raise ValueError(f"{address} has {contract.num_envs} lanes; use VectorEnv for it")
+            raise
         self.final_episodes: list[Episode] = []
         self.observation_space = contract.observation_space
         self.action_space = contract.action_space
