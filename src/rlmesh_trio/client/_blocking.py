@@ -3,13 +3,19 @@ socket, in the caller's thread (no event loop, no helper thread to leak).
 
 Several requests go out together and the driver reads until every one is answered, so a
 vector step that resets some lanes and steps the others is one round trip.
+
+A :class:`BlockingEndpoint` that becomes garbage without ``close()`` drops its connection
+from a finalizer (:meth:`BlockingConnection.drop`: no request, no wait), so the server
+frees its one Join session at once; docs/client.md has the rule.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import socket
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 from .._tls import TlsSetting, check_alpn
@@ -179,6 +185,20 @@ class BlockingConnection:
         with contextlib.suppress(OSError):
             sock.close()
 
+    def drop(self) -> None:
+        """Close without waiting for anything: GOAWAY only if the socket takes it at once,
+        then close. Never blocks, so it may run on any thread, from a finalizer or the
+        cycle collector (in a Trio program's thread too). Idempotent."""
+        sock, self.sock = self.sock, None
+        if sock is None:
+            return
+        self.conn.close()
+        with contextlib.suppress(OSError):
+            sock.setblocking(False)
+            sock.send(self.conn.data_to_send())
+        with contextlib.suppress(OSError):
+            sock.close()
+
 
 def unary_result(call: Call, *, shutting_down: bool = False) -> bytes | None:
     """The reply of an OK unary call; raises what ended it otherwise."""
@@ -187,8 +207,35 @@ def unary_result(call: Call, *, shutting_down: bool = False) -> bytes | None:
     raise call_failure(call, f"{call.path.rsplit('/', 1)[-1]} failed", shutting_down=shutting_down)
 
 
+_OPEN: weakref.WeakSet[BlockingEndpoint] = weakref.WeakSet()
+"""This process's blocking endpoints that are neither closed nor finalized."""
+
+
+def _collect_abandoned(target: Target) -> None:
+    """Let the cycle collector finalize an unclosed client of ``target`` that is garbage.
+
+    An endpoint admits one Join session. A client of it that this process still holds
+    open is either in use (the new Join is refused whatever we do) or garbage kept only by
+    a reference cycle (a wrapper that raised in its constructor, say), which nothing but
+    the collector frees; its finalizer then drops the connection before we ask."""
+    if _holds(str(target)):
+        gc.collect()
+
+
+def _holds(address: str) -> bool:
+    # A function of its own: no strong reference to an endpoint outlives it (the
+    # collector must find the garbage ones unreferenced).
+    return any(str(ep.target) == address for ep in list(_OPEN))
+
+
 class BlockingEndpoint:
-    """One joined endpoint driven synchronously."""
+    """One joined endpoint driven synchronously.
+
+    Garbage without :meth:`close`: a finalizer drops the connection (no Close request,
+    never blocking; on whatever thread drops the last reference or runs the collector),
+    so the server frees the session at once. Not at interpreter exit: an endpoint still
+    referenced then may be in use on another thread; the OS closes its socket.
+    """
 
     def __init__(
         self,
@@ -210,6 +257,7 @@ class BlockingEndpoint:
         self.target = Target.parse(address)
         self._close_timeout = close_timeout_seconds
         self._closed: list[Episode] | None = None
+        _collect_abandoned(self.target)
         deadline = time.monotonic() + connect_timeout_seconds
         self._link = BlockingConnection(
             self.target,
@@ -219,6 +267,11 @@ class BlockingEndpoint:
             ping_interval_seconds=ping_interval_seconds,
             ping_timeout_seconds=ping_timeout_seconds,
         )
+        # The finalizer holds the connection, never the endpoint (nor anything that
+        # refers back to it), or the endpoint could never become garbage.
+        self._finalizer = weakref.finalize(self, self._link.drop)
+        self._finalizer.atexit = False
+        _OPEN.add(self)
         self._conn = self._link.conn
         try:
             self._link.flush(deadline)
@@ -239,7 +292,7 @@ class BlockingEndpoint:
                     f"connect_timeout_seconds={connect_timeout_seconds:g}"
                 ) from None
         except BaseException:
-            self._link.close()
+            self._shut()
             raise
 
     # ---- requests ---------------------------------------------------------------------
@@ -348,12 +401,21 @@ class BlockingEndpoint:
         if state is not None:
             state.closing = True
             state.fail(EndpointClosedError())
-        self._link.close()
+        self._shut()
         self._closed = episodes
         return episodes
 
-    def _teardown(self) -> None:
+    def _shut(self) -> None:
+        """Close the connection; nothing left for the finalizer."""
         self._link.close()
+        self._finalizer.detach()
+        _OPEN.discard(self)
+
+    def _teardown(self) -> None:
+        """Drop the connection now, as the finalizer would (no request, never blocks):
+        for an owner's own finalizer."""
+        self._finalizer()
+        _OPEN.discard(self)
 
 
 def _noop() -> None:

@@ -12,12 +12,14 @@ a :class:`VectorEnv` (``num_envs=`` checked against the endpoint's lanes).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from functools import partial
 from typing import Any, SupportsFloat
 
 import gymnasium as gym
 import numpy as np
+from gymnasium.error import ResetNeeded
 from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
@@ -108,7 +110,8 @@ class VectorEnv(gym.vector.VectorEnv):
     ``num_envs`` (what ``gymnasium.make_vec`` passes; default: whatever the endpoint
     serves) must equal the endpoint's lane count, else a ``ValueError`` naming both.
     ``render_mode`` (None: the served env's) must be the served env's. A constructor
-    that raises has closed its connection first.
+    that raises has closed its connection first. :meth:`step` before this client's own
+    :meth:`reset` of every lane raises ``gymnasium.error.ResetNeeded`` (nothing sent).
     """
 
     @renamed_kwargs(**OLD_ADAPTER_KEYWORDS)
@@ -352,6 +355,12 @@ class VectorEnv(gym.vector.VectorEnv):
     ]:
         self._pool.core.check_whole_step()
         n = self.num_envs
+        never = [i for i in range(n) if self._env_obs[i] is None]
+        if never:
+            raise ResetNeeded(
+                f"Cannot call VectorEnv.step() before this client reset every lane "
+                f"(lanes {never} were never reset by it): call reset() first"
+            )
         codecs = self._state.codecs
         fast = codecs.fast_action
         rows: list[Any] | None = None
@@ -513,25 +522,36 @@ class VectorEnv(gym.vector.VectorEnv):
         self.final_episodes = self._ep.close()
 
     def __del__(self) -> None:
-        ep = getattr(self, "_ep", None)
-        if ep is not None:
-            ep._teardown()
+        # Not gymnasium's (1.1-1.2: close(), a Close round trip waiting up to
+        # close_timeout_seconds, from the collector on any thread): the endpoint's own
+        # finalizer drops the connection without a request and without waiting.
+        pass
 
 
 class _VectorBook:
     """The pool's view of a :class:`VectorEnv`'s lanes (its autoreset flags and
-    observations), so ``step()`` and ``send()`` agree on which lanes finished."""
+    observations), so ``step()`` and ``send()`` agree on which lanes finished.
+
+    It refers to the env weakly: the env holds the pool, which holds the book, and a
+    cycle would keep a dropped env (and its server session) until the cycle collector
+    runs."""
 
     def __init__(self, env: VectorEnv) -> None:
-        self._env = env
+        self._env = weakref.ref(env)
+
+    def _get(self) -> VectorEnv:
+        env = self._env()
+        if env is None:  # pragma: no cover - only the env itself calls its pool
+            raise ReferenceError("the VectorEnv is gone")
+        return env
 
     @property
     def done(self) -> np.ndarray[Any, Any]:
-        return self._env._autoreset_envs
+        return self._get()._autoreset_envs
 
     @property
     def obs(self) -> list[Any]:
-        return self._env._env_obs
+        return self._get()._env_obs
 
 
 class Env(gym.Env):
@@ -541,7 +561,8 @@ class Env(gym.Env):
     does), the env's own randomness lives on the server. ``render()`` returns the
     server's frame as an ``(H, W, 3)`` array (``render_mode`` from the contract;
     ``render_mode=``, which ``gymnasium.make`` passes when asked for one, must be the
-    served env's). Every other keyword
+    served env's). :meth:`step` before this client's own :meth:`reset` raises
+    ``gymnasium.error.ResetNeeded`` (nothing sent). Every other keyword
     (``auth_token``, ``tls``, ``request_timeout_seconds``, the connection's
     ``*_seconds``, and the deprecated 0.1 names) as :class:`VectorEnv` takes it.
     """
@@ -585,6 +606,7 @@ class Env(gym.Env):
         except BaseException:
             self._ep.close()
             raise
+        self._needs_reset = True
         self.final_episodes: list[Episode] = []
         self.observation_space = contract.observation_space
         self.action_space = contract.action_space
@@ -612,9 +634,14 @@ class Env(gym.Env):
             timeout_ms=self._timeout_ms,
             lanes=[[0]],
         )[0]
+        self._needs_reset = False
         return self._state.codecs.observations(reply.leaves, 1)[0], reply.infos
 
     def step(self, action: Any) -> tuple[Any, SupportsFloat, bool, bool, dict[str, Any]]:
+        if self._needs_reset:
+            raise ResetNeeded(
+                "Cannot call Env.step() before this client's own reset(): call reset() first"
+            )
         leaves = self._state.codecs.encode_single_action(action)
         reply = self._ep.roundtrip(
             [partial(_step_builder, leaves=leaves, timeout_ms=self._timeout_ms, lanes=[])],
@@ -635,11 +662,6 @@ class Env(gym.Env):
     def close(self) -> None:
         if getattr(self, "_ep", None) is not None:
             self.final_episodes = self._ep.close()
-
-    def __del__(self) -> None:
-        ep = getattr(self, "_ep", None)
-        if ep is not None:
-            ep._teardown()
 
 
 def _lane_crash(error: EndpointError) -> bool:
