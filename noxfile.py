@@ -1,5 +1,5 @@
 """Development sessions: ``nox -s tests | ray | tests-process | lowest | pythons | package |
-fuzz | envs | lint | typecheck | codegen | bench``.
+fuzz | envs | trainers | lint | typecheck | codegen | bench``.
 
 Every session builds its own virtualenv (``venv`` backend). ``pyproject.toml`` declares
 ranges (``[project].dependencies``); the sessions install exact versions from a
@@ -75,8 +75,9 @@ def test_requirements_without_ray() -> list[str]:
 def tests(session: nox.Session) -> None:
     """Install the package with its test extra and run the pytest suite (but the Ray tests)."""
     session.install("-c", CI_CONSTRAINTS, ".[test]")
-    # The Ray fleet tests start Ray clusters (minutes on 2 cores): their own session.
-    session.run("pytest", "-m", "not ray", *session.posargs)
+    # The Ray fleet tests start Ray clusters (minutes on 2 cores): their own session; the
+    # trainers' runs (torch, minutes too) also (nox -s trainers).
+    session.run("pytest", "-m", "not ray and not trainers", *session.posargs)
 
 
 @nox.session(python=CLAIMED_PYTHONS[0])
@@ -171,6 +172,26 @@ def envs(session: nox.Session) -> None:
     """Popular third-party envs (MiniGrid, ...) served through rlmesh's own clients."""
     session.install("-c", CI_CONSTRAINTS, ".[test,envs]")
     session.run("pytest", "-m", "envs", *session.posargs)
+
+
+TORCH = "torch==2.13.0"
+"""torch for the trainers: its CPU build lies on these machines' disk for Python 3.11, and
+pip's configuration here finds it before PyPI's build of the same version; another
+version, another Python or a resolver left to choose could pull a CUDA build (gigabytes)."""
+
+
+@nox.session(python="3.11")
+def trainers(session: nox.Session) -> None:
+    """Real trainers through served envs (issue 30): ``tests/test_client_sb3.py`` (SB3's
+    ``RemoteVecEnv`` against ``DummyVecEnv``) and ``tests/trainers`` (SB3's PPO on
+    ``RemoteVecEnv`` and a CleanRL-style PPO on ``VectorEnv`` learn exactly what they learn
+    on local envs). torch is installed first, alone and pinned, then the sb3 extra."""
+    session.install("-c", CI_CONSTRAINTS, TORCH)
+    session.run(
+        "python", "-c", "import torch; assert torch.version.cuda is None, torch.__version__"
+    )
+    session.install("-c", CI_CONSTRAINTS, ".[sb3]", *test_requirements_without_ray())
+    session.run("pytest", "tests/test_client_sb3.py", "tests/trainers", *session.posargs)
 
 
 RAY_NODES_TESTS = "tests/test_fleet_ray_nodes.py"

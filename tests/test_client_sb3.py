@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import json
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -463,6 +465,36 @@ async def test_a_refused_constructor_holds_no_session() -> None:
     with pytest.raises(NotImplementedError, match="Nested observation spaces"):
         DummyVecEnv([make_nested])
     await with_server(make_nested, 1, client)
+
+
+@pytest.fixture
+def no_gc() -> Iterator[None]:
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+@pytest.mark.usefixtures("no_gc")
+async def test_a_dropped_remote_vec_env_frees_the_session_at_once() -> None:
+    """No reference cycle of its own: dropped without ``close()`` (inside SB3's
+    ``VecMonitor`` too), the client's connection goes at once and the next one joins."""
+
+    def client(address: str) -> None:
+        env = VecMonitor(RemoteVecEnv(address))
+        env.reset()
+        env.step(np.zeros(2, np.int64))
+        gone = weakref.ref(env.unwrapped)
+        del env
+        assert gone() is None
+        again = RemoteVecEnv(address)  # an open session would refuse it: FAILED_PRECONDITION
+        again.reset()
+        again.close()
+
+    await with_server(functools.partial(gym.make, "CartPole-v1"), 2, client)
 
 
 # ---- lane faults -----------------------------------------------------------------------
