@@ -36,7 +36,7 @@ import ray
 import rlmesh
 import rlmesh.numpy
 
-from rlmesh_trio._transport import probe
+from rlmesh_trio.client import probe
 from rlmesh_trio.fleet.ray import RayFleet, launch
 
 SEEDS = list(range(16))
