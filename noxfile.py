@@ -1,10 +1,11 @@
-"""Development sessions: ``nox -s tests | ray | tests-process | lowest | pythons | package |
-fuzz | envs | trainers | lint | typecheck | codegen | bench``.
+"""Development sessions: ``nox -s tests | ray | tests-process | lowest | newest | suite |
+pythons | package | fuzz | envs | trainers | lint | typecheck | codegen | bench``.
 
 Every session builds its own virtualenv (``venv`` backend). ``pyproject.toml`` declares
 ranges (``[project].dependencies``); the sessions install exact versions from a
 constraints file: ``constraints/ci.txt`` (every package, transitive ones too) for all of
-them but ``lowest``, which takes ``constraints/lowest.txt`` (the low end of every range).
+them but ``lowest``, which takes ``constraints/lowest.txt`` (the low end of every range),
+and ``newest``, which takes none (the newest release every range admits).
 The ``test`` extra's pins and the ``dev`` extra's pins (the tools) come from pyproject.
 """
 
@@ -96,6 +97,29 @@ def pythons(session: nox.Session) -> None:
     ``--no-error-on-missing-interpreters`` for this session only)."""
     session.install("-c", CI_CONSTRAINTS, ".", *test_requirements_without_ray())
     session.run("pytest", *SMOKE, *session.posargs)
+
+
+@nox.session(python=CLAIMED_PYTHONS)
+def suite(session: nox.Session) -> None:
+    """The whole suite (but Ray) at the CI pins on one claimed Python: ``nox -s
+    suite-3.14``. CI runs it on 3.14, which pyenv lacks here, in a Debian sid chroot
+    (tools/sid_pythons.py); ``tests`` is the same run on the Python nox runs on."""
+    session.install("-c", CI_CONSTRAINTS, ".", *test_requirements_without_ray())
+    session.run("pytest", "-m", "not ray", *session.posargs)
+
+
+@nox.session(python=CLAIMED_PYTHONS[-1])
+def newest(session: nox.Session) -> None:
+    """The suite (but Ray) against the newest release of every dependency that the ranges
+    of pyproject.toml admit: no constraints file, so a new release of trio, numpy,
+    gymnasium, pillow, protobuf, ... meets CI before it meets a user. On the newest
+    claimed Python (CI: in the sid chroot of tools/sid_pythons.py). The test extra's own
+    pins (pytest, the reference rlmesh, ...) stay."""
+    session.install(
+        "--upgrade", "--upgrade-strategy", "eager", ".", *test_requirements_without_ray()
+    )
+    session.run("python", "-m", "pip", "freeze")  # the versions tested, in the log
+    session.run("pytest", "-m", "not ray", *session.posargs)
 
 
 @nox.session

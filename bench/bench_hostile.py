@@ -573,7 +573,7 @@ async def cpu_case(server: ServerProcess, segments: list[bytes], timeout: float,
                     task = asyncio.ensure_future(probe.handshake())
                     try:
                         await asyncio.wait_for(asyncio.shield(task), timeout)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         task.cancel()
                         stalled.append(loop.time() - started)
                         return
@@ -587,13 +587,13 @@ async def cpu_case(server: ServerProcess, segments: list[bytes], timeout: float,
             timed_out = False
             try:
                 raw = await join.recv_raw(timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 timed_out = True
             t_reply = loop.time()
             done.set()
             try:
                 await asyncio.wait_for(probe_task, timeout + 5)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 probe_task.cancel()
             cpu_after = cpu_seconds(pid)
 
@@ -641,7 +641,7 @@ async def memory_case(
             t_sent = loop.time()
             try:
                 raw = await join.recv_raw(timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 timed_out = True
             t_reply = loop.time()
             after: list[float] = []
@@ -800,7 +800,7 @@ class StingyClient:
         remaining = max(0.001, deadline - loop.time())
         try:
             await asyncio.wait_for(self._writer.drain(), remaining)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         return True
 

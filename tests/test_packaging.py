@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import sys
+import tomllib
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -18,15 +18,10 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - pytest depends on tomli there
-    import tomli as tomllib
-
 ROOT = Path(__file__).resolve().parent.parent
 PROJECT: dict[str, Any] = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 DEPENDENCIES = [Requirement(r) for r in PROJECT["dependencies"]]
-PYTHONS = ("3.10", "3.11", "3.12", "3.13")
+PYTHONS = ("3.11", "3.12", "3.13", "3.14", "3.15")
 
 
 def environment(python: str) -> dict[str, str]:
@@ -120,6 +115,25 @@ def test_ci_pins_lie_in_the_ranges_and_agree_with_the_extras() -> None:
                 assert req.specifier.contains(version), f"{req} vs {version} (Python {python})"
 
 
+BOUND_AT = {"grpclib": 3, "h2": 2}
+"""The libraries whose internals the transport reaches into (``_transport/_shim.py``), and
+the release part their upper bound sits at: h2's next minor, grpclib's next 0.4.x (each
+0.4.x release changes its internals)."""
+
+
+def test_bounds_on_internals_sit_just_past_the_ci_pin() -> None:
+    """Such a range admits nothing newer than the release CI tests: widening it is the
+    commit that moves the pin in constraints/ci.txt (docs/decisions.md)."""
+    ranges = {canonicalize_name(r.name): r.specifier for r in DEPENDENCIES}
+    for python in PYTHONS:
+        pinned = pins(constraints("ci.txt"), python)
+        for name, part in BOUND_AT.items():
+            (upper,) = [Version(s.version) for s in ranges[name] if s.operator == "<"]
+            release = pinned[name].release
+            after = Version(".".join(map(str, [*release[: part - 1], release[part - 1] + 1])))
+            assert upper == after, f"{name}: bound <{upper}, CI pin {pinned[name]}"
+
+
 def test_nox_and_build_are_pinned_in_the_dev_extra() -> None:
     dev = {canonicalize_name(Requirement(r).name) for r in PROJECT["optional-dependencies"]["dev"]}
     assert {"nox", "build"} <= dev
@@ -135,11 +149,41 @@ def test_the_claimed_pythons_start_at_requires_python() -> None:
     assert PROJECT["requires-python"] == f">={claimed[0]}"
 
 
-def test_the_exceptiongroup_backport_is_declared_where_the_code_imports_it() -> None:
-    uses = [p for p in (ROOT / "src").rglob("*.py") if "from exceptiongroup" in p.read_text()]
-    (backport,) = [r for r in DEPENDENCIES if r.name == "exceptiongroup"]
-    assert uses
-    assert applies(backport.marker, "3.10") and not applies(backport.marker, "3.11")
+def every_requirement() -> list[tuple[str, Requirement]]:
+    """Every requirement line: pyproject's dependencies and extras, both constraints files."""
+    out = [("pyproject.toml", r) for r in DEPENDENCIES]
+    for name, group in PROJECT["optional-dependencies"].items():
+        out += [(f"pyproject.toml [{name}]", Requirement(r)) for r in group]
+    for name in ("ci.txt", "lowest.txt"):
+        out += [(f"constraints/{name}", r) for r in constraints(name)]
+    return out
+
+
+def test_every_python_marker_splits_the_claimed_pythons() -> None:
+    """A ``python_version`` marker true on no claimed Python (a special case for one that
+    is no longer claimed) or on all of them (a marker that says nothing) is dead weight."""
+    for where, req in every_requirement():
+        if req.marker is None or "python_version" not in str(req.marker):
+            continue
+        holds = [applies(req.marker, python) for python in PYTHONS]
+        assert any(holds) and not all(holds), f"{where}: {req}"
+
+
+def test_no_code_branches_on_an_unclaimed_python() -> None:
+    """No ``sys.version_info`` test (nor the exceptiongroup backport) for a Python below
+    ``requires-python``: src/, tests/, bench/, examples/ and tools/ assume it."""
+    floor = tuple(int(x) for x in PROJECT["requires-python"].removeprefix(">=").split("."))
+    checks = re.compile(r"sys\.version_info\s*([<>]=?)\s*\((\d+),\s*(\d+)\)")
+    for folder in ("src", "tests", "bench", "examples", "tools"):
+        for path in (ROOT / folder).rglob("*.py"):
+            text = path.read_text()
+            where = path.relative_to(ROOT)
+            assert "exceptiongroup" not in text or path == Path(__file__).resolve(), where
+            for op, major, minor in checks.findall(text):
+                # Each of <, <=, >, >= against (3, x) with x <= the floor is decided on
+                # every claimed Python (3.11.7 > (3, 11) holds).
+                version = (int(major), int(minor))
+                assert version > floor, f"{where}: sys.version_info {op} {version}"
 
 
 def test_the_readme_states_the_ranges_of_pyproject() -> None:

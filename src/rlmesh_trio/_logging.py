@@ -189,7 +189,7 @@ def protect_credentials(secret: str | None = None) -> CredentialFilter:
 
 def utc_timestamp(created: float) -> str:
     """RFC 3339 in UTC with milliseconds: ``2026-12-01T17:17:11.042Z``."""
-    moment = datetime.datetime.fromtimestamp(created, tz=datetime.timezone.utc)
+    moment = datetime.datetime.fromtimestamp(created, tz=datetime.UTC)
     return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 

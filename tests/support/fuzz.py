@@ -927,7 +927,7 @@ class Side:
             await join.send(ritual)
             try:
                 raw = await join.recv_raw(REPLY_BOUND)
-            except asyncio.TimeoutError as exc:
+            except TimeoutError as exc:
                 await join.cancel()
                 raise HarnessError(f"{self.name}: no reply to the session's first reset") from exc
             if raw is not None:
@@ -954,7 +954,7 @@ class Side:
             if await join.send(wire.close(request_id="fuzz-close")):
                 while await join.recv_raw(REPLY_BOUND) is not None:
                     pass
-        except (asyncio.TimeoutError, ConnectionError, OSError):
+        except (TimeoutError, ConnectionError, OSError):
             await join.cancel()
         if join.end is None or join.end.status is None:
             await join.cancel()
@@ -979,7 +979,7 @@ class Side:
                     after = OPEN
                     break
                 replies.append(got)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             after = ("no-reply-within", REPLY_BOUND)
             await join.cancel()
         except (ConnectionError, OSError) as exc:

@@ -521,7 +521,7 @@ async def probe_handshake(address: str, timeout: float) -> env_v1.HandshakeRespo
         try:
             async with WireClient(address, timeout=max(0.5, deadline - loop.time())) as client:
                 return await client.handshake()
-        except (OSError, asyncio.TimeoutError, AssertionError):
+        except (TimeoutError, OSError, AssertionError):
             if loop.time() + delay > deadline:
                 raise
             await asyncio.sleep(delay)

@@ -141,10 +141,8 @@ def _push_path(exc: BaseException, segment: str) -> None:
 def _annotate(exc: BaseException, root: str) -> None:
     """Attach ``at $.a[0]`` as an exception note; ``str(exc)`` stays the reference text."""
     segments: list[str] = vars(exc).pop(_PATH_KEY, [])
-    add_note = getattr(exc, "add_note", None)  # Python >= 3.11
-    if add_note is not None:
-        where = root + "".join(reversed(segments))
-        add_note(f"(rlmesh-trio: refused while converting the metadata value at {where})")
+    where = root + "".join(reversed(segments))
+    exc.add_note(f"(rlmesh-trio: refused while converting the metadata value at {where})")
 
 
 # --------------------------------------------------------------------------- scalars
@@ -371,7 +369,7 @@ def to_meta_value(obj: object, *, path: str = "$") -> spaces_v1.MetaValue:
     ``OverflowError("metadata integer 18446744073709551615 does not fit int64; ...")``,
     ``UnicodeEncodeError`` for a dict key with lone surrogates. Other exceptions raised
     by the value itself (a ``tolist()`` or ``value`` property that raises) propagate.
-    On Python >= 3.11 the refused value's location (``path`` plus ``.key`` / ``[i]``
+    The refused value's location (``path`` plus ``.key`` / ``[i]``
     steps) is added as an exception note, never to the message. A reference cycle
     raises ``RecursionError`` (the reference crashes).
     """

@@ -11,7 +11,6 @@ import contextlib
 import math
 import socket
 import ssl
-import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
@@ -58,9 +57,6 @@ from ._settings import (
     tls_failure,
     transport_failure,
 )
-
-if sys.version_info < (3, 11):  # pragma: no cover - trio depends on the backport there
-    from exceptiongroup import BaseExceptionGroup
 
 __all__ = ["Endpoint", "open_endpoint"]
 
