@@ -1,5 +1,5 @@
 """Development sessions: ``nox -s tests | ray | tests-process | lowest | newest | suite |
-pythons | package | fuzz | envs | trainers | lint | typecheck | codegen | bench``.
+pythons | package | fuzz | envs | trainers | lint | typecheck | codegen | bench | soak``.
 
 Every session builds its own virtualenv (``venv`` backend). ``pyproject.toml`` declares
 ranges (``[project].dependencies``); the sessions install exact versions from a
@@ -269,6 +269,18 @@ def bench(session: nox.Session) -> None:
     for script in scripts:
         session.log(f"=== {script.name}")
         session.run("python", str(script.relative_to(ROOT)), *session.posargs)
+
+
+@nox.session
+def soak(session: nox.Session) -> None:
+    """The flood soak, bench/soak_floods.py: our server under HTTP/2 floods (rapid reset,
+    empty DATA, PING / SETTINGS / WINDOW_UPDATE), one connection after another, for
+    ``--minutes`` (default 10) while another client does a Handshake every 0.1 s. Fails on
+    a Handshake of 1 s or more or failed, a flood not answered GOAWAY and close, or RSS
+    growth past ``--rss-slack-mib``; arguments after ``--`` go to the script
+    (``nox -s soak -- --minutes 2``). Not a default session, not in CI."""
+    session.install("-c", CI_CONSTRAINTS, ".[test]")
+    session.run("python", "bench/soak_floods.py", *session.posargs)
 
 
 if __name__ == "__main__":
