@@ -437,9 +437,7 @@ def _rebuild(payload: tuple[Any, str, str, str]) -> BaseException:
     error: BaseException = (
         exc if isinstance(exc, BaseException) else remote_error(type_name, message)
     )
-    add_note = getattr(error, "add_note", None)  # Python >= 3.11
-    if add_note is not None:
-        add_note(f"in the lane's child process:\n{trace}")
+    error.add_note(f"in the lane's child process:\n{trace}")
     return error
 
 
