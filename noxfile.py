@@ -211,10 +211,10 @@ def trainers(session: nox.Session) -> None:
     ``RemoteVecEnv`` and a CleanRL-style PPO on ``VectorEnv`` learn exactly what they learn
     on local envs). torch is installed first, alone and pinned, then the sb3 extra."""
     session.install("-c", CI_CONSTRAINTS, TORCH)
+    session.install("-c", CI_CONSTRAINTS, ".[sb3]", *test_requirements_without_ray())
     session.run(
         "python", "-c", "import torch; assert torch.version.cuda is None, torch.__version__"
     )
-    session.install("-c", CI_CONSTRAINTS, ".[sb3]", *test_requirements_without_ray())
     session.run("pytest", "tests/test_client_sb3.py", "tests/trainers", *session.posargs)
 
 
