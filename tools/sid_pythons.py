@@ -168,17 +168,17 @@ def ensure_chroot(chroot: Path, *, rebuild: bool, mirror: str | None) -> str:
     ensure_debootstrap()
     uri = mirror or host_mirror()
     partial = chroot.with_name(chroot.name + ".partial")
-    remove_tree(partial)
-    run(
-        [
-            "debootstrap",
-            "--variant=minbase",
-            f"--include={','.join(PACKAGES)}",
-            SUITE,
-            str(partial),
-            uri,
-        ]
-    )
+    command = ["debootstrap", "--variant=minbase", f"--include={','.join(PACKAGES)}", SUITE]
+    for attempt in (1, 2):  # once more after a failure: a mirror's hiccup must not fail CI
+        remove_tree(partial)
+        try:
+            run([*command, str(partial), uri])
+            break
+        except Failed:
+            if attempt == 2:
+                raise
+            log("debootstrap failed: once more from scratch in 10 s")
+            time.sleep(10)
     (partial / STAMP).write_text(
         json.dumps({**wanted_stamp(), "built": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n"
     )
