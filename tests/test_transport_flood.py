@@ -335,3 +335,15 @@ def test_a_frame_over_our_max_frame_size_is_known_on_its_header() -> None:
     fits = FrameGate(Clock(), Peer().stream_open, lambda: 0, 16_384)
     fits.scan(PREFACE + bytes.fromhex("004000000000000001"))  # exactly 16,384
     assert fits.flood is None
+
+
+def test_time_spent_full_earns_nothing() -> None:
+    """A bucket that sat full for a while has its burst, not more (a connection idle for
+    2 s before a flood got 200 extra empty frames past its limit)."""
+    clock = Clock()
+    bucket = Bucket(10, 100.0, clock)
+    clock.now = 2.0  # full all along
+    taken = 0
+    while bucket.take():
+        taken += 1
+    assert taken == 10

@@ -137,13 +137,13 @@ class Bucket:
         self._last = clock()
 
     def take(self) -> bool:
-        """Spend one token; False when there is none left."""
+        """Spend one token; False when there is none left. Time spent full earns
+        nothing: a connection idle for a minute has its burst, not a minute's worth."""
+        now = self._clock()
+        self.tokens = min(float(self.burst), self.tokens + (now - self._last) * self.rate)
+        self._last = now
         if self.tokens < 1.0:
-            now = self._clock()
-            self.tokens = min(float(self.burst), self.tokens + (now - self._last) * self.rate)
-            self._last = now
-            if self.tokens < 1.0:
-                return False
+            return False
         self.tokens -= 1.0
         return True
 

@@ -48,6 +48,7 @@ import contextlib
 import contextvars
 import logging
 import socket
+import struct
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -95,6 +96,9 @@ CLOSE_LINGER = 2.0
 """Seconds a connection we closed may take to hand its last bytes (a GOAWAY) to a client
 before it is aborted: a client that never reads would otherwise keep it, and its buffer,
 forever."""
+
+_RESET_ON_CLOSE = struct.pack("ii", 1, 0)
+"""SO_LINGER on, zero seconds: closing the socket resets the connection at once."""
 
 _REPORTS = RateLimit()
 """At most a few log lines about hostile or broken connections per window, whatever
@@ -208,6 +212,11 @@ class Dispatcher(GrpclibHandler):
     def accept(
         self, stream: H2Stream, headers: list[tuple[str, str]], release_stream: Callable[[], Any]
     ) -> None:
+        if not stream.closable:
+            # Reset by the client in the same read as its HEADERS ("Rapid Reset"): no
+            # handler, no task, nothing to answer (the frame gate counted the reset).
+            release_stream()
+            return
         # grpclib registered this stream before calling us: it counts itself.
         if self._admission.closing or self.streams_in_use() > ADVERTISED_STREAMS:
             # After GOAWAY, or past our MAX_CONCURRENT_STREAMS (a client may open more
@@ -359,6 +368,7 @@ class Connection(H2Protocol):
         self._malformed = False  # a header block was a connection error
         self._held: bytes | None = None  # the rest of a read, for the next turn
         self._lost = False
+        self._lingering = False  # closed by us: reading and dropping until CLOSE_LINGER
         self._gate: FrameGate | None = None
         self._direct = direct_data_path()  # the Join's DATA frames past h2 (issue 20)
         self.h2: H2Connection | None = None
@@ -439,6 +449,8 @@ class Connection(H2Protocol):
 
     def data_received(self, data: bytes) -> None:
         """The connection's bytes, a turn's worth at a time (:meth:`_take`)."""
+        if self._lingering:
+            return  # after our GOAWAY: read and dropped, so that closing loses nothing
         if self._held is not None:  # reading is paused; a TLS layer may still hand some
             self._held += data
             return
@@ -523,7 +535,7 @@ class Connection(H2Protocol):
                 on_read(False)
 
     def _closing(self) -> bool:
-        return self._transport is None or self._transport.is_closing()
+        return self._lingering or self._transport is None or self._transport.is_closing()
 
     def _receive_h2(self, data: bytes) -> bool:
         """grpclib's ``data_received``, but a protocol error sends h2's GOAWAY first.
@@ -594,27 +606,45 @@ class Connection(H2Protocol):
         self._protocol_error(exc or h2.exceptions.ProtocolError("malformed header block"))
 
     def _protocol_error(self, exc: Exception) -> None:
-        """Write what h2 queued (its GOAWAY last), then close."""
+        """Write what h2 queued (its GOAWAY last), then close -- lingering: the handlers
+        are cancelled at once, our side of the socket is shut after the GOAWAY, and what
+        the client still sends is read and dropped until it closes or :data:`CLOSE_LINGER`
+        passed. Closing a socket with unread input resets it, and the reset can destroy
+        the GOAWAY before the client has read it."""
         log.debug("HTTP/2 protocol error (%r); GOAWAY and close", exc)
         transport = self._transport
+        if self._lingering or transport is None or transport.is_closing():
+            return
         with contextlib.suppress(Exception):
             pending = self._h2().data_to_send()
-            if pending and transport is not None and not transport.is_closing():
+            if pending:
                 transport.write(pending)
-        self.processor.close("Protocol error")
-        self._abort_later()
+        self._lingering = True
+        self._held = None
+        self.handler.close()
+        with contextlib.suppress(Exception):
+            if transport.can_write_eof():
+                transport.write_eof()
+            transport.resume_reading()  # (paused for a turn's slice, perhaps)
+        asyncio.get_running_loop().call_later(CLOSE_LINGER, self._end_linger)
 
-    def _abort_later(self) -> None:
-        """Abort the closed connection if it is still there after :data:`CLOSE_LINGER`."""
+    def _end_linger(self) -> None:
+        """The client neither closed nor read everything within :data:`CLOSE_LINGER`."""
+        if not self._lost:
+            self._reset()
+            self.processor.close("Protocol error")
+
+    def _reset(self) -> None:
+        """Reset the connection at once. A plain close would leave the socket to the
+        kernel, holding our unsent bytes against a window the client never opens."""
         transport = self._transport
         if transport is None or self._lost:
             return
-
-        def abort() -> None:
-            if not self._lost:
-                transport.abort()
-
-        asyncio.get_running_loop().call_later(CLOSE_LINGER, abort)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
+        transport.abort()
 
     def send_goaway(self, last_stream_id: int) -> None:
         transport = self._transport
@@ -628,7 +658,7 @@ class Connection(H2Protocol):
         """Close the connection (buffered bytes still go out); cancels its handlers."""
         if self._transport is not None and not self._transport.is_closing():
             self.processor.close("server stopped")
-            self._abort_later()
+            asyncio.get_running_loop().call_later(CLOSE_LINGER, self._reset)
 
 
 def _report(message: str, exc: BaseException | None = None) -> None:
