@@ -156,6 +156,12 @@ class EnvError(EndpointError):
         return [f for f in faults if isinstance(f, dict) and isinstance(f.get("lane"), int)]
 
 
+def lane_crash(error: EndpointError) -> bool:
+    """A recoverable error naming faulted lanes (rlmesh-trio's rebuild/truncate): the
+    session goes on once those lanes are reset."""
+    return isinstance(error, EnvError) and error.is_recoverable and bool(error.lane_faults)
+
+
 class RpcError(EndpointError):
     """A call ended with a non-OK gRPC status: ``grpc_status`` (the number),
     ``grpc_status_name`` (``UNAUTHENTICATED``) and ``grpc_message`` (the server's text).

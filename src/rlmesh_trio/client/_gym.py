@@ -28,8 +28,8 @@ from .._tls import TlsSetting
 from ._blocking import BlockingEndpoint
 from ._codecs import decode_frame, lane_infos, step_arrays, timeout_of
 from ._core import JoinState, check_options
-from ._errors import LANE_FAULT_KEY, EndpointError, EnvError
-from ._messages import Episode, Reply, render_request, reset_request, step_request
+from ._errors import LANE_FAULT_KEY, EndpointError, EnvError, lane_crash
+from ._messages import Episode, Reply, render_builder, reset_builder, step_builder
 from ._pool import Batch, BlockingPool
 from ._settings import (
     DEFAULT_CLOSE_TIMEOUT_SECONDS,
@@ -222,7 +222,7 @@ class VectorEnv(gym.vector.VectorEnv):
         everyone = len(groups) == 1 and groups[0][0] == list(range(self.num_envs))
         builders = [
             partial(
-                _reset_builder,
+                reset_builder,
                 seeds=group_seeds,
                 options=options,
                 timeout_ms=self._timeout_ms,
@@ -395,7 +395,7 @@ class VectorEnv(gym.vector.VectorEnv):
             # form every server handles fastest); else a lane-scoped one beside the resets.
             builders.append(
                 partial(
-                    _step_builder,
+                    step_builder,
                     leaves=leaves,
                     timeout_ms=self._timeout_ms,
                     lanes=[] if whole else step_lanes,
@@ -406,7 +406,7 @@ class VectorEnv(gym.vector.VectorEnv):
         if reset_lanes:
             builders.append(
                 partial(
-                    _reset_builder,
+                    reset_builder,
                     seeds=[],
                     options=None,
                     timeout_ms=self._timeout_ms,
@@ -419,7 +419,7 @@ class VectorEnv(gym.vector.VectorEnv):
             builders, kinds, timeout_ms=self._timeout_ms, lanes=addressed
         )
         for answer in answers:
-            if isinstance(answer, EndpointError) and not _lane_crash(answer):
+            if isinstance(answer, EndpointError) and not lane_crash(answer):
                 raise answer
         stepped: dict[int, tuple[Any, float, bool, bool, dict[str, Any]]] = {}
         step_answer = answers[0] if step_lanes else None
@@ -508,7 +508,7 @@ class VectorEnv(gym.vector.VectorEnv):
         for lane in range(self.num_envs):
             try:
                 reply = self._ep.roundtrip(
-                    [partial(_render_builder, lane=lane)], ["render"], lanes=[[lane]]
+                    [partial(render_builder, lane=lane)], ["render"], lanes=[[lane]]
                 )[0]
             except EnvError as exc:
                 if not exc.is_recoverable:
@@ -623,7 +623,7 @@ class Env(gym.Env):
         reply = self._ep.roundtrip(
             [
                 partial(
-                    _reset_builder,
+                    reset_builder,
                     seeds=seeds,
                     options=options,
                     timeout_ms=self._timeout_ms,
@@ -644,7 +644,7 @@ class Env(gym.Env):
             )
         leaves = self._state.codecs.encode_single_action(action)
         reply = self._ep.roundtrip(
-            [partial(_step_builder, leaves=leaves, timeout_ms=self._timeout_ms, lanes=[])],
+            [partial(step_builder, leaves=leaves, timeout_ms=self._timeout_ms, lanes=[])],
             ["step"],
             timeout_ms=self._timeout_ms,
             lanes=[[0]],
@@ -656,31 +656,9 @@ class Env(gym.Env):
     def render(self) -> Any:
         if self.render_mode is None:
             return None
-        reply = self._ep.roundtrip([partial(_render_builder, lane=0)], ["render"], lanes=[[0]])[0]
+        reply = self._ep.roundtrip([partial(render_builder, lane=0)], ["render"], lanes=[[0]])[0]
         return decode_frame(reply)
 
     def close(self) -> None:
         if getattr(self, "_ep", None) is not None:
             self.final_episodes = self._ep.close()
-
-
-def _lane_crash(error: EndpointError) -> bool:
-    """A recoverable error naming faulted lanes (rlmesh-trio's rebuild/truncate): the
-    session goes on once those lanes are reset."""
-    return isinstance(error, EnvError) and error.is_recoverable and bool(error.lane_faults)
-
-
-def _reset_builder(
-    rid: str, *, seeds: list[int], options: dict[str, Any] | None, timeout_ms: int, lanes: list[int]
-) -> bytes:
-    return reset_request(
-        rid, seeds=seeds, options=options, timeout_ms=timeout_ms, env_indices=lanes
-    )
-
-
-def _step_builder(rid: str, *, leaves: list[bytes], timeout_ms: int, lanes: list[int]) -> bytes:
-    return step_request(rid, leaves, timeout_ms=timeout_ms, env_indices=lanes)
-
-
-def _render_builder(rid: str, *, lane: int) -> bytes:
-    return render_request(rid, [lane])

@@ -116,6 +116,25 @@ def render_request(request_id: str, env_indices: Sequence[int], *, timeout_ms: i
     return _join(b"\x1a", body, request_id)
 
 
+def reset_builder(
+    rid: str, *, seeds: list[int], options: dict[str, Any] | None, timeout_ms: int, lanes: list[int]
+) -> bytes:
+    """:func:`reset_request` as a lane pool's request builder (keywords)."""
+    return reset_request(
+        rid, seeds=seeds, options=options, timeout_ms=timeout_ms, env_indices=lanes
+    )
+
+
+def step_builder(rid: str, *, leaves: list[bytes], timeout_ms: int, lanes: list[int]) -> bytes:
+    """:func:`step_request` as a lane pool's request builder (keywords)."""
+    return step_request(rid, leaves, timeout_ms=timeout_ms, env_indices=lanes)
+
+
+def render_builder(rid: str, *, lane: int) -> bytes:
+    """:func:`render_request` of one lane as a lane pool's request builder."""
+    return render_request(rid, [lane])
+
+
 def close_request(request_id: str, reason: str) -> bytes:
     return _join(b"\x22", len_prefixed(b"\x0a", reason.encode()) if reason else b"", request_id)
 

@@ -49,8 +49,8 @@ from .._tls import TlsSetting
 from ._blocking import BlockingEndpoint
 from ._codecs import decode_frame, lane_infos, step_arrays
 from ._contract import Contract
-from ._errors import LANE_FAULT_KEY, EndpointError, EnvError, ErrorCode
-from ._messages import Episode, Reply, render_request, reset_request, step_request
+from ._errors import LANE_FAULT_KEY, EndpointError, EnvError, ErrorCode, lane_crash
+from ._messages import Episode, Reply, render_builder, reset_builder, step_builder
 from ._settings import (
     DEFAULT_CLOSE_TIMEOUT_SECONDS,
     DEFAULT_CONNECT_TIMEOUT_SECONDS,
@@ -185,7 +185,7 @@ class RemoteVecEnv(VecEnv):
             groups = [[i] for i in range(n)]  # each lane its own, sent together
         builders = [
             partial(
-                _reset_builder,
+                reset_builder,
                 seeds=[int(s) for s in (seeds[i] for i in group) if s is not None],
                 options=options[group[0]] or None,
                 timeout_ms=self._timeout_ms,
@@ -230,7 +230,7 @@ class RemoteVecEnv(VecEnv):
         if stepping:
             builders.append(
                 partial(
-                    _step_builder,
+                    step_builder,
                     leaves=self._encode_actions(actions, stepping),
                     timeout_ms=self._timeout_ms,
                     lanes=[] if len(stepping) == n else stepping,
@@ -246,7 +246,7 @@ class RemoteVecEnv(VecEnv):
             builders, kinds, timeout_ms=self._timeout_ms, lanes=addressed
         )
         for answer in answers:
-            if isinstance(answer, EndpointError) and not _lane_crash(answer):
+            if isinstance(answer, EndpointError) and not lane_crash(answer):
                 raise answer
         results: dict[int, LaneResult] = {}
         fresh: dict[int, tuple[Any, dict[str, Any]]] = {}
@@ -269,7 +269,7 @@ class RemoteVecEnv(VecEnv):
                 lanes=[[lane] for lane in done],
             )
             for answer in answers:
-                if isinstance(answer, EndpointError) and not _lane_crash(answer):
+                if isinstance(answer, EndpointError) and not lane_crash(answer):
                     raise answer
             fresh.update(self._autoreset(done, answers, results))
         infos: list[dict[str, Any]] = []
@@ -417,7 +417,7 @@ class RemoteVecEnv(VecEnv):
     def _autoreset_builder(self, lane: int) -> Any:
         """The unseeded reset of one finished lane (SB3 seeds only at ``reset()``)."""
         return partial(
-            _reset_builder,
+            reset_builder,
             seeds=[],
             options=None,
             timeout_ms=self._timeout_ms,
@@ -459,7 +459,7 @@ class RemoteVecEnv(VecEnv):
         the server cannot render (a recoverable refusal, remembered: not asked again)."""
         asked = [lane for lane in lanes if lane not in self._unrenderable]
         answers = self._ep.roundtrip_each(
-            [partial(_render_builder, lane=lane) for lane in asked],
+            [partial(render_builder, lane=lane) for lane in asked],
             ["render"] * len(asked),
             lanes=[[lane] for lane in asked],
         )
@@ -489,24 +489,3 @@ class RemoteVecEnv(VecEnv):
         return dict_to_obs(
             self.observation_space, OrderedDict((key, a.copy()) for key, a in self._buf_obs.items())
         )
-
-
-def _lane_crash(error: EndpointError) -> bool:
-    """A recoverable error naming faulted lanes (rlmesh-trio's rebuild/truncate)."""
-    return isinstance(error, EnvError) and error.is_recoverable and bool(error.lane_faults)
-
-
-def _reset_builder(
-    rid: str, *, seeds: list[int], options: dict[str, Any] | None, timeout_ms: int, lanes: list[int]
-) -> bytes:
-    return reset_request(
-        rid, seeds=seeds, options=options, timeout_ms=timeout_ms, env_indices=lanes
-    )
-
-
-def _step_builder(rid: str, *, leaves: list[bytes], timeout_ms: int, lanes: list[int]) -> bytes:
-    return step_request(rid, leaves, timeout_ms=timeout_ms, env_indices=lanes)
-
-
-def _render_builder(rid: str, *, lane: int) -> bytes:
-    return render_request(rid, [lane])
