@@ -207,14 +207,29 @@ pip's configuration here finds it before PyPI's build of the same version; anoth
 version, another Python or a resolver left to choose could pull a CUDA build (gigabytes)."""
 
 
+RLLIB = [
+    "ray",
+    # ray[rllib]'s requirements but its gymnasium==1.2.2 pin (ours is 1.4.0, which RLlib's
+    # PPO runs on: tests/trainers/test_trainers_rllib.py); versions from the constraints.
+    *("pandas", "tensorboardX", "requests", "pyarrow", "fsspec", "pydantic", "dm_tree"),
+    *("lz4", "ormsgpack", "pyyaml", "scipy"),
+]
+"""RLlib, without the ``rllib`` extra: ``ray[rllib]==2.60.0`` pins gymnasium 1.2.2, which
+our constraints (and the other trainers' runs) do not take."""
+
+
 @nox.session(python="3.11")
 def trainers(session: nox.Session) -> None:
     """Real trainers through served envs (issue 30): ``tests/test_client_sb3.py`` (SB3's
     ``RemoteVecEnv`` against ``DummyVecEnv``) and ``tests/trainers`` (SB3's PPO on
     ``RemoteVecEnv`` and a CleanRL-style PPO on ``VectorEnv`` learn exactly what they learn
-    on local envs). torch is installed first, alone and pinned, then the sb3 extra."""
+    on local envs; TorchRL's ``GymWrapper`` rolls out as over local envs; RLlib's PPO on the
+    registered id learns what it learns locally). torch is installed first, alone and
+    pinned, then the sb3 extra, TorchRL and RLlib (all at the CI pins, torch's among them)."""
     session.install("-c", CI_CONSTRAINTS, TORCH)
-    session.install("-c", CI_CONSTRAINTS, ".[sb3]", *test_requirements_without_ray())
+    session.install(
+        "-c", CI_CONSTRAINTS, ".[sb3]", *test_requirements_without_ray(), "torchrl", *RLLIB
+    )
     session.run(
         "python", "-c", "import torch; assert torch.version.cuda is None, torch.__version__"
     )
