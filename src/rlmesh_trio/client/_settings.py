@@ -80,7 +80,19 @@ def transport_failure(conn: GrpcConnection, exc: BaseException, what: str) -> st
     why = describe_tls_error(exc)
     if why is None and conn.tls and not conn.heard_from_server:
         why = ABRUPT_END
-    return f"{what}: TLS: {why}" if why is not None else f"{what}: {exc!r}"
+    if why is not None:
+        return f"{what}: TLS: {why}"
+    if not conn.heard_from_server and isinstance(
+        exc if isinstance(exc, OSError) else exc.__cause__, ConnectionResetError
+    ):
+        # A TLS server answers a plaintext client's preface with an alert and closes;
+        # closing with our bytes unread resets the connection, and the reset can destroy
+        # the alert before we read it.
+        return (
+            f"{what}: {exc!r}: the server reset the connection before its HTTP/2 "
+            "settings (if it serves TLS, connect with tls=...)"
+        )
+    return f"{what}: {exc!r}"
 
 
 def tls_failure(target: Target, exc: BaseException) -> ConnectionLostError:
