@@ -156,6 +156,24 @@ def test_rllib_ppo_on_the_registered_id_learns_what_it_learns_on_local_envs(
     print(f"RLlib PPO seed {SEED}: {remote.iterations}")
 
 
+def test_one_remote_env_runner_builds_the_env_in_its_own_process(address: str) -> None:
+    """``num_env_runners=1``: the driver's env runner builds no env, the remote one (a Ray
+    worker process) builds the ``VectorEnv``, the ``rlmesh_trio:`` prefix importing the
+    package there. (Two or more would all join the one endpoint.)"""
+    ppo = config(
+        "rlmesh_trio:rlmesh_trio/Remote-v0", {"address": address}, "vector_entry_point"
+    ).env_runners(num_env_runners=1)
+    ppo.training(train_batch_size_per_learner=512, minibatch_size=128, num_epochs=1)
+    algo = ppo.build_algo()
+    try:
+        assert getattr(algo.env_runner, "env", None) is None
+        result = algo.train()
+        assert result["env_runners"]["num_env_steps_sampled"] >= 512
+        assert result["env_runners"]["num_episodes"] > 0
+    finally:
+        algo.stop()
+
+
 def test_num_envs_must_be_the_endpoints_lanes(servers: ServerPool) -> None:
     """``num_envs_per_env_runner`` other than the endpoint's lanes: gymnasium's
     ``make_vec`` error, naming both, surfaces from ``build_algo``."""
