@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rlmesh_trio._errors import LaneDeadError, LaneWedgedError
-from rlmesh_trio._lanes._lane import Incarnation, _Lane
+from rlmesh_trio._lanes._lane import Incarnation, Lane
 from rlmesh_trio._lanes._state import TRANSITIONS, LaneState, LaneStateError, check_transition
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "supervision.md"
@@ -68,8 +68,8 @@ class _Bookkeeping(Incarnation):
     __slots__ = ()
 
 
-def _lane() -> _Lane:
-    return _Lane(0, _Bookkeeping)
+def _lane() -> Lane:
+    return Lane(0, _Bookkeeping)
 
 
 def test_transitions_move_the_fields_that_go_with_the_state() -> None:

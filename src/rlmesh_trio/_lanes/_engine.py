@@ -11,7 +11,7 @@ it was posted with.
 Lanes are independent: no lock is shared between lanes, a job for lane 2 never waits for
 lane 0, and one lane's slow env costs the others nothing.
 
-A lane's state changes only through the transitions of :class:`~._lane._Lane`, checked
+A lane's state changes only through the transitions of :class:`~._lane.Lane`, checked
 against one table (:mod:`._state`, docs/supervision.md). Where the env lives -- on the
 thread, or in a child process the thread proxies for -- is the incarnation's business
 (:mod:`._incarnation`): the engine speaks one protocol to both.
@@ -47,7 +47,7 @@ from .._jobs import EnvContract, Job, Phases, ReplyFn
 from .._options import DEFAULT_CLOSE_TIMEOUT, FaultPolicy, Policy, Resolved, ServeOptions, resolve
 from ._contract import EnvFacts, agree
 from ._incarnation import spawner
-from ._lane import _STOP, LANE_THREAD_PREFIX, Incarnation, _Lane, answer, stopped_error
+from ._lane import LANE_THREAD_PREFIX, STOP, Incarnation, Lane, answer, stopped_error
 from ._state import LaneState
 from ._supervisor import REBUILD_BACKOFF, AbandonedLedger, GivenUpLanes, Supervisor
 from ._thread import LaneThreads
@@ -131,7 +131,7 @@ class LaneEngine:
         self._lane_timeout = options.lane_timeout
         self._teardown_timeout = options.close_timeout
         spawn = spawner(options.lane_isolation, make_env, options.policy)
-        self._lanes = [_Lane(i, spawn) for i in range(num_envs)]
+        self._lanes = [Lane(i, spawn) for i in range(num_envs)]
         self._ledger = AbandonedLedger(options.max_abandoned_lanes)
         if options.min_serving_lanes > num_envs:
             raise ValueError(
@@ -381,7 +381,7 @@ class LaneEngine:
             if lane.scope is not None and lane.scope.deadline != math.inf:
                 lane.scope.deadline = min(lane.scope.deadline, self._deadline_cap)
 
-    def _start_thread(self, lane: _Lane, inc: Incarnation) -> None:
+    def _start_thread(self, lane: Lane, inc: Incarnation) -> None:
         self._threads.start(lane, inc)
 
     def _lane_reported(self, index: int, result: outcome.Outcome[EnvFacts]) -> None:
@@ -402,7 +402,7 @@ class LaneEngine:
         if index < len(self._wakeups):
             self._wakeups[index].send_nowait(None)
 
-    def _exited(self, lane: _Lane, inc: Incarnation) -> None:
+    def _exited(self, lane: Lane, inc: Incarnation) -> None:
         """Trio thread: an incarnation's thread ran its last act."""
         inc.exited.set()
         self._wake_lane(lane.index)
@@ -465,7 +465,7 @@ class LaneEngine:
             for item in queued:
                 answer(lane.index, item, outcome.Error(stopped_error(lane.index)), Phases())
             if not already:
-                lane.mailbox.put(_STOP)
+                lane.mailbox.put(STOP)
             self._to_trio(self._wake_lane, lane.index)
         self._to_trio(self._wake_run)
 
@@ -478,7 +478,7 @@ class LaneEngine:
         record = self._lane(lane)
         return record.running and record.accepting and record.refusal is None
 
-    def _lane(self, lane: int) -> _Lane:
+    def _lane(self, lane: int) -> Lane:
         if not 0 <= lane < self.num_envs:
             raise LaneError(f"lane {lane} out of range for {self.num_envs} lanes")
         return self._lanes[lane]

@@ -1,6 +1,6 @@
 """One lane: its mailbox, its state and the transitions that change it.
 
-Every state change of a lane is one of :class:`_Lane`'s transition methods (:meth:`serve`,
+Every state change of a lane is one of :class:`Lane`'s transition methods (:meth:`serve`,
 :meth:`rebuilding`, :meth:`wedged`, :meth:`dead`, :meth:`stopped`), each called with the
 lane's lock held: it checks the move against :data:`~._state.TRANSITIONS` and updates,
 together, every field that goes with the state (the refusal ``post`` raises, the
@@ -39,18 +39,18 @@ left behind is renamed ``...-<i>-retired`` (closing a faulted env) or ``...-<i>-
 (stuck in a wedged env call)."""
 
 
-class _Stop:
+class Stop:
     """The mailbox sentinel that tells a lane thread to wind down."""
 
     __slots__ = ()
 
 
-_STOP: Final = _Stop()
+STOP: Final = Stop()
 
-_Item = tuple[int, Job, ReplyFn]
+Item = tuple[int, Job, ReplyFn]
 """``(perf_counter_ns() at post, job, reply)``."""
 
-_MailboxItem = _Item | _Stop
+MailboxItem = Item | Stop
 
 Execute = Callable[[Job, int], tuple[outcome.Outcome[Any], Phases, bool]]
 """``execute(job, queue_ns) -> (outcome, phases, env_raised)`` (:meth:`LaneWork.execute`)."""
@@ -115,7 +115,7 @@ Spawn = Callable[[int, int], Incarnation]
 protocol and its two variants are in :mod:`._incarnation`)."""
 
 
-class _Lane:
+class Lane:
     """One lane's mailbox and state. ``lock`` guards the mutable fields below.
 
     The lock is the lane's own (never shared between lanes) and is only held for a few
@@ -152,13 +152,13 @@ class _Lane:
     def __init__(self, index: int, spawn: Spawn) -> None:
         self.index = index
         self.spawn = spawn
-        self.mailbox: queue.SimpleQueue[_MailboxItem] = queue.SimpleQueue()
+        self.mailbox: queue.SimpleQueue[MailboxItem] = queue.SimpleQueue()
         self.lock = threading.Lock()
         self.accepting = True
         """``post`` puts jobs into the mailbox (false once closing or the thread is gone)."""
         self.stopping = False
         """Close was requested: finish the current job, answer the queued ones as stopped."""
-        self.current: _Item | None = None
+        self.current: Item | None = None
         """The job the lane thread is running; whoever takes it out answers it."""
         self.since = 0
         """``perf_counter_ns()`` when ``current`` started (or the rebuild began)."""
@@ -169,7 +169,7 @@ class _Lane:
         self.refusal: LaneError | None = None
         """While set, ``post`` raises it instead of queueing (wedged, dead)."""
         self.incarnation: Incarnation = spawn(index, 0)
-        self.retry: tuple[_Item, int] | None = None
+        self.retry: tuple[Item, int] | None = None
         """A job the next incarnation runs first (a reset retried after a fault)."""
         self.attempt = 0
         """Rebuild attempts since the lane last served (for backoff and messages)."""
@@ -243,7 +243,7 @@ class _Lane:
         self.incarnation = self.spawn(self.index, old.number + 1)
         return old
 
-    def wedged(self, refusal: LaneWedgedError, *, take: bool) -> list[_Item]:
+    def wedged(self, refusal: LaneWedgedError, *, take: bool) -> list[Item]:
         """-> WEDGED (policy ``error``): refuse new jobs with ``refusal`` until the call
         returns. ``take``: the running job and the queued ones are taken out (returned,
         for the caller to answer), as the lane's own watchdog does."""
@@ -254,14 +254,14 @@ class _Lane:
         self.current = None
         return self.take_queued()
 
-    def hold_off(self, refusal: LaneError | None) -> list[_Item]:
+    def hold_off(self, refusal: LaneError | None) -> list[Item]:
         """REBUILDING, no state change: the fresh env is held back (a fault storm's
         backoff) and jobs are refused with ``refusal`` meanwhile (None: they queue again);
         the queued ones are returned for the caller to answer."""
         self.refusal = refusal
         return self.take_queued() if refusal is not None else []
 
-    def dead(self, refusal: LaneDeadError, cause: str, *, for_good: bool = False) -> list[_Item]:
+    def dead(self, refusal: LaneDeadError, cause: str, *, for_good: bool = False) -> list[Item]:
         """-> DEAD: a rebuild failed (for a while: the supervisor tries again), or, with
         ``for_good``, the lane is given up (:attr:`given_up`: a process lane lost under
         ``error``, too many threads left behind). Jobs are refused with ``refusal``; the
@@ -286,9 +286,9 @@ class _Lane:
         self.stopping = True
         return already
 
-    def take_queued(self) -> list[_Item]:
+    def take_queued(self) -> list[Item]:
         """Under the lock: every job waiting in the mailbox (and the retry slot)."""
-        items: list[_Item] = []
+        items: list[Item] = []
         if self.retry is not None:
             items.append(self.retry[0])
             self.retry = None
@@ -298,12 +298,12 @@ class _Lane:
                 item = self.mailbox.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(item, _Stop):
+            if isinstance(item, Stop):
                 stop = True
             else:
                 items.append(item)
         if stop:
-            self.mailbox.put(_STOP)
+            self.mailbox.put(STOP)
         return items
 
     def fail_pending(self) -> None:
@@ -323,7 +323,7 @@ class _Lane:
             answer(self.index, item, outcome.Error(stopped_error(self.index)), Phases())
         # No job can follow (``accepting`` is false); a fresh sentinel makes sure a lane
         # thread that comes back from being abandoned finds its way out of ``get()``.
-        self.mailbox.put(_STOP)
+        self.mailbox.put(STOP)
 
 
 def stopped_error(index: int) -> LaneBrokenError:
@@ -332,7 +332,7 @@ def stopped_error(index: int) -> LaneBrokenError:
 
 def answer(
     index: int,
-    item: _Item,
+    item: Item,
     result: outcome.Outcome[Any],
     phases: Phases,
     fault: LaneFault | None = None,

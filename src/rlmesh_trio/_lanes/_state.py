@@ -1,6 +1,6 @@
 """A lane's states and the one table of the moves allowed between them.
 
-Every change of a lane's state goes through :meth:`~._lane._Lane.move`, which checks
+Every change of a lane's state goes through :meth:`~._lane.Lane._move`, which checks
 the ``(from, to)`` pair against :data:`TRANSITIONS`; a pair not in the table is a bug of
 the engine and raises :class:`LaneStateError`. docs/supervision.md carries the same table
 (``tests/test_lanes_state.py`` reads it and compares), so the documented state machine is
@@ -8,7 +8,7 @@ the one the code runs.
 
 Adding a state (e.g. a lane rebuilt while its client's session goes on) means adding a
 member here, its rows to :data:`TRANSITIONS` and to the doc's table, and a transition
-method on :class:`~._lane._Lane`.
+method on :class:`~._lane.Lane`.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import trio
 from .._bridge import thread_gone
 from .._errors import LaneDeadError, LaneRebuildFailedError
 from .._jobs import Phases
-from ._lane import LANE_THREAD_PREFIX, Incarnation, _Lane, answer
+from ._lane import LANE_THREAD_PREFIX, Incarnation, Lane, answer
 from ._state import LaneState
 
 __all__ = [
@@ -73,7 +73,7 @@ class AbandonedLedger:
     def healthy(self) -> bool:
         return self.count <= self.max_abandoned
 
-    def add(self, lane: _Lane, inc: Incarnation) -> None:
+    def add(self, lane: Lane, inc: Incarnation) -> None:
         """``inc``'s thread is left behind: count it, rename it, say so past the cap."""
         with self._lock:
             self.count += 1
@@ -90,7 +90,7 @@ class AbandonedLedger:
                 self.max_abandoned,
             )
 
-    def returned(self, lane: _Lane, inc: Incarnation) -> None:
+    def returned(self, lane: Lane, inc: Incarnation) -> None:
         """An abandoned thread finished on its own and exited."""
         with self._lock:
             self.count -= 1
@@ -104,7 +104,7 @@ class AbandonedLedger:
 
 
 class GivenUpLanes:
-    """The lanes given up for good (:attr:`_Lane.given_up`: dead, never rebuilt again
+    """The lanes given up for good (:attr:`Lane.given_up`: dead, never rebuilt again
     in this process), for health. Any thread.
 
     Such a lane fails every whole-vector request from then on, so past ``tolerated``
@@ -114,7 +114,7 @@ class GivenUpLanes:
     ``min_serving_lanes`` counts those.
     """
 
-    def __init__(self, lanes: Sequence[_Lane], tolerated: int) -> None:
+    def __init__(self, lanes: Sequence[Lane], tolerated: int) -> None:
         self._lanes = lanes
         self.tolerated = tolerated
 
@@ -126,7 +126,7 @@ class GivenUpLanes:
     def healthy(self) -> bool:
         return self.count <= self.tolerated
 
-    def added(self, lane: _Lane) -> None:
+    def added(self, lane: Lane) -> None:
         """``lane`` was just given up (its ``given_up`` set): say what that does to health."""
         count = self.count
         if count > self.tolerated:
@@ -161,7 +161,7 @@ class Supervisor:
     def __init__(
         self,
         *,
-        start: Callable[[_Lane, Incarnation], None],
+        start: Callable[[Lane, Incarnation], None],
         ledger: AbandonedLedger,
         given_up: GivenUpLanes,
         rebuilds: bool,
@@ -181,7 +181,7 @@ class Supervisor:
         first, cap = self._backoff
         return float(min(first * 2 ** max(attempt - 1, 0), cap))
 
-    async def run(self, lane: _Lane, wakeups: trio.MemoryReceiveChannel[None]) -> None:
+    async def run(self, lane: Lane, wakeups: trio.MemoryReceiveChannel[None]) -> None:
         """Supervise ``lane`` until it stopped; then answer what is left and mark it
         STOPPED. The caller runs this in ``lane.scope`` (shielded, given the teardown
         deadline)."""
@@ -280,7 +280,7 @@ class Supervisor:
         with lane.lock:
             lane.stopped()
 
-    def _hold_off(self, lane: _Lane, streak: int, delay: float) -> None:
+    def _hold_off(self, lane: Lane, streak: int, delay: float) -> None:
         """A fault storm: the lane's fresh envs keep faulting. The next one is built
         after ``delay``; meanwhile jobs are refused (recoverable) instead of queueing."""
         cause = lane.last_cause or "a fault"
@@ -302,7 +302,7 @@ class Supervisor:
         for item in waiting:
             answer(lane.index, item, outcome.Error(refusal), Phases())
 
-    def _give_up(self, lane: _Lane, left: int) -> None:
+    def _give_up(self, lane: Lane, left: int) -> None:
         """The lane left more threads behind than tolerated: dead for good."""
         cause = (
             f"{left} threads it abandoned are still running (an env.close() or env call "
@@ -326,14 +326,14 @@ class Supervisor:
         for item in waiting:
             answer(lane.index, item, outcome.Error(refusal), Phases())
 
-    def _next_attempt(self, lane: _Lane) -> None:
+    def _next_attempt(self, lane: Lane) -> None:
         """A DEAD lane's backoff is over: try the factory again."""
         with lane.lock:
             if lane.stopping or lane.state is not LaneState.DEAD:
                 return
             lane.rebuilding()
 
-    def _abandon_retired(self, lane: _Lane, old: Incarnation) -> None:
+    def _abandon_retired(self, lane: Lane, old: Incarnation) -> None:
         """A detached thread did not finish closing its env in time: count it abandoned."""
         old.abandoned = True
         self._ledger.add(lane, old)

@@ -27,9 +27,9 @@ from ._lane import (
     LANE_THREAD_PREFIX,
     Execute,
     Incarnation,
-    _Item,
-    _Lane,
-    _Stop,
+    Item,
+    Lane,
+    Stop,
     answer,
     stopped_error,
 )
@@ -65,10 +65,10 @@ class LaneThreads:
         close_timeout: float,
         to_trio: Callable[..., None],
         report: Callable[[int, outcome.Outcome[EnvFacts]], None],
-        exited: Callable[[_Lane, Incarnation], None],
+        exited: Callable[[Lane, Incarnation], None],
         wake: Callable[[int], None],
         rebuild_delay: Callable[[int], float],
-        gave_up: Callable[[_Lane], None],
+        gave_up: Callable[[Lane], None],
     ) -> None:
         self._rebuilds = rebuilds
         self._truncate = truncate
@@ -83,7 +83,7 @@ class LaneThreads:
         self.work: LaneWork | None = None
         self.facts0: EnvFacts | None = None
 
-    def start(self, lane: _Lane, inc: Incarnation) -> None:
+    def start(self, lane: Lane, inc: Incarnation) -> None:
         """Trio thread: start ``inc``'s thread (a fresh ``threading.Thread``, never a
         pooled worker: a rebuilt lane gets a thread no env ever ran on)."""
         thread = threading.Thread(
@@ -95,7 +95,7 @@ class LaneThreads:
         inc.thread = thread
         thread.start()
 
-    def _main(self, lane: _Lane, inc: Incarnation) -> None:
+    def _main(self, lane: Lane, inc: Incarnation) -> None:
         """One incarnation's whole life: build the env, serve the mailbox, close the env."""
         died = False
         try:
@@ -152,7 +152,7 @@ class LaneThreads:
             inc.close(self._close_timeout)
             self._to_trio(self._exited, lane, inc)
 
-    def _rebuilt(self, lane: _Lane, inc: Incarnation) -> bool:
+    def _rebuilt(self, lane: Lane, inc: Incarnation) -> bool:
         """A fresh env agrees with the contract; serve (unless superseded)."""
         with lane.lock:
             if inc.detached or lane.stopping:
@@ -162,7 +162,7 @@ class LaneThreads:
         logger.info("lane %d rebuilt (attempt %d, %.3f s)", lane.index, attempt, took)
         return True
 
-    def rebuild_failed(self, lane: _Lane, inc: Incarnation, exc: BaseException) -> None:
+    def rebuild_failed(self, lane: Lane, inc: Incarnation, exc: BaseException) -> None:
         """Any thread: the factory raised, overran or built a disagreeing env. Refuse jobs
         (fatal) until the supervisor's next attempt; answer the ones waiting for this one."""
         with lane.lock:
@@ -186,7 +186,7 @@ class LaneThreads:
         for item in waiting:
             answer(lane.index, item, outcome.Error(refusal), Phases())
 
-    def _serve(self, lane: _Lane, inc: Incarnation, execute: Execute) -> None:
+    def _serve(self, lane: Lane, inc: Incarnation, execute: Execute) -> None:
         get = lane.mailbox.get
         lock = lane.lock
         index = lane.index
@@ -195,7 +195,7 @@ class LaneThreads:
         unproven = fresh  # ... nor has it answered a step (the supervisor's storm check)
         while True:
             retried = 0
-            item: _Item | _Stop
+            item: Item | Stop
             if lane.retry is not None:  # only ever set before this incarnation started
                 with lock:
                     pending, lane.retry = lane.retry, None
@@ -206,16 +206,16 @@ class LaneThreads:
                 item = get()
             picked = perf_counter_ns()
             with lock:
-                stop = lane.stopping or isinstance(item, _Stop)
+                stop = lane.stopping or isinstance(item, Stop)
                 if not stop:
-                    assert not isinstance(item, _Stop)
+                    assert not isinstance(item, Stop)
                     lane.current = item
                     lane.since = picked
             if stop:
-                if not isinstance(item, _Stop):
+                if not isinstance(item, Stop):
                     answer(index, item, outcome.Error(stopped_error(index)), Phases())
                 return
-            assert not isinstance(item, _Stop)
+            assert not isinstance(item, Stop)
             posted, job, _reply = item
             if fresh and isinstance(job, StepJob):
                 self._refuse_unreset(lane, item)
@@ -259,7 +259,7 @@ class LaneThreads:
             answer(index, item, result, phases)
             del job, result, item, _reply
 
-    def _lost(self, lane: _Lane, cause: str) -> None:
+    def _lost(self, lane: Lane, cause: str) -> None:
         """Policy ``error``: the incarnation is lost (a process lane's child died): refuse
         the lane's jobs from now on."""
         reason = cause.split(": ", 1)[-1]
@@ -275,8 +275,8 @@ class LaneThreads:
 
     def _faulted(
         self,
-        lane: _Lane,
-        item: _Item,
+        lane: Lane,
+        item: Item,
         result: outcome.Error,
         phases: Phases,
         *,
@@ -300,7 +300,7 @@ class LaneThreads:
         threading.current_thread().name = f"{LANE_THREAD_PREFIX}{lane.index}-retired"
         self._to_trio(self._wake, lane.index)
 
-    def _refuse_unreset(self, lane: _Lane, item: _Item) -> None:
+    def _refuse_unreset(self, lane: Lane, item: Item) -> None:
         """A step on a rebuilt env nobody reset yet is refused, not run."""
         with lane.lock:
             if lane.current is item:
@@ -313,7 +313,7 @@ class LaneThreads:
         fault = LaneFault(lane=lane.index, error=cause)
         answer(lane.index, item, outcome.Error(error), Phases(), fault)
 
-    def _unwedged(self, lane: _Lane, job: Job) -> None:
+    def _unwedged(self, lane: Lane, job: Job) -> None:
         """Policy ``error``: a call declared wedged returned after all."""
         with lane.lock:
             if lane.state is not LaneState.WEDGED:

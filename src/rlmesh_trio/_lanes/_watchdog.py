@@ -18,7 +18,7 @@ import trio
 
 from .._errors import LaneTimeoutError, LaneWedgedError
 from .._jobs import Job, LaneFault, Phases
-from ._lane import Incarnation, _Item, _Lane, answer
+from ._lane import Incarnation, Item, Lane, answer
 from ._state import LaneState
 from ._supervisor import AbandonedLedger, thread_name
 from ._work import verb_of
@@ -37,12 +37,12 @@ class Wedges:
 
     def __init__(
         self,
-        lanes: Sequence[_Lane],
+        lanes: Sequence[Lane],
         *,
         rebuilds: bool,
         ledger: AbandonedLedger,
         wake: Callable[[int], None],
-        rebuild_failed: Callable[[_Lane, Incarnation, BaseException], None],
+        rebuild_failed: Callable[[Lane, Incarnation, BaseException], None],
     ) -> None:
         self._lanes = lanes
         self._rebuilds = rebuilds
@@ -50,7 +50,7 @@ class Wedges:
         self._wake = wake
         self._rebuild_failed = rebuild_failed
 
-    def request_deadline(self, lane: _Lane, job: Job, seconds: float) -> None:
+    def request_deadline(self, lane: Lane, job: Job, seconds: float) -> None:
         """A request's deadline of ``seconds`` expired while ``job`` was queued on or run
         by ``lane``. Any thread; never blocks.
 
@@ -68,8 +68,8 @@ class Wedges:
 
     def wedge(
         self,
-        lane: _Lane,
-        item: _Item,
+        lane: Lane,
+        item: Item,
         error: LaneTimeoutError,
         *,
         min_age_ns: int,
@@ -99,7 +99,7 @@ class Wedges:
             if lane.state is LaneState.WEDGED and not answer:
                 return  # declared already
             lane.wedges += 1
-            queued: list[_Item] = []
+            queued: list[Item] = []
             killed = False
             # Where the env is stuck, taken before anything interrupts it (item 8).
             stack = lane.incarnation.stack()
@@ -138,7 +138,7 @@ class Wedges:
 
     def _interrupted(
         self,
-        lane: _Lane,
+        lane: Lane,
         inc: Incarnation,
         killed: bool,
         verb: str,
@@ -173,7 +173,7 @@ class Wedges:
             stack,
         )
 
-    def build_overran(self, lane: _Lane, seconds: float) -> None:
+    def build_overran(self, lane: Lane, seconds: float) -> None:
         """Trio thread (watchdog): a rebuild's factory call overran its bound."""
         with lane.lock:
             inc = lane.incarnation
@@ -223,6 +223,6 @@ class Wedges:
 
 
 def _answer_error(
-    lane: _Lane, item: _Item, error: BaseException, fault: LaneFault | None = None
+    lane: Lane, item: Item, error: BaseException, fault: LaneFault | None = None
 ) -> None:
     answer(lane.index, item, outcome.Error(error), Phases(), fault)

@@ -25,7 +25,7 @@ from .._options import Policy
 from .._png import encode_png
 
 
-class _Split:
+class Split:
     """Splits one job's time into decode / user / encode (indices 0, 1, 2)."""
 
     __slots__ = ("mark", "ns", "phase")
@@ -89,19 +89,19 @@ class LaneWork:
         """
         result: outcome.Outcome[Any]
         if isinstance(job, StepJob):
-            split = _Split(_DECODE)
+            split = Split(_DECODE)
             result = outcome.capture(self._step, env, job, split)
         elif isinstance(job, ResetJob):
-            split = _Split(_USER)
+            split = Split(_USER)
             result = outcome.capture(self._reset, env, job, split)
         elif isinstance(job, CallJob):
-            split = _Split(_USER)
+            split = Split(_USER)
             result = outcome.capture(job.fn, env)
         elif isinstance(job, RenderJob):
-            split = _Split(_USER)
+            split = Split(_USER)
             result = outcome.capture(self._render, env, split)
         else:
-            split = _Split(_DECODE)
+            split = Split(_DECODE)
             result = outcome.Error(TypeError(f"not a lane job: {type(job).__name__}"))
         faulted = split.phase == _USER and isinstance(result, outcome.Error)
         return result, split.phases(queue_ns), faulted
@@ -114,13 +114,13 @@ class LaneWork:
             raise PolicyViolation(candidate.detail, candidate.kind)
         return leaves, candidate
 
-    def _reset(self, env: gym.Env[Any, Any], job: ResetJob, split: _Split) -> ResetResult:
+    def _reset(self, env: gym.Env[Any, Any], job: ResetJob, split: Split) -> ResetResult:
         observation, info = env.reset(seed=job.seed, options=job.options)
         split.enter(_ENCODE)
         leaves, candidate = self._encode_observation(observation)
         return ResetResult(observation=leaves, info=to_meta_map(info), obs_warning=candidate)
 
-    def _step(self, env: gym.Env[Any, Any], job: StepJob, split: _Split) -> StepResult:
+    def _step(self, env: gym.Env[Any, Any], job: StepJob, split: Split) -> StepResult:
         action, action_candidate = self._action_codec.step_action(
             job.leaves, job.n, job.row, validated=job.validated, soft_checks=self._soft
         )
@@ -140,7 +140,7 @@ class LaneWork:
             obs_warning=obs_candidate,
         )
 
-    def _render(self, env: gym.Env[Any, Any], split: _Split) -> RenderResult:
+    def _render(self, env: gym.Env[Any, Any], split: Split) -> RenderResult:
         frame = env.render()
         split.enter(_ENCODE)
         if frame is None:
