@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rlmesh_trio._errors import LaneDeadError, LaneWedgedError
-from rlmesh_trio._lanes._lane import Incarnation, Lane
+from rlmesh_trio._lanes._lane import STOP, Incarnation, Lane
 from rlmesh_trio._lanes._state import TRANSITIONS, LaneState, LaneStateError, check_transition
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "supervision.md"
@@ -118,8 +118,74 @@ def test_wedged_by_the_watchdog_takes_the_running_and_the_queued_jobs() -> None:
     jobs = [(0, object(), print), (1, object(), print)]
     with lane.lock:
         lane.serve()
-        lane.current = jobs[0]  # type: ignore[assignment]
+        lane.begin_job(jobs[0], 0)  # type: ignore[arg-type]
         lane.mailbox.put(jobs[1])  # type: ignore[arg-type]
         taken = lane.wedged(LaneWedgedError("lane 0 is wedged"), take=True)
     assert taken == [jobs[1]] and lane.current is None
     assert lane.mailbox.empty()
+
+
+def test_the_events_move_the_fields_that_go_with_them() -> None:
+    """What the lane thread, the supervisor and the watchdog tell a lane (the only writers
+    of its fields besides the transitions: ``tests/test_lanes_fields.py``)."""
+    lane = _lane()
+    first = lane.incarnation
+    job = (0, object(), print)
+    with lane.lock:
+        lane.serve()
+        # a job begins and ends; the stop sentinel begins nothing
+        assert lane.begin_job(job, 123)  # type: ignore[arg-type]
+        assert (lane.current, lane.since) == (job, 123)
+        assert lane.end_job(job)  # type: ignore[arg-type]
+        assert lane.current is None
+        assert not lane.begin_job(STOP, 456)
+        assert (lane.current, lane.since) == (None, 123)
+        # policy error: a wedged call that returns serves again; one taken out does not
+        lane.begin_job(job, 1)  # type: ignore[arg-type]
+        lane.wedged(LaneWedgedError("lane 0 is wedged"), take=False)
+        assert lane.end_job(job)  # type: ignore[arg-type]
+        assert (lane.state, lane.refusal, lane.wedges) == (LaneState.SERVING, None, 1)
+        lane.begin_job(job, 1)  # type: ignore[arg-type]
+        lane.wedged(LaneWedgedError("lane 0 is wedged"), take=True)
+        assert not lane.end_job(job)  # type: ignore[arg-type]
+        assert (lane.state, lane.wedges) == (LaneState.WEDGED, 2)
+        lane.serve()
+        # a fault, counted; rebuilt only when the policy rebuilds, the reset retried
+        assert not lane.fault(job, rebuild=False, retry=False)  # type: ignore[arg-type]
+        assert (lane.state, lane.faults) == (LaneState.SERVING, 1)
+        assert lane.fault(job, rebuild=True, retry=True)  # type: ignore[arg-type]
+        assert (lane.state, lane.faults, lane.retry) == (LaneState.REBUILDING, 2, (job, 1))
+        assert first.detached and lane.incarnation.number == 1
+        assert lane.take_retry() == (job, 1)
+        assert lane.take_retry() is None
+        lane.went_down("RuntimeError: boom")
+        assert lane.last_cause == "RuntimeError: boom"
+        # a fault storm's refusal, lifted when the fresh env is started
+        refusal = LaneDeadError("lane 0 faulted 6 times in a row")
+        assert lane.hold_off(refusal) == []
+        since = lane.since
+        lane.build_starts()
+        assert lane.refusal is None and lane.since >= since
+        lane.serve()
+        # a wedge under a rebuild policy takes the job out and rebuilds
+        lane.begin_job(job, 7)  # type: ignore[arg-type]
+        old = lane.wedged_rebuilding("TimeoutError: env.step timed out after 10ms")
+        assert old.number == 1 and old.detached
+        assert (lane.state, lane.current, lane.wedges) == (LaneState.REBUILDING, None, 3)
+        assert lane.last_cause == "TimeoutError: env.step timed out after 10ms"
+        # threads left behind, counted while they run
+        lane.thread_abandoned()
+        lane.thread_abandoned()
+        lane.abandoned_thread_exited()
+        assert lane.abandoned == 1
+        # a detached thread's end changes nothing; the serving one's death loses the lane
+        assert lane.thread_ended(old, died=True) == (False, False)
+        assert not lane.given_up
+        lane.serve()
+        assert lane.thread_ended(lane.incarnation, died=True) == (True, True)
+        assert (lane.running, lane.given_up) == (False, True)
+    # a rebuilt env proven healthy: the supervisor's proof, used up once read
+    assert not lane.take_proof()
+    lane.proven_healthy()
+    assert lane.take_proof()
+    assert not lane.take_proof()

@@ -3,8 +3,9 @@
 * :mod:`._engine` -- :class:`LaneEngine`: construction, startup (the contract), bounded
   teardown and the public API (post, close, status);
 * :mod:`._state` -- a lane's states and the one table of allowed moves;
-* :mod:`._lane` -- one lane's mailbox and the transitions that change its state;
-  the incarnation protocol (build, execute, interrupt, close);
+* :mod:`._lane` -- one lane's mailbox, the transitions that change its state and the
+  events that change its other fields (nothing else writes them); the incarnation
+  protocol (build, execute, interrupt, close);
 * :mod:`._incarnation` -- its two variants: the env on the lane's thread, or in a child
   process the thread proxies for;
 * :mod:`._thread` -- the lane thread's body: build, serve the mailbox, hand over after a

@@ -305,7 +305,7 @@ class LaneEngine:
         failure: BaseException | None = None
         async with trio.open_nursery() as nursery:
             for lane in self._lanes:
-                lane.scope = trio.CancelScope(shield=True)
+                lane.supervised()
                 send, receive = trio.open_memory_channel[None](math.inf)
                 self._wakeups.append(send)
                 nursery.start_soon(

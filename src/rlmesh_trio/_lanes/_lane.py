@@ -1,11 +1,14 @@
 """One lane: its mailbox, its state and the transitions that change it.
 
 Every state change of a lane is one of :class:`Lane`'s transition methods (:meth:`serve`,
-:meth:`rebuilding`, :meth:`wedged`, :meth:`dead`, :meth:`stopped`), each called with the
-lane's lock held: it checks the move against :data:`~._state.TRANSITIONS` and updates,
-together, every field that goes with the state (the refusal ``post`` raises, the
-incarnation, the attempt counter, the clock the watchdog reads). Nothing else assigns
-``state``.
+:meth:`rebuilding`, :meth:`wedged`, :meth:`wedged_rebuilding`, :meth:`dead`,
+:meth:`stopped`), each called with the lane's lock held: it checks the move against
+:data:`~._state.TRANSITIONS` and updates, together, every field that goes with the state
+(the refusal ``post`` raises, the incarnation, the attempt counter, the clock the watchdog
+reads). What the lane thread, the supervisor and the watchdog tell a lane besides (a job
+begins or ends, a fault, a rebuilt env proven healthy, a thread abandoned) are its event
+methods. Nothing else assigns a lane's fields (``tests/test_lanes_fields.py`` reads
+``_lanes/`` and holds the rule).
 """
 
 from __future__ import annotations
@@ -246,20 +249,32 @@ class Lane:
     def wedged(self, refusal: LaneWedgedError, *, take: bool) -> list[Item]:
         """-> WEDGED (policy ``error``): refuse new jobs with ``refusal`` until the call
         returns. ``take``: the running job and the queued ones are taken out (returned,
-        for the caller to answer), as the lane's own watchdog does."""
+        for the caller to answer), as the lane's own watchdog does. The wedge is counted."""
         self._move(LaneState.WEDGED)
+        self.wedges += 1
         self.refusal = refusal
         if not take:
             return []
         self.current = None
         return self.take_queued()
 
-    def hold_off(self, refusal: LaneError | None) -> list[Item]:
+    def wedged_rebuilding(self, cause: str) -> Incarnation:
+        """-> REBUILDING (policy ``rebuild``/``truncate``): the running job's env call
+        overran a deadline. The wedge is counted, the job taken out (the caller answers
+        it) and ``cause`` kept; the old incarnation, returned, is the caller's to
+        interrupt."""
+        self.wedges += 1
+        self.current = None
+        old = self.rebuilding()
+        self.last_cause = cause
+        return old
+
+    def hold_off(self, refusal: LaneError) -> list[Item]:
         """REBUILDING, no state change: the fresh env is held back (a fault storm's
-        backoff) and jobs are refused with ``refusal`` meanwhile (None: they queue again);
-        the queued ones are returned for the caller to answer."""
+        backoff) and jobs are refused with ``refusal`` meanwhile (until
+        :meth:`build_starts`); the queued ones are returned for the caller to answer."""
         self.refusal = refusal
-        return self.take_queued() if refusal is not None else []
+        return self.take_queued()
 
     def dead(self, refusal: LaneDeadError, cause: str, *, for_good: bool = False) -> list[Item]:
         """-> DEAD: a rebuild failed (for a while: the supervisor tries again), or, with
@@ -276,6 +291,105 @@ class Lane:
     def stopped(self) -> None:
         """-> STOPPED: the lane's supervisor is done (the engine closed)."""
         self._move(LaneState.STOPPED)
+
+    # ---- events (the lane lock held unless said) -------------------------------------
+    #
+    # What the lane thread, the supervisor and the watchdog tell a lane. Every write to a
+    # lane's fields is here or above (tests/test_lanes_fields.py holds the rule). The
+    # job ones (:meth:`begin_job`, :meth:`end_job`) run on the hot path, once a job each.
+
+    def begin_job(self, item: MailboxItem, now: int) -> bool:
+        """Lane thread: ``item``, just taken from the mailbox, starts running at ``now``
+        (``perf_counter_ns()``). False, and nothing changes, when the lane stops instead
+        (it is closing, or ``item`` is the stop sentinel)."""
+        if self.stopping or isinstance(item, Stop):
+            return False
+        self.current = item
+        self.since = now
+        return True
+
+    def end_job(self, item: Item) -> bool:
+        """Lane thread: the running ``item`` returned from the env (or was refused without
+        running). False when it was taken out meanwhile and answered for the thread (the
+        lane stopped or abandoned it, or policy ``error`` declared it wedged). A wedged
+        lane whose call returned serves again (-> SERVING)."""
+        if self.current is not item:
+            return False
+        self.current = None
+        if self.state is LaneState.WEDGED:
+            self.serve()
+        return True
+
+    def fault(self, item: Item, *, rebuild: bool, retry: bool) -> bool:
+        """Lane thread, after :meth:`end_job`: ``item``'s env call raised. The fault is
+        counted; with ``rebuild`` (policy ``rebuild``/``truncate``) and unless the lane is
+        closing, it goes REBUILDING, and with ``retry`` the fresh incarnation runs
+        ``item`` again first. Whether the thread hands over (it is detached now)."""
+        self.faults += 1
+        if not rebuild or self.stopping:
+            return False
+        self.rebuilding()
+        if retry:
+            self.retry = (item, 1)
+        return True
+
+    def went_down(self, cause: str) -> None:
+        """Why the lane's env last went down (``"Type: message"``), for the messages that
+        follow: a step refused on the rebuilt env, a fault storm's refusal."""
+        self.last_cause = cause
+
+    def take_retry(self) -> tuple[Item, int] | None:
+        """Lane thread, as a fresh incarnation starts serving: the job it runs first (a
+        reset retried after a fault) and how often it was tried, or None."""
+        pending, self.retry = self.retry, None
+        return pending
+
+    def proven_healthy(self) -> None:
+        """Lane thread, no lock (one flag, once per rebuilt env): a rebuilt env answered a
+        step, so the lane is not in a fault storm."""
+        self.proven = True
+
+    def take_proof(self) -> bool:
+        """Supervisor, no lock, as it counts a fault's rebuild: whether a rebuilt env
+        answered a step since it last asked (:meth:`proven_healthy`); the proof is used
+        up."""
+        proven, self.proven = self.proven, False
+        return proven
+
+    def build_starts(self) -> None:
+        """Supervisor: the fresh incarnation is started now. Jobs queue again (a fault
+        storm's refusal is lifted) and, while rebuilding, the factory's bound counts from
+        now."""
+        self.refusal = None
+        if self.state is LaneState.REBUILDING:
+            self.since = perf_counter_ns()
+
+    def thread_ended(self, inc: Incarnation, *, died: bool) -> tuple[bool, bool]:
+        """Lane thread, last: ``inc``'s thread stops serving (``died``: of an engine bug).
+        Returns ``(mine, lost)``: ``inc`` still held the lane (its thread no longer
+        serves), and the lane is lost with it -- given up for good (:attr:`given_up`)."""
+        mine = self.incarnation is inc and not inc.detached
+        lost = mine and died and not self.stopping and not self.given_up
+        if mine:
+            self.running = False
+        if lost:
+            self.given_up = True
+        return mine, lost
+
+    def thread_abandoned(self) -> None:
+        """One of the lane's threads was left behind, still running (a wedged env call, or
+        a close that never returned)."""
+        self.abandoned += 1
+
+    def abandoned_thread_exited(self) -> None:
+        """A thread the lane left behind finished on its own and exited."""
+        self.abandoned -= 1
+
+    def supervised(self) -> trio.CancelScope:
+        """Trio thread, no lock, once (:meth:`LaneEngine.run`): the shielded scope the
+        lane's supervisor runs in; teardown gives it the shared deadline."""
+        self.scope = trio.CancelScope(shield=True)
+        return self.scope
 
     # ---- the mailbox --------------------------------------------------------------------
 

@@ -19,7 +19,6 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Sequence
-from time import perf_counter_ns
 from typing import Final
 
 import outcome
@@ -79,7 +78,7 @@ class AbandonedLedger:
             self.count += 1
             over = self.count > self.max_abandoned
         with lane.lock:
-            lane.abandoned += 1
+            lane.thread_abandoned()
         if inc.thread is not None:
             inc.thread.name = f"{LANE_THREAD_PREFIX}{lane.index}-abandoned"
         if over:
@@ -95,7 +94,7 @@ class AbandonedLedger:
         with self._lock:
             self.count -= 1
         with lane.lock:
-            lane.abandoned -= 1
+            lane.abandoned_thread_exited()
         logger.info(
             "lane %d: abandoned thread %r finished on its own and exited",
             lane.index,
@@ -228,8 +227,7 @@ class Supervisor:
                             self._give_up(lane, left)
                             continue
                         if lane.attempt == 1:  # a fault (not a retry of a failed build)
-                            streak = 1 if lane.proven else streak + 1
-                            lane.proven = False
+                            streak = 1 if lane.take_proof() else streak + 1
                         free = streak <= FREE_REBUILDS
                         delay = 0.0 if free else self.rebuild_delay(streak - FREE_REBUILDS)
                         if delay and lane.attempt == 1:
@@ -240,9 +238,7 @@ class Supervisor:
                     if now >= start_at:
                         start_at = math.inf
                         with lane.lock:
-                            lane.hold_off(None)
-                            if lane.state is LaneState.REBUILDING:
-                                lane.since = perf_counter_ns()  # the factory's bound from now
+                            lane.build_starts()
                         self._start(lane, current)
                         threads.append(current)
                         continue

@@ -138,13 +138,8 @@ class LaneThreads:
             died = True
         finally:
             with lane.lock:
-                mine = lane.incarnation is inc and not inc.detached
                 dead = lane.state is LaneState.DEAD
-                lost = mine and died and not lane.stopping and not lane.given_up
-                if mine:
-                    lane.running = False
-                if lost:
-                    lane.given_up = True
+                mine, lost = lane.thread_ended(inc, died=died)
             if lost:
                 self._gave_up(lane)
             if mine and not dead:
@@ -188,6 +183,8 @@ class LaneThreads:
 
     def _serve(self, lane: Lane, inc: Incarnation, execute: Execute) -> None:
         get = lane.mailbox.get
+        begin_job = lane.begin_job
+        end_job = lane.end_job
         lock = lane.lock
         index = lane.index
         rebuilds = self._rebuilds
@@ -198,7 +195,7 @@ class LaneThreads:
             item: Item | Stop
             if lane.retry is not None:  # only ever set before this incarnation started
                 with lock:
-                    pending, lane.retry = lane.retry, None
+                    pending = lane.take_retry()
                 if pending is None:
                     continue
                 item, retried = pending
@@ -206,11 +203,7 @@ class LaneThreads:
                 item = get()
             picked = perf_counter_ns()
             with lock:
-                stop = lane.stopping or isinstance(item, Stop)
-                if not stop:
-                    assert not isinstance(item, Stop)
-                    lane.current = item
-                    lane.since = picked
+                stop = not begin_job(item, picked)
             if stop:
                 if not isinstance(item, Stop):
                     answer(index, item, outcome.Error(stopped_error(index)), Phases())
@@ -223,18 +216,10 @@ class LaneThreads:
             result, phases, faulted = execute(job, picked - posted)
             detach = False
             with lock:
-                taken = lane.current is not item
-                if not taken:
-                    lane.current = None
-                    if lane.state is LaneState.WEDGED:
-                        lane.serve()
-                    if faulted:
-                        lane.faults += 1
-                        if rebuilds and not lane.stopping:
-                            detach = True
-                            lane.rebuilding()
-                            if self._truncate and isinstance(job, ResetJob) and not retried:
-                                lane.retry = (item, 1)
+                taken = not end_job(item)
+                if faulted and not taken:
+                    retry = self._truncate and isinstance(job, ResetJob) and not retried
+                    detach = lane.fault(item, rebuild=rebuilds, retry=retry)
             if taken:
                 # The job was answered for us: the lane stopped or abandoned us, or (policy
                 # ``error``) declared the call wedged and now gets it back.
@@ -255,7 +240,7 @@ class LaneThreads:
                 fresh = False
             if unproven and isinstance(job, StepJob) and isinstance(result, outcome.Value):
                 unproven = False
-                lane.proven = True
+                lane.proven_healthy()
             answer(index, item, result, phases)
             del job, result, item, _reply
 
@@ -287,7 +272,7 @@ class LaneThreads:
         verb = verb_of(item[1])
         cause = f"{type(error).__name__}: {error}"
         with lane.lock:
-            lane.last_cause = cause
+            lane.went_down(cause)
         logger.warning(
             "lane %d: env.%s raised (%s); rebuilding the lane on a fresh thread%s",
             lane.index,
@@ -303,8 +288,7 @@ class LaneThreads:
     def _refuse_unreset(self, lane: Lane, item: Item) -> None:
         """A step on a rebuilt env nobody reset yet is refused, not run."""
         with lane.lock:
-            if lane.current is item:
-                lane.current = None
+            lane.end_job(item)  # never wedged here: only a rebuild policy makes fresh envs
         cause = lane.last_cause or "a fault"
         error = LaneNeedsResetError(
             f"step failed: lane {lane.index} was rebuilt after a fault ({cause}); "

@@ -98,15 +98,12 @@ class Wedges:
                 return
             if lane.state is LaneState.WEDGED and not answer:
                 return  # declared already
-            lane.wedges += 1
             queued: list[Item] = []
             killed = False
             # Where the env is stuck, taken before anything interrupts it (item 8).
             stack = lane.incarnation.stack()
             if self._rebuilds:
-                lane.current = None
-                inc = lane.rebuilding()
-                lane.last_cause = f"TimeoutError: {error}"
+                inc = lane.wedged_rebuilding(f"TimeoutError: {error}")
                 killed = inc.interrupt()  # under the lock: never seen detached, not abandoned
             else:
                 inc = lane.incarnation
