@@ -267,6 +267,45 @@ def test_serve_in_process_with_package_entrypoint_kwargs_and_ready_fd(
         os.fstat(write_fd)  # the ready fd was closed
 
 
+def test_package_is_imported_first_where_the_env_is_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--package`` with process lanes (or the fleet): the env factory, pickled to the
+    process that builds the env, imports the package there first. Unpickling it imports
+    the command line's ``_args`` and nothing of the server."""
+    import pickle
+
+    from rlmesh_trio._cli._args import ImportFirst, load_env
+
+    (tmp_path / "h4_first_pkg.py").write_text(
+        "import gymnasium as gym\n"
+        "gym.register('H4First-v0', entry_point='gymnasium.envs.classic_control:CartPoleEnv')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["serve", "--package", "h4_first_pkg", "--env", "H4First-v0"]
+    args = build_parser().parse_args([*argv, "--app-dir", str(tmp_path)])
+    assert load_env(args, in_other_processes=False) == "H4First-v0"
+    factory = load_env(args, in_other_processes=True)
+    assert isinstance(factory, ImportFirst) and factory.packages == ("h4_first_pkg",)
+    script = (
+        "import pickle, sys\n"
+        "factory = pickle.loads(sys.stdin.buffer.read())\n"
+        "server = ('trio', 'rlmesh_trio._serve', 'rlmesh_trio._cli._serve', 'h4_first_pkg')\n"
+        "print(sorted(set(server) & set(sys.modules)), factory().spec.id)\n"
+    )
+    path = os.pathsep.join([str(tmp_path), *sys.path])
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        input=pickle.dumps(factory),
+        capture_output=True,
+        timeout=BOUND,
+        env={**os.environ, "PYTHONPATH": path},
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert proc.stdout.decode().split() == ["[]", "H4First-v0"]
+
+
 # --------------------------------------------------------------------------- subprocesses
 
 

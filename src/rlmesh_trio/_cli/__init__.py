@@ -2,9 +2,11 @@
 
 One module per subcommand -- ``_serve`` (``serve``), ``_probe`` (``probe``), ``_fleet``
 (``fleet``: Ray is imported only when it runs) -- over ``_args`` (what they share: argparse
-types, the env-source arguments and the entrypoint loader, the ready-fd writer) and
-``_hints`` (one-line errors with their fix). The fleet library (``rlmesh_trio.fleet``)
-has no command-line code.
+types, the env-source arguments and the entrypoint loader, the ``--package`` factory
+``ImportFirst``, the ready-fd writer) and ``_hints`` (one-line errors with their fix);
+the subcommands are imported when the command line runs, so that unpickling an
+``ImportFirst`` (in a lane's child) imports no more than ``_args``. The fleet library
+(``rlmesh_trio.fleet``) has no command-line code.
 
 Exit codes: 0 done, 1 failed, 2 bad arguments, 128 + N after signal N; when stdout's
 reader goes away early (``rlmesh-trio probe ADDR | head -1``) the command exits quietly
@@ -21,9 +23,6 @@ from collections.abc import Sequence
 
 from .._version import __version__
 from ._args import PROG, Parser
-from ._fleet import add_fleet_parser, fleet_command
-from ._probe import add_probe_parser, probe_command
-from ._serve import add_serve_parser, serve_command
 
 __all__ = ["EXIT_BROKEN_PIPE", "build_parser", "main"]
 
@@ -33,6 +32,12 @@ EXIT_BROKEN_PIPE = 128 + getattr(signal, "SIGPIPE", 13)
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``rlmesh-trio`` argument parser: ``serve``, ``probe``, ``fleet``."""
+    # The subcommands are imported here, not at the top: a lane's child process that
+    # unpickles an :class:`~._args.ImportFirst` imports this package, and only that.
+    from ._fleet import add_fleet_parser
+    from ._probe import add_probe_parser
+    from ._serve import add_serve_parser
+
     parser = Parser(
         prog=PROG,
         description="Serve gymnasium environments over rlmesh-wire-v1 (rlmesh 0.1.0 clients).",
@@ -64,9 +69,15 @@ def _dispatch(argv: Sequence[str] | None) -> int:
     except SystemExit as exc:  # --help/--version (0) or a parse error (2, already printed)
         return exc.code if isinstance(exc.code, int) else 2
     if args.command == "probe":
+        from ._probe import probe_command
+
         return probe_command(args)
     if args.command == "fleet":
+        from ._fleet import fleet_command
+
         return fleet_command(args)
+    from ._serve import serve_command
+
     return serve_command(args)
 
 

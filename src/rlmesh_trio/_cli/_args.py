@@ -1,5 +1,6 @@
 """What ``serve`` and ``fleet`` (and ``probe``) share: the parser class, argparse types, the
-env-source arguments and their loading (``--entrypoint``'s ``module:callable``), a
+env-source arguments and their loading (``--entrypoint``'s ``module:callable``; the
+:class:`ImportFirst` factory that imports ``--package`` where the env is built), a
 deprecated flag's alias, and the ready-fd writer."""
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
+    import gymnasium as gym
     from _typeshed import SupportsWrite
 
 __all__ = [
     "PROG",
     "DeprecatedFlag",
+    "ImportFirst",
     "Parser",
     "UsageError",
     "add_env_source",
@@ -204,10 +207,36 @@ def load_env(args: argparse.Namespace, *, in_other_processes: bool) -> Callable[
     make_env: str | Callable[..., Any]
     make_env = args.env if args.env is not None else load_entrypoint(args.entrypoint)
     if in_other_processes and args.package:
-        from .._lanes._process import ImportFirst
-
         make_env = ImportFirst(tuple(args.package), make_env)
     return make_env
+
+
+class ImportFirst:
+    """A picklable env factory that imports packages first, in whichever process calls it.
+
+    For ``rlmesh-trio serve --package ale_py --lane-isolation process`` (and the fleet's
+    endpoints): the packages that register env ids must be imported in each process that
+    builds an env, not only in this one. Unpickling it imports this module, which
+    imports nothing of the server (the package's ``__init__`` imports the subcommands
+    only when the command line runs), so a lane's child stays as light as before.
+    """
+
+    def __init__(self, packages: tuple[str, ...], make_env: str | Callable[..., Any]) -> None:
+        self.packages = packages
+        self.make_env = make_env
+
+    def __call__(self, **kwargs: Any) -> gym.Env[Any, Any]:
+        import gymnasium as gym
+
+        for name in self.packages:
+            importlib.import_module(name)
+        if isinstance(self.make_env, str):
+            return gym.make(self.make_env, **kwargs)
+        env: gym.Env[Any, Any] = self.make_env(**kwargs)
+        return env
+
+    def __repr__(self) -> str:
+        return f"ImportFirst({self.packages!r}, {self.make_env!r})"
 
 
 def load_entrypoint(spec: str) -> Callable[..., Any]:

@@ -542,28 +542,3 @@ def child_main(conn: PipeEnd, parent_pid: int) -> None:
                 traceback.print_exc()
         with contextlib.suppress(Exception):
             conn.close()
-
-
-class ImportFirst:
-    """A picklable env factory that imports packages first, in whichever process calls it.
-
-    For ``rlmesh-trio serve --package ale_py --lane-isolation process``: the packages
-    that register env ids must be imported in each lane's process, not only in the server.
-    """
-
-    def __init__(self, packages: tuple[str, ...], make_env: str | Callable[..., Any]) -> None:
-        self.packages = packages
-        self.make_env = make_env
-
-    def __call__(self, **kwargs: Any) -> gym.Env[Any, Any]:
-        import importlib
-
-        for name in self.packages:
-            importlib.import_module(name)
-        if isinstance(self.make_env, str):
-            return gym.make(self.make_env, **kwargs)
-        env: gym.Env[Any, Any] = self.make_env(**kwargs)
-        return env
-
-    def __repr__(self) -> str:
-        return f"ImportFirst({self.packages!r}, {self.make_env!r})"
