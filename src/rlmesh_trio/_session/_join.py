@@ -71,7 +71,7 @@ from ._actions import (
 )
 from ._edition import edition_matches, rust_debug_str
 from ._endpoint import Endpoint
-from ._episodes import Episode
+from ._episodes import EpisodeBook
 from ._ops import Op, Waiting
 from ._replies import Replies
 from ._results import LANE_FAULT_KEY, fold_phases
@@ -106,7 +106,6 @@ class Session:
         self._observe = observe
         self._clock_ns = clock_ns
         self._replies = Replies(endpoint, clock_ns)
-        self._wall_ns = wall_ns
         self._n = endpoint.num_envs
         self._pending: deque[Waiting] = deque()
         self._entry: Waiting | None = None  # the request being dispatched right now
@@ -115,15 +114,14 @@ class Session:
         self._serial: Op | None = None
         self._outstanding = 0  # lane jobs posted and not answered yet (timed-out ones too)
         self._tokens = endpoint.tokens  # unique over the endpoint's sessions
-        self._episodes: list[Episode | None] = [None] * self._n
-        self._interrupted: list[env_v1.EpisodeMetadata] = []
         self._finished = False
         self._half_closed = False  # no more requests will come: end once all are answered
         self._truncate = endpoint.on_lane_fault == "truncate"
         # Policy ``rebuild``/``truncate``: a faulted lane's error is CRASHED, recoverable.
         self._supervised = endpoint.on_lane_fault != "error"
-        # Policy ``truncate``: each lane's last observation, for a faulted step's answer.
-        self._last_obs: list[list[bytes] | None] = [None] * self._n
+        # Policy ``truncate``: the book keeps each lane's last observation, for a faulted
+        # step's answer.
+        self._book = EpisodeBook(self._n, wall_ns, keep_observations=self._truncate)
 
     # ----------------------------------------------------------------- events
 
@@ -442,24 +440,20 @@ class Session:
         assert reply.fault is not None
         if not op.timed_out and self._can_truncate(op, [pos]):
             return self._truncation(op, pos, reply.fault, reply.phases)
-        lane = op.lanes[pos]
-        episode = self._episodes[lane]
-        if episode is not None:
-            self._interrupted.append(episode.record(self._wall_ns(), truncated=True))
-            self._episodes[lane] = None
-        self._last_obs[lane] = None
+        self._book.fault(op.lanes[pos])
         return reply
 
     def _can_truncate(self, op: Op, positions: Sequence[int]) -> bool:
         if not self._truncate or op.verb != "step":
             return False
-        return all(self._last_obs[op.lanes[pos]] is not None for pos in positions)
+        book = self._book
+        return all(book.last_observation(op.lanes[pos]) is not None for pos in positions)
 
     def _truncation(self, op: Op, pos: int, fault: LaneFault, phases: Phases) -> LaneReply:
         """The lane's step answered as a truncation: its last observation, reward 0, and
         ``rlmesh_trio.lane_fault`` in its info (so in the episode's ``final_info``)."""
         lane = op.lanes[pos]
-        observation = self._last_obs[lane]
+        observation = self._book.last_observation(lane)
         assert observation is not None
         result = StepResult(
             observation=observation,
@@ -560,7 +554,8 @@ class Session:
 
     def _lane_step_done(self, op: Op, reply: LaneReply, result: StepResult) -> list[Action]:
         """A lane step's successful, warning-free result, straight to its Send (what
-        _deliver, _account, _complete and Replies.step_response do for it)."""
+        _deliver, _complete and Replies.step_response do for it); its episode accounts in
+        the book, as _account keeps the general path's."""
         token = op.token
         self._outstanding -= 1
         del self._ops[token]
@@ -569,25 +564,12 @@ class Session:
         op.replies[0] = reply
         op.unsettled = op.remaining = 0
         lane = op.lanes[0]
-        if self._truncate:
-            self._last_obs[lane] = result.observation
-        completed = list(self._interrupted)
-        self._interrupted.clear()
+        book = self._book
+        ended = book.step(lane, result)
+        completed = book.take_interrupted()
+        if ended is not None:
+            completed.append(ended.record(result.info))
         terminated, truncated = bool(result.terminated), bool(result.truncated)
-        episode = self._episodes[lane]
-        if episode is not None:  # else an idle lane was stepped: no record
-            episode.steps += 1
-            episode.reward += result.reward
-            if terminated or truncated:
-                self._episodes[lane] = None
-                completed.append(
-                    episode.record(
-                        self._wall_ns(),
-                        terminated=terminated,
-                        truncated=truncated,
-                        final_info=result.info,
-                    )
-                )
         phases = reply.phases
         response = env_v1.JoinResponse(
             request_id=op.request_id,
@@ -679,13 +661,7 @@ class Session:
         return [Send(response)]
 
     def _close(self, rid: str, read_ns: int) -> list[Action]:
-        now = self._wall_ns()
-        final = list(self._interrupted)
-        self._interrupted.clear()
-        for lane, episode in enumerate(self._episodes):
-            if episode is not None:
-                final.append(episode.record(now, truncated=True))
-                self._episodes[lane] = None
+        final = self._book.close()
         response = env_v1.JoinResponse(
             request_id=rid,
             close=env_v1.CloseEnvsResponse(final_episodes=final),
@@ -696,34 +672,14 @@ class Session:
     # ----------------------------------------------------------------- results
 
     def _account(self, op: Op, pos: int, result: object) -> None:
-        """Episode bookkeeping for one lane's successful result, in lane order (SPEC §7.7)."""
+        """One lane's successful result into the book, in lane order (SPEC §7.7)."""
         lane = op.lanes[pos]
-        if self._truncate and isinstance(result, (ResetResult, StepResult)):
-            self._last_obs[lane] = result.observation
-        if isinstance(result, ResetResult):
-            previous = self._episodes[lane]
-            if previous is not None:
-                self._interrupted.append(previous.record(self._wall_ns(), truncated=True))
-            self._episodes[lane] = Episode(
-                episode_id=op.episode_ids[pos],
-                seed=op.seeds[pos],
-                lane=lane,
-                start_ns=self._wall_ns(),
-            )
-        elif isinstance(result, StepResult):
-            episode = self._episodes[lane]
-            if episode is None:
-                return  # an idle lane was stepped: passed to the env, no record
-            episode.steps += 1
-            episode.reward += result.reward
-            if result.terminated or result.truncated:
-                self._episodes[lane] = None
-                op.completions[pos] = (
-                    episode,
-                    result.terminated,
-                    result.truncated,
-                    self._wall_ns(),
-                )
+        if isinstance(result, StepResult):
+            ended = self._book.step(lane, result)
+            if ended is not None:
+                op.completions[pos] = ended
+        elif isinstance(result, ResetResult):
+            self._book.reset(lane, op.episode_ids[pos], op.seeds[pos], result.observation)
 
     def _complete(self, op: Op) -> list[Action]:
         if op.serial:
@@ -771,7 +727,8 @@ class Session:
         elif op.verb == "reset":
             response = self._replies.reset_response(op, results, phases, skew)
         else:
-            response = self._replies.step_response(op, results, phases, skew, self._interrupted)
+            interrupted = self._book.take_interrupted()
+            response = self._replies.step_response(op, results, phases, skew, interrupted)
         if not self._observe:
             return [Send(response)]
         total = response.endpoint_total_ns or 0
@@ -828,5 +785,4 @@ class Session:
         self._pending.clear()
         self._ops.clear()
         self._serial = None
-        self._episodes = [None] * self._n
-        self._interrupted.clear()
+        self._book.drop()

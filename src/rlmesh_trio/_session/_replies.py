@@ -89,20 +89,16 @@ class Replies:
         skew: int | None,
         interrupted: list[env_v1.EpisodeMetadata],
     ) -> env_v1.JoinResponse:
-        """The reply to a step; ``interrupted`` (episodes lost to a rebuild, reported with
-        the next step) is taken and emptied."""
+        """The reply to a step; ``interrupted`` (the book's episodes lost to a reset or a
+        rebuild, taken for this reply) opens its completed episodes, and this list."""
         observation = self.observation(results)
         terminated = [bool(r.terminated) for r in results]
         truncated = [bool(r.truncated) for r in results]
         maps, fresh = self.place_warnings(op, results)
         done = [t or u for t, u in zip(terminated, truncated, strict=True)]
-        completed = list(interrupted)
-        interrupted.clear()
+        completed = interrupted
         for pos in sorted(op.completions):
-            episode, term, trunc, end_ns = op.completions[pos]
-            completed.append(
-                episode.record(end_ns, terminated=term, truncated=trunc, final_info=maps[pos])
-            )
+            completed.append(op.completions[pos].record(maps[pos]))
         body = env_v1.StepResponse(
             observation=spaces_v1.SpaceValue(leaves=observation),
             rewards=[float(r.reward) for r in results],
