@@ -73,6 +73,7 @@ from ._edition import edition_matches, rust_debug_str
 from ._endpoint import Endpoint
 from ._episodes import EpisodeBook
 from ._ops import Op, Waiting
+from ._plan import Refusal, plan_render, plan_reset, plan_step
 from ._replies import Replies
 from ._results import LANE_FAULT_KEY, fold_phases
 
@@ -468,53 +469,18 @@ class Session:
 
     # ----------------------------------------------------------------- requests
 
-    def _check_indices(self, prefix: str, indices: Sequence[int]) -> str | None:
-        seen: set[int] = set()
-        for i in indices:
-            if i >= self._n:
-                return f"{prefix}: env_index {i} out of range for num_envs {self._n}"
-            if i in seen:
-                return f"{prefix}: duplicate env_index {i}"
-            seen.add(i)
-        return None
-
     def _start_reset(self, rid: str, body: env_v1.ResetRequest, read_ns: int) -> list[Action]:
-        # len() is the full length also of a list the decoder clipped (wire.Clipped).
-        count = len(body.env_indices)
-        seeds: list[int | None]
-        ids: list[str]
-        if count:
-            # The reference's order: the list lengths first, then the indices.
-            problem = None
-            if body.seeds and len(body.seeds) != count:
-                problem = (
-                    f"partial reset: seeds length {len(body.seeds)} does not match env_indices "
-                    f"length {count} (provide one seed per reset lane, or none)"
-                )
-            elif body.episode_ids and len(body.episode_ids) != count:
-                problem = (
-                    f"partial reset: episode_ids length {len(body.episode_ids)} does not match "
-                    f"env_indices length {count} (provide one episode id per reset lane, "
-                    "or none)"
-                )
-            else:
-                problem = self._check_indices("partial reset", body.env_indices)
-            if problem is not None:
-                return self._reject(rid, read_ns, Code.INVALID_ACTION, problem, True)
-            lanes = list(body.env_indices)
-        else:
-            lanes = list(range(self._n))
-        k = len(lanes)
-        seeds = [body.seeds[i] if i < len(body.seeds) else None for i in range(k)]
-        ids = [body.episode_ids[i] if i < len(body.episode_ids) else "" for i in range(k)]
+        plan = plan_reset(body, self._n)
+        if isinstance(plan, Refusal):
+            return self._reject(rid, read_ns, plan.code, plan.message, True)
         t0 = self._clock_ns()
         options = from_meta_map(body.options) if body.options is not None else None
-        op = self._new_op(rid, "reset", lanes, not count, read_ns, body.timeout_ms)
-        op.seeds, op.episode_ids = seeds, ids
+        op = self._new_op(rid, "reset", plan.lanes, plan.whole, read_ns, body.timeout_ms)
+        op.seeds, op.episode_ids = plan.seeds, plan.episode_ids
         op.pre_decode_ns = self._clock_ns() - t0
         jobs = [
             ResetJob(seed=seed, options=dict(options) if options is not None else None, id=op.token)
-            for seed in seeds
+            for seed in plan.seeds
         ]
         return self._launch(op, jobs)
 
@@ -596,51 +562,31 @@ class Session:
         return actions
 
     def _start_step(self, rid: str, body: env_v1.StepRequest, read_ns: int) -> list[Action]:
-        indices = list(body.env_indices)
-        if indices:
-            problem = self._check_indices("subset step", indices)
-            if problem is not None:
-                return self._reject(rid, read_ns, Code.INVALID_ACTION, problem, True)
-            lanes = indices
-        else:
-            lanes = list(range(self._n))
-        k = len(lanes)
-        if body.action is None:
-            message = f"expected {k} actions, got 0"
-            return self._reject(rid, read_ns, Code.INVALID_ACTION, message, True)
-        leaves = list(body.action.leaves)
-        op = self._new_op(rid, "step", lanes, not indices, read_ns, body.timeout_ms)
-        op.echo_indices = indices or None
-        validated = False
-        if k > 1:
-            # Validate every row before any lane steps: a bad row must not leave the
-            # other lanes half-stepped. One-lane requests validate on the lane thread.
+        plan = plan_step(body, self._n)
+        if isinstance(plan, Refusal):
+            return self._reject(rid, read_ns, plan.code, plan.message, True)
+        lanes, leaves, k = plan.lanes, plan.leaves, len(plan.lanes)
+        op = self._new_op(rid, "step", lanes, plan.whole, read_ns, body.timeout_ms)
+        op.echo_indices = None if plan.whole else lanes
+        if plan.validate:
+            # Every row before any lane steps; one-lane requests validate on the lane thread.
             t0 = self._clock_ns()
             try:
                 self._endpoint.contract.action_codec.validate_action(leaves, k)
             except ActionError as exc:
                 return self._reject(rid, read_ns, Code.INVALID_ACTION, str(exc), True)
             op.pre_decode_ns = self._clock_ns() - t0
-            validated = True
         jobs = [
-            StepJob(leaves=leaves, n=k, row=row, validated=validated, id=op.token)
+            StepJob(leaves=leaves, n=k, row=row, validated=plan.validate, id=op.token)
             for row in range(k)
         ]
         return self._launch(op, jobs)
 
     def _start_render(self, rid: str, body: env_v1.RenderRequest, read_ns: int) -> list[Action]:
-        indices = list(body.env_indices)
-        if len(indices) > 1:
-            message = "render requests support at most one env_index"
-            return self._reject(rid, read_ns, Code.UNSUPPORTED, message, True)
-        lane = indices[0] if indices else 0
-        # An index past the lanes fails like the reference, as a fatal INTERNAL from the
-        # lane engine ("lane 3 out of range for 2 lanes"); only an existing lane other
-        # than 0 is the recoverable "single-env render" refusal.
-        if 0 < lane < self._n:
-            message = f"single-env render only supports env_index 0, got {lane}"
-            return self._reject(rid, read_ns, Code.INVALID_ACTION, message, True)
-        op = self._new_op(rid, "render", [lane], True, read_ns, body.timeout_ms)
+        plan = plan_render(body, self._n)
+        if isinstance(plan, Refusal):
+            return self._reject(rid, read_ns, plan.code, plan.message, True)
+        op = self._new_op(rid, "render", [plan.lane], True, read_ns, body.timeout_ms)
         return self._launch(op, [RenderJob(id=op.token)])
 
     def _configure(self, rid: str, body: env_v1.ConfigureEnvRequest, read_ns: int) -> list[Action]:
