@@ -1,4 +1,4 @@
-"""Request planning (SPEC §7.4-§7.6, §7.10) as tables: a request body and a lane count in,
+"""Request planning (SPEC §7.2, §7.4-§7.6, §7.10) as tables: a request body and a lane count in,
 a plan or a refusal out. The texts are the reference's (the session tests and the
 differential suite check them on the wire)."""
 
@@ -17,6 +17,7 @@ from rlmesh_trio._session._plan import (
     ResetPlan,
     StepPlan,
     check_indices,
+    plan_configure,
     plan_render,
     plan_reset,
     plan_step,
@@ -198,3 +199,27 @@ def test_plans_copy_the_request_lists() -> None:
     reset = plan_reset(reset_body, 2)
     assert isinstance(reset, ResetPlan)
     assert reset.lanes == [1] and reset.lanes is not reset_body.env_indices
+
+
+def unimplemented(shown: str) -> Refusal:
+    return invalid(
+        f"runtime pinned this env to workflow edition {shown}, which this env build does not "
+        'implement (implements ["2026.06"])'
+    )
+
+
+@pytest.mark.parametrize(
+    ("edition", "expected"),
+    [
+        ("", None),
+        ("2026.06", None),
+        (" 2026.06\u3000", None),  # trimmed of Unicode whitespace, as Rust's str::trim
+        ("2026.06-dev.abc", None),  # a cohort spelling
+        ("1999.01", unimplemented('"1999.01"')),
+        ("2026.06x", unimplemented('"2026.06x"')),
+        ("a\tb", unimplemented('"a\\tb"')),  # shown as Rust's {:?} shows it
+    ],
+)
+def test_plan_configure(edition: str, expected: Refusal | None) -> None:
+    body = env_v1.ConfigureEnvRequest(selected_workflow_edition=edition)
+    assert plan_configure(body, "2026.06") == expected

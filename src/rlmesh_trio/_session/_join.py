@@ -26,7 +26,6 @@ and no later request is looked at until it has been answered.
 
 from __future__ import annotations
 
-import json
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -35,22 +34,14 @@ from typing import Any
 import betterproto2
 import outcome
 
-from .._codec import from_meta_map, to_meta_map
-from .._errors import (
-    ActionError,
-    LaneClosedError,
-    LaneDeadError,
-    LaneNeedsResetError,
-    LaneWedgedError,
-    env_error,
-)
+from .._codec import from_meta_map
+from .._errors import ActionError
 from .._jobs import (
     Job,
     LaneFault,
     LaneReply,
     Phases,
     RenderJob,
-    RenderResult,
     ResetJob,
     ResetResult,
     StepJob,
@@ -69,13 +60,13 @@ from ._actions import (
     StartTimer,
     Wedged,
 )
-from ._edition import edition_matches, rust_debug_str
 from ._endpoint import Endpoint
 from ._episodes import EpisodeBook
+from ._faults import failure, truncation
 from ._ops import Op, Waiting
-from ._plan import Refusal, plan_render, plan_reset, plan_step
+from ._plan import Refusal, plan_configure, plan_render, plan_reset, plan_step
 from ._replies import Replies
-from ._results import LANE_FAULT_KEY, fold_phases
+from ._results import fold_phases
 
 _UNRECOGNIZED = (
     "empty or unrecognized Join request (a newer-edition arm this build does not implement?)"
@@ -451,21 +442,11 @@ class Session:
         return all(book.last_observation(op.lanes[pos]) is not None for pos in positions)
 
     def _truncation(self, op: Op, pos: int, fault: LaneFault, phases: Phases) -> LaneReply:
-        """The lane's step answered as a truncation: its last observation, reward 0, and
-        ``rlmesh_trio.lane_fault`` in its info (so in the episode's ``final_info``)."""
+        """The lane's step answered as a truncation of its last observation."""
         lane = op.lanes[pos]
         observation = self._book.last_observation(lane)
         assert observation is not None
-        result = StepResult(
-            observation=observation,
-            reward=0.0,
-            terminated=False,
-            truncated=True,
-            info=to_meta_map({LANE_FAULT_KEY: fault.info()}),
-            action_warning=None,
-            obs_warning=None,
-        )
-        return LaneReply(op.token, lane, outcome.Value(result), phases, fault)
+        return truncation(op.token, lane, observation, fault, phases)
 
     # ----------------------------------------------------------------- requests
 
@@ -590,14 +571,9 @@ class Session:
         return self._launch(op, [RenderJob(id=op.token)])
 
     def _configure(self, rid: str, body: env_v1.ConfigureEnvRequest, read_ns: int) -> list[Action]:
-        edition = body.selected_workflow_edition
-        implemented = self._endpoint.edition
-        if not edition_matches(edition, implemented):
-            message = (
-                f"runtime pinned this env to workflow edition {rust_debug_str(edition)}, which "
-                f'this env build does not implement (implements ["{implemented}"])'
-            )
-            actions = self._reject(rid, read_ns, Code.INVALID_ACTION, message, False)
+        refusal = plan_configure(body, self._endpoint.edition)
+        if refusal is not None:  # fatal: the stream ends
+            actions = self._reject(rid, read_ns, refusal.code, refusal.message, False)
             return actions + self._end()
         response = env_v1.JoinResponse(
             request_id=rid,
@@ -634,42 +610,21 @@ class Session:
         for reply in replies:
             if isinstance(reply.outcome, outcome.Error):
                 error = reply.outcome.error
-                code, message, recoverable = env_error(op.verb, error)
-                debug = ""
-                if self._supervised and reply.fault is not None:
-                    if not isinstance(error, LaneNeedsResetError):
-                        code, recoverable = Code.CRASHED, True
-                        message = self._crash_message(op, reply.lane, message)
-                    debug = self._crash_debug(op)
-                elif code == Code.CRASHED:
-                    debug = self._crash_debug(op)
-                if code == Code.INVALID_ACTION:
-                    kind = "rejected"
-                elif isinstance(error, (LaneDeadError, LaneWedgedError, LaneClosedError)):
-                    kind = "refused"  # the lane took no job: no env code ran
-                else:
-                    kind = "fault"
+                f = failure(op, reply, error, supervised=self._supervised)
+                rid = op.request_id
                 actions: list[Action] = [
                     self._replies.error(
-                        op.request_id, op.started_ns, code, message, recoverable, debug
+                        rid, op.started_ns, f.code, f.message, f.recoverable, f.debug
                     ),
-                    Report(kind, op.verb, op.request_id, (reply.lane,), code, message, error),
+                    Report(f.kind, op.verb, rid, (reply.lane,), f.code, f.message, error),
                 ]
-                if not recoverable and op.serial:
+                if not f.recoverable and op.serial:
                     actions.extend(self._end())
                 return actions
         results = [r.outcome.unwrap() for r in replies]
         phases, skew = fold_phases([r.phases for r in replies])
         if op.verb == "render":
-            render = results[0]
-            assert isinstance(render, RenderResult)
-            body = (
-                env_v1.RenderResponse()
-                if render.frame is None
-                else env_v1.RenderResponse(frame=render.frame, format=env_v1.RenderFormat.PNG)
-            )
-            response = env_v1.JoinResponse(request_id=op.request_id, render=body)
-            self._replies.stamp(response, op, phases, None, decode=False)
+            response = self._replies.render_response(op, results[0], phases)
         elif op.verb == "reset":
             response = self._replies.reset_response(op, results, phases, skew)
         else:
@@ -679,31 +634,6 @@ class Session:
             return [Send(response)]
         total = response.endpoint_total_ns or 0
         return [Send(response), Done(op.verb, tuple(op.lanes), total, phases.user_ns)]
-
-    def _crash_message(self, op: Op, lane: int, base: str) -> str:
-        """Policy ``rebuild``/``truncate``: a faulted lane's request (docs/supervision.md):
-        ``base`` (what policy ``error`` answers) and that the lane needs a reset."""
-        others = op.verb == "step" and len(op.lanes) > 1
-        return (
-            f"{base} (lane {lane} faulted and was rebuilt: reset it to go on"
-            f"{'; the other lanes of this request stepped, their results are dropped' if others else ''})"
-        )
-
-    def _crash_debug(self, op: Op) -> str:
-        """``EnvError.debug_info`` of a CRASHED reply: every faulted lane of ``op``, as
-        ``{"rlmesh_trio.lane_fault": [{"error": ..., "lane": i, "rebuilt": true}, ...]}``
-        (a lane still being rebuilt: ``"rebuilt": false``), so that a client can tell
-        which lanes need a reset."""
-        faults: list[dict[str, Any]] = []
-        for reply in op.replies:
-            if reply is None or not isinstance(reply.outcome, outcome.Error):
-                continue
-            if reply.fault is not None:
-                faults.append(reply.fault.info())
-            elif env_error(op.verb, reply.outcome.error)[0] == Code.CRASHED:
-                cause = str(reply.outcome.error)
-                faults.append({"error": cause, "lane": reply.lane, "rebuilt": False})
-        return json.dumps({LANE_FAULT_KEY: faults}, sort_keys=True)
 
     # ----------------------------------------------------------------- helpers
 

@@ -1,5 +1,5 @@
 """What a reset, step or render asks of the lanes, or why it is refused before any lane
-runs it (SPEC §7.4-§7.6, §7.10). Pure functions of the request body and the number of
+runs it (SPEC §7.2, §7.4-§7.6, §7.10). Pure functions of the request body and the number of
 lanes: the session turns a plan into jobs, a :class:`Refusal` into its error reply.
 
 The texts and their order (which check speaks first) are the reference's.
@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .._proto.rlmesh.env import v1 as env_v1
+from ._edition import edition_matches, rust_debug_str
 
 __all__ = [
     "Refusal",
@@ -18,6 +19,7 @@ __all__ = [
     "ResetPlan",
     "StepPlan",
     "check_indices",
+    "plan_configure",
     "plan_render",
     "plan_reset",
     "plan_step",
@@ -142,3 +144,16 @@ def plan_render(body: env_v1.RenderRequest, num_envs: int) -> RenderPlan | Refus
             Code.INVALID_ACTION, f"single-env render only supports env_index 0, got {lane}"
         )
     return RenderPlan(lane)
+
+
+def plan_configure(body: env_v1.ConfigureEnvRequest, implemented: str) -> Refusal | None:
+    """Why a configure pins an edition this build does not implement, or None (SPEC
+    §7.2; the session ends the stream after this refusal)."""
+    edition = body.selected_workflow_edition
+    if edition_matches(edition, implemented):
+        return None
+    return Refusal(
+        Code.INVALID_ACTION,
+        f"runtime pinned this env to workflow edition {rust_debug_str(edition)}, which "
+        f'this env build does not implement (implements ["{implemented}"])',
+    )

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._codec import Candidate
-from .._jobs import Phases, ResetResult, StepResult
+from .._jobs import Phases, RenderResult, ResetResult, StepResult
 from .._proto.rlmesh.env import v1 as env_v1
 from .._proto.rlmesh.spaces import v1 as spaces_v1
 from ._actions import Send
@@ -110,6 +110,18 @@ class Replies:
         )
         response = env_v1.JoinResponse(request_id=op.request_id, step=body)
         self.stamp(response, op, phases, skew, decode=True)
+        return response
+
+    def render_response(self, op: Op, render: RenderResult, phases: Phases) -> env_v1.JoinResponse:
+        """The reply to a render: the PNG frame, or an empty render when the env drew
+        nothing."""
+        body = (
+            env_v1.RenderResponse()
+            if render.frame is None
+            else env_v1.RenderResponse(frame=render.frame, format=env_v1.RenderFormat.PNG)
+        )
+        response = env_v1.JoinResponse(request_id=op.request_id, render=body)
+        self.stamp(response, op, phases, None, decode=False)
         return response
 
     def elapsed(self, read_ns: int) -> int:
