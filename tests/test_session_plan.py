@@ -1,6 +1,6 @@
-"""Request planning (SPEC §7.2, §7.4-§7.6, §7.10) as tables: a request body and a lane count in,
-a plan or a refusal out. The texts are the reference's (the session tests and the
-differential suite check them on the wire)."""
+"""Request planning (SPEC §7.2, §7.4-§7.6, §7.10, §7.11) as tables: a request and a lane
+count in, a plan or a refusal out. The texts are the reference's (the session tests and
+the differential suite check them on the wire)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from rlmesh_trio._session._plan import (
     ResetPlan,
     StepPlan,
     check_indices,
+    deadline_ms,
     plan_configure,
     plan_render,
     plan_reset,
@@ -223,3 +224,19 @@ def unimplemented(shown: str) -> Refusal:
 def test_plan_configure(edition: str, expected: Refusal | None) -> None:
     body = env_v1.ConfigureEnvRequest(selected_workflow_edition=edition)
     assert plan_configure(body, "2026.06") == expected
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        (dict(reset=env_v1.ResetRequest()), 0),  # set although all-default (falsy)
+        (dict(reset=env_v1.ResetRequest(timeout_ms=5)), 5),
+        (dict(step=env_v1.StepRequest(timeout_ms=7, env_indices=[0])), 7),
+        (dict(render=env_v1.RenderRequest(timeout_ms=9)), 9),
+        (dict(close=env_v1.CloseEnvsRequest()), 0),
+        (dict(configure=env_v1.ConfigureEnvRequest()), 0),
+        ({}, 0),
+    ],
+)
+def test_deadline_ms(fields: dict[str, Any], expected: int) -> None:
+    assert deadline_ms(env_v1.JoinRequest(request_id="r", **fields)) == expected

@@ -48,7 +48,6 @@ from .._jobs import (
     StepResult,
 )
 from .._proto.rlmesh.env import v1 as env_v1
-from .._proto.rlmesh.spaces import v1 as spaces_v1
 from ._actions import (
     Action,
     CancelTimer,
@@ -64,7 +63,7 @@ from ._endpoint import Endpoint
 from ._episodes import EpisodeBook
 from ._faults import failure, truncation
 from ._ops import Op, Waiting
-from ._plan import Refusal, plan_configure, plan_render, plan_reset, plan_step
+from ._plan import Refusal, deadline_ms, plan_configure, plan_render, plan_reset, plan_step
 from ._replies import Replies
 from ._results import fold_phases
 
@@ -137,16 +136,7 @@ class Session:
                 return self._lane_step(request.request_id, step, indices[0], serial=False)
             if not indices and self._n == 1 and not self._outstanding:
                 return self._lane_step(request.request_id, step, 0, serial=True)
-        # ``is not None``, not truthiness: betterproto2's __bool__ walks every field, and
-        # an all-default message (``reset {}``) is falsy although it is set.
-        body: env_v1.ResetRequest | env_v1.StepRequest | env_v1.RenderRequest | None
-        if request.reset is not None:
-            body = request.reset
-        elif request.step is not None:
-            body = request.step
-        else:
-            body = request.render
-        timeout_ms = body.timeout_ms if body is not None else 0
+        timeout_ms = deadline_ms(request)
         entry = Waiting(request, self._clock_ns(), next(self._tokens), timeout_ms)
         self._pending.append(entry)
         actions = self._pump()
@@ -398,18 +388,10 @@ class Session:
             original = reply
             reply = self._faulted(op, pos, reply)
             if reply is not original and isinstance(original.outcome, outcome.Error):
-                error = original.outcome.error
+                error, lanes = original.outcome.error, (reply.lane,)
                 message = f"answered as a truncation: {reply.fault.error if reply.fault else ''}"
-                report = Report(
-                    "truncated",
-                    op.verb,
-                    op.request_id,
-                    (reply.lane,),
-                    Code.INTERNAL,
-                    message,
-                    error,
-                )
-                actions.append(report)
+                verb, rid = op.verb, op.request_id
+                actions.append(Report("truncated", verb, rid, lanes, Code.INTERNAL, message, error))
         self._settle(op, pos, reply)
         if op.unsettled == 0 and not op.timed_out:
             if op.timeout_ms:
@@ -501,8 +483,8 @@ class Session:
 
     def _lane_step_done(self, op: Op, reply: LaneReply, result: StepResult) -> list[Action]:
         """A lane step's successful, warning-free result, straight to its Send (what
-        _deliver, _complete and Replies.step_response do for it); its episode accounts in
-        the book, as _account keeps the general path's."""
+        _deliver and _complete do for it); its episode accounts in the book, as _account
+        keeps the general path's."""
         token = op.token
         self._outstanding -= 1
         del self._ops[token]
@@ -516,25 +498,8 @@ class Session:
         completed = book.take_interrupted()
         if ended is not None:
             completed.append(ended.record(result.info))
-        terminated, truncated = bool(result.terminated), bool(result.truncated)
         phases = reply.phases
-        response = env_v1.JoinResponse(
-            request_id=op.request_id,
-            step=env_v1.StepResponse(
-                observation=spaces_v1.SpaceValue(leaves=result.observation),
-                rewards=[float(result.reward)],
-                terminated_mask=b"\x01" if terminated else b"\x00",
-                truncated_mask=b"\x01" if truncated else b"\x00",
-                infos=result.info,
-                completed_episodes=completed,
-                env_indices=op.echo_indices or [],
-            ),
-            decode_ns=phases.decode_ns,
-            user_ns=phases.user_ns,
-            encode_ns=phases.encode_ns,
-            queue_ns=phases.queue_ns,
-        )
-        response.endpoint_total_ns = self._replies.elapsed(op.started_ns)
+        response = self._replies.lane_step_response(op, result, phases, completed)
         actions: list[Action] = [CancelTimer(token)] if op.timeout_ms else []
         actions.append(Send(response))
         if self._observe:

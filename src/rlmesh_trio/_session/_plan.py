@@ -1,6 +1,6 @@
-"""What a reset, step or render asks of the lanes, or why it is refused before any lane
-runs it (SPEC §7.2, §7.4-§7.6, §7.10). Pure functions of the request body and the number of
-lanes: the session turns a plan into jobs, a :class:`Refusal` into its error reply.
+"""What a request asks of the lanes, or why it is refused before any lane runs it (SPEC
+§7.2, §7.4-§7.6, §7.10, §7.11). Pure functions of the request and the number of lanes:
+the session turns a plan into jobs, a :class:`Refusal` into its error reply.
 
 The texts and their order (which check speaks first) are the reference's.
 """
@@ -19,6 +19,7 @@ __all__ = [
     "ResetPlan",
     "StepPlan",
     "check_indices",
+    "deadline_ms",
     "plan_configure",
     "plan_render",
     "plan_reset",
@@ -66,6 +67,21 @@ class RenderPlan:
     reference's does (a fatal INTERNAL)."""
 
     lane: int
+
+
+def deadline_ms(request: env_v1.JoinRequest) -> int:
+    """The request's ``timeout_ms`` (0: none); only a reset, step or render has one
+    (SPEC §7.11)."""
+    # ``is not None``, not truthiness: betterproto2's __bool__ walks every field, and an
+    # all-default message (``reset {}``) is falsy although it is set.
+    body: env_v1.ResetRequest | env_v1.StepRequest | env_v1.RenderRequest | None
+    if request.reset is not None:
+        body = request.reset
+    elif request.step is not None:
+        body = request.step
+    else:
+        body = request.render
+    return body.timeout_ms if body is not None else 0
 
 
 def check_indices(prefix: str, indices: Sequence[int], num_envs: int) -> str | None:

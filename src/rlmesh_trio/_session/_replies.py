@@ -112,6 +112,35 @@ class Replies:
         self.stamp(response, op, phases, skew, decode=True)
         return response
 
+    def lane_step_response(
+        self,
+        op: Op,
+        result: StepResult,
+        phases: Phases,
+        completed: list[env_v1.EpisodeMetadata],
+    ) -> env_v1.JoinResponse:
+        """The reply to one lane's step on the session's straight line: what
+        :meth:`step_response` builds for one warning-free result, without its folds."""
+        terminated, truncated = bool(result.terminated), bool(result.truncated)
+        response = env_v1.JoinResponse(
+            request_id=op.request_id,
+            step=env_v1.StepResponse(
+                observation=spaces_v1.SpaceValue(leaves=result.observation),
+                rewards=[float(result.reward)],
+                terminated_mask=b"\x01" if terminated else b"\x00",
+                truncated_mask=b"\x01" if truncated else b"\x00",
+                infos=result.info,
+                completed_episodes=completed,
+                env_indices=op.echo_indices or [],
+            ),
+            decode_ns=phases.decode_ns,
+            user_ns=phases.user_ns,
+            encode_ns=phases.encode_ns,
+            queue_ns=phases.queue_ns,
+        )
+        response.endpoint_total_ns = self.elapsed(op.started_ns)
+        return response
+
     def render_response(self, op: Op, render: RenderResult, phases: Phases) -> env_v1.JoinResponse:
         """The reply to a render: the PNG frame, or an empty render when the env drew
         nothing."""
