@@ -3,12 +3,15 @@ No session, no lanes: the book alone, on a counting wall clock."""
 
 from __future__ import annotations
 
+import ast
 import itertools
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+import rlmesh_trio._session
 from rlmesh_trio._codec import to_meta_map
 from rlmesh_trio._jobs import StepResult
 from rlmesh_trio._proto.rlmesh.env import v1 as env_v1
@@ -181,3 +184,22 @@ def test_drop_forgets_episodes_and_interrupted_but_not_last_observations() -> No
     assert book.take_interrupted() == []
     assert book.close() == []
     assert book.last_observation(0) == obs(0.0)
+
+
+def test_the_session_keeps_no_episode_accounts_of_its_own() -> None:
+    """Both of the session's step paths go through the book: no module of the session but
+    the book makes an Episode, counts into one or keeps last observations."""
+    package = Path(rlmesh_trio._session.__file__).parent
+    found = []
+    for path in sorted(package.glob("*.py")):
+        if path.name == "_episodes.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Episode":
+                found.append(f"{path.name}:{node.lineno}: Episode(...)")
+            elif isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Attribute):
+                if node.target.attr in ("steps", "reward"):
+                    found.append(f"{path.name}:{node.lineno}: .{node.target.attr} +=")
+            elif isinstance(node, ast.Attribute) and node.attr in ("_last_obs", "_episodes"):
+                found.append(f"{path.name}:{node.lineno}: .{node.attr}")
+    assert not found, "\n".join(found)

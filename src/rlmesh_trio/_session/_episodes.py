@@ -148,5 +148,5 @@ class EpisodeBook:
         self._interrupted.clear()
 
     def running(self, lane: int) -> Episode | None:
-        """``lane``'s running episode (for tests and the log)."""
+        """``lane``'s running episode (for tests)."""
         return self._episodes[lane]
