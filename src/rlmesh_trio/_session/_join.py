@@ -26,7 +26,6 @@ and no later request is looked at until it has been answered.
 
 from __future__ import annotations
 
-import json
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -35,29 +34,20 @@ from typing import Any
 import betterproto2
 import outcome
 
-from .._codec import from_meta_map, to_meta_map
-from .._errors import (
-    ActionError,
-    LaneClosedError,
-    LaneDeadError,
-    LaneNeedsResetError,
-    LaneWedgedError,
-    env_error,
-)
+from .._codec import from_meta_map
+from .._errors import ActionError
 from .._jobs import (
     Job,
     LaneFault,
     LaneReply,
     Phases,
     RenderJob,
-    RenderResult,
     ResetJob,
     ResetResult,
     StepJob,
     StepResult,
 )
 from .._proto.rlmesh.env import v1 as env_v1
-from .._proto.rlmesh.spaces import v1 as spaces_v1
 from ._actions import (
     Action,
     CancelTimer,
@@ -69,12 +59,13 @@ from ._actions import (
     StartTimer,
     Wedged,
 )
-from ._edition import edition_matches, rust_debug_str
 from ._endpoint import Endpoint
-from ._episodes import Episode
+from ._episodes import EpisodeBook
+from ._faults import failure, truncation
 from ._ops import Op, Waiting
+from ._plan import Refusal, deadline_ms, plan_configure, plan_render, plan_reset, plan_step
 from ._replies import Replies
-from ._results import LANE_FAULT_KEY, fold_phases
+from ._results import fold_phases
 
 _UNRECOGNIZED = (
     "empty or unrecognized Join request (a newer-edition arm this build does not implement?)"
@@ -106,7 +97,6 @@ class Session:
         self._observe = observe
         self._clock_ns = clock_ns
         self._replies = Replies(endpoint, clock_ns)
-        self._wall_ns = wall_ns
         self._n = endpoint.num_envs
         self._pending: deque[Waiting] = deque()
         self._entry: Waiting | None = None  # the request being dispatched right now
@@ -115,15 +105,14 @@ class Session:
         self._serial: Op | None = None
         self._outstanding = 0  # lane jobs posted and not answered yet (timed-out ones too)
         self._tokens = endpoint.tokens  # unique over the endpoint's sessions
-        self._episodes: list[Episode | None] = [None] * self._n
-        self._interrupted: list[env_v1.EpisodeMetadata] = []
         self._finished = False
         self._half_closed = False  # no more requests will come: end once all are answered
         self._truncate = endpoint.on_lane_fault == "truncate"
         # Policy ``rebuild``/``truncate``: a faulted lane's error is CRASHED, recoverable.
         self._supervised = endpoint.on_lane_fault != "error"
-        # Policy ``truncate``: each lane's last observation, for a faulted step's answer.
-        self._last_obs: list[list[bytes] | None] = [None] * self._n
+        # Policy ``truncate``: the book keeps each lane's last observation, for a faulted
+        # step's answer.
+        self._book = EpisodeBook(self._n, wall_ns, keep_observations=self._truncate)
 
     # ----------------------------------------------------------------- events
 
@@ -147,16 +136,7 @@ class Session:
                 return self._lane_step(request.request_id, step, indices[0], serial=False)
             if not indices and self._n == 1 and not self._outstanding:
                 return self._lane_step(request.request_id, step, 0, serial=True)
-        # ``is not None``, not truthiness: betterproto2's __bool__ walks every field, and
-        # an all-default message (``reset {}``) is falsy although it is set.
-        body: env_v1.ResetRequest | env_v1.StepRequest | env_v1.RenderRequest | None
-        if request.reset is not None:
-            body = request.reset
-        elif request.step is not None:
-            body = request.step
-        else:
-            body = request.render
-        timeout_ms = body.timeout_ms if body is not None else 0
+        timeout_ms = deadline_ms(request)
         entry = Waiting(request, self._clock_ns(), next(self._tokens), timeout_ms)
         self._pending.append(entry)
         actions = self._pump()
@@ -408,18 +388,10 @@ class Session:
             original = reply
             reply = self._faulted(op, pos, reply)
             if reply is not original and isinstance(original.outcome, outcome.Error):
-                error = original.outcome.error
+                error, lanes = original.outcome.error, (reply.lane,)
                 message = f"answered as a truncation: {reply.fault.error if reply.fault else ''}"
-                report = Report(
-                    "truncated",
-                    op.verb,
-                    op.request_id,
-                    (reply.lane,),
-                    Code.INTERNAL,
-                    message,
-                    error,
-                )
-                actions.append(report)
+                verb, rid = op.verb, op.request_id
+                actions.append(Report("truncated", verb, rid, lanes, Code.INTERNAL, message, error))
         self._settle(op, pos, reply)
         if op.unsettled == 0 and not op.timed_out:
             if op.timeout_ms:
@@ -442,85 +414,36 @@ class Session:
         assert reply.fault is not None
         if not op.timed_out and self._can_truncate(op, [pos]):
             return self._truncation(op, pos, reply.fault, reply.phases)
-        lane = op.lanes[pos]
-        episode = self._episodes[lane]
-        if episode is not None:
-            self._interrupted.append(episode.record(self._wall_ns(), truncated=True))
-            self._episodes[lane] = None
-        self._last_obs[lane] = None
+        self._book.fault(op.lanes[pos])
         return reply
 
     def _can_truncate(self, op: Op, positions: Sequence[int]) -> bool:
         if not self._truncate or op.verb != "step":
             return False
-        return all(self._last_obs[op.lanes[pos]] is not None for pos in positions)
+        book = self._book
+        return all(book.last_observation(op.lanes[pos]) is not None for pos in positions)
 
     def _truncation(self, op: Op, pos: int, fault: LaneFault, phases: Phases) -> LaneReply:
-        """The lane's step answered as a truncation: its last observation, reward 0, and
-        ``rlmesh_trio.lane_fault`` in its info (so in the episode's ``final_info``)."""
+        """The lane's step answered as a truncation of its last observation."""
         lane = op.lanes[pos]
-        observation = self._last_obs[lane]
+        observation = self._book.last_observation(lane)
         assert observation is not None
-        result = StepResult(
-            observation=observation,
-            reward=0.0,
-            terminated=False,
-            truncated=True,
-            info=to_meta_map({LANE_FAULT_KEY: fault.info()}),
-            action_warning=None,
-            obs_warning=None,
-        )
-        return LaneReply(op.token, lane, outcome.Value(result), phases, fault)
+        return truncation(op.token, lane, observation, fault, phases)
 
     # ----------------------------------------------------------------- requests
 
-    def _check_indices(self, prefix: str, indices: Sequence[int]) -> str | None:
-        seen: set[int] = set()
-        for i in indices:
-            if i >= self._n:
-                return f"{prefix}: env_index {i} out of range for num_envs {self._n}"
-            if i in seen:
-                return f"{prefix}: duplicate env_index {i}"
-            seen.add(i)
-        return None
-
     def _start_reset(self, rid: str, body: env_v1.ResetRequest, read_ns: int) -> list[Action]:
-        # len() is the full length also of a list the decoder clipped (wire.Clipped).
-        count = len(body.env_indices)
-        seeds: list[int | None]
-        ids: list[str]
-        if count:
-            # The reference's order: the list lengths first, then the indices.
-            problem = None
-            if body.seeds and len(body.seeds) != count:
-                problem = (
-                    f"partial reset: seeds length {len(body.seeds)} does not match env_indices "
-                    f"length {count} (provide one seed per reset lane, or none)"
-                )
-            elif body.episode_ids and len(body.episode_ids) != count:
-                problem = (
-                    f"partial reset: episode_ids length {len(body.episode_ids)} does not match "
-                    f"env_indices length {count} (provide one episode id per reset lane, "
-                    "or none)"
-                )
-            else:
-                problem = self._check_indices("partial reset", body.env_indices)
-            if problem is not None:
-                return self._reject(rid, read_ns, Code.INVALID_ACTION, problem, True)
-            lanes = list(body.env_indices)
-        else:
-            lanes = list(range(self._n))
-        k = len(lanes)
-        seeds = [body.seeds[i] if i < len(body.seeds) else None for i in range(k)]
-        ids = [body.episode_ids[i] if i < len(body.episode_ids) else "" for i in range(k)]
+        plan = plan_reset(body, self._n)
+        if isinstance(plan, Refusal):
+            return self._reject(rid, read_ns, plan.code, plan.message, True)
         t0 = self._clock_ns()
         options = from_meta_map(body.options) if body.options is not None else None
-        op = self._new_op(rid, "reset", lanes, not count, read_ns, body.timeout_ms)
-        op.seeds, op.episode_ids = seeds, ids
+        op = self._new_op(rid, "reset", plan.lanes, plan.whole, read_ns, body.timeout_ms)
+        op.seeds, op.episode_ids = plan.seeds, plan.episode_ids
         op.pre_decode_ns = self._clock_ns() - t0
         jobs = [
             ResetJob(seed=seed, options=dict(options) if options is not None else None, id=op.token)
-            for seed in seeds
+            for seed in plan.seeds
         ]
         return self._launch(op, jobs)
 
@@ -560,7 +483,8 @@ class Session:
 
     def _lane_step_done(self, op: Op, reply: LaneReply, result: StepResult) -> list[Action]:
         """A lane step's successful, warning-free result, straight to its Send (what
-        _deliver, _account, _complete and Replies.step_response do for it)."""
+        _deliver and _complete do for it); its episode accounts in the book, as _account
+        keeps the general path's."""
         token = op.token
         self._outstanding -= 1
         del self._ops[token]
@@ -569,43 +493,13 @@ class Session:
         op.replies[0] = reply
         op.unsettled = op.remaining = 0
         lane = op.lanes[0]
-        if self._truncate:
-            self._last_obs[lane] = result.observation
-        completed = list(self._interrupted)
-        self._interrupted.clear()
-        terminated, truncated = bool(result.terminated), bool(result.truncated)
-        episode = self._episodes[lane]
-        if episode is not None:  # else an idle lane was stepped: no record
-            episode.steps += 1
-            episode.reward += result.reward
-            if terminated or truncated:
-                self._episodes[lane] = None
-                completed.append(
-                    episode.record(
-                        self._wall_ns(),
-                        terminated=terminated,
-                        truncated=truncated,
-                        final_info=result.info,
-                    )
-                )
+        book = self._book
+        ended = book.step(lane, result)
+        completed = book.take_interrupted()
+        if ended is not None:
+            completed.append(ended.record(result.info))
         phases = reply.phases
-        response = env_v1.JoinResponse(
-            request_id=op.request_id,
-            step=env_v1.StepResponse(
-                observation=spaces_v1.SpaceValue(leaves=result.observation),
-                rewards=[float(result.reward)],
-                terminated_mask=b"\x01" if terminated else b"\x00",
-                truncated_mask=b"\x01" if truncated else b"\x00",
-                infos=result.info,
-                completed_episodes=completed,
-                env_indices=op.echo_indices or [],
-            ),
-            decode_ns=phases.decode_ns,
-            user_ns=phases.user_ns,
-            encode_ns=phases.encode_ns,
-            queue_ns=phases.queue_ns,
-        )
-        response.endpoint_total_ns = self._replies.elapsed(op.started_ns)
+        response = self._replies.lane_step_response(op, result, phases, completed)
         actions: list[Action] = [CancelTimer(token)] if op.timeout_ms else []
         actions.append(Send(response))
         if self._observe:
@@ -614,62 +508,37 @@ class Session:
         return actions
 
     def _start_step(self, rid: str, body: env_v1.StepRequest, read_ns: int) -> list[Action]:
-        indices = list(body.env_indices)
-        if indices:
-            problem = self._check_indices("subset step", indices)
-            if problem is not None:
-                return self._reject(rid, read_ns, Code.INVALID_ACTION, problem, True)
-            lanes = indices
-        else:
-            lanes = list(range(self._n))
-        k = len(lanes)
-        if body.action is None:
-            message = f"expected {k} actions, got 0"
-            return self._reject(rid, read_ns, Code.INVALID_ACTION, message, True)
-        leaves = list(body.action.leaves)
-        op = self._new_op(rid, "step", lanes, not indices, read_ns, body.timeout_ms)
-        op.echo_indices = indices or None
-        validated = False
-        if k > 1:
-            # Validate every row before any lane steps: a bad row must not leave the
-            # other lanes half-stepped. One-lane requests validate on the lane thread.
+        plan = plan_step(body, self._n)
+        if isinstance(plan, Refusal):
+            return self._reject(rid, read_ns, plan.code, plan.message, True)
+        lanes, leaves, k = plan.lanes, plan.leaves, len(plan.lanes)
+        op = self._new_op(rid, "step", lanes, plan.whole, read_ns, body.timeout_ms)
+        op.echo_indices = None if plan.whole else lanes
+        if plan.validate:
+            # Every row before any lane steps; one-lane requests validate on the lane thread.
             t0 = self._clock_ns()
             try:
                 self._endpoint.contract.action_codec.validate_action(leaves, k)
             except ActionError as exc:
                 return self._reject(rid, read_ns, Code.INVALID_ACTION, str(exc), True)
             op.pre_decode_ns = self._clock_ns() - t0
-            validated = True
         jobs = [
-            StepJob(leaves=leaves, n=k, row=row, validated=validated, id=op.token)
+            StepJob(leaves=leaves, n=k, row=row, validated=plan.validate, id=op.token)
             for row in range(k)
         ]
         return self._launch(op, jobs)
 
     def _start_render(self, rid: str, body: env_v1.RenderRequest, read_ns: int) -> list[Action]:
-        indices = list(body.env_indices)
-        if len(indices) > 1:
-            message = "render requests support at most one env_index"
-            return self._reject(rid, read_ns, Code.UNSUPPORTED, message, True)
-        lane = indices[0] if indices else 0
-        # An index past the lanes fails like the reference, as a fatal INTERNAL from the
-        # lane engine ("lane 3 out of range for 2 lanes"); only an existing lane other
-        # than 0 is the recoverable "single-env render" refusal.
-        if 0 < lane < self._n:
-            message = f"single-env render only supports env_index 0, got {lane}"
-            return self._reject(rid, read_ns, Code.INVALID_ACTION, message, True)
-        op = self._new_op(rid, "render", [lane], True, read_ns, body.timeout_ms)
+        plan = plan_render(body, self._n)
+        if isinstance(plan, Refusal):
+            return self._reject(rid, read_ns, plan.code, plan.message, True)
+        op = self._new_op(rid, "render", [plan.lane], True, read_ns, body.timeout_ms)
         return self._launch(op, [RenderJob(id=op.token)])
 
     def _configure(self, rid: str, body: env_v1.ConfigureEnvRequest, read_ns: int) -> list[Action]:
-        edition = body.selected_workflow_edition
-        implemented = self._endpoint.edition
-        if not edition_matches(edition, implemented):
-            message = (
-                f"runtime pinned this env to workflow edition {rust_debug_str(edition)}, which "
-                f'this env build does not implement (implements ["{implemented}"])'
-            )
-            actions = self._reject(rid, read_ns, Code.INVALID_ACTION, message, False)
+        refusal = plan_configure(body, self._endpoint.edition)
+        if refusal is not None:  # fatal: the stream ends
+            actions = self._reject(rid, read_ns, refusal.code, refusal.message, False)
             return actions + self._end()
         response = env_v1.JoinResponse(
             request_id=rid,
@@ -679,13 +548,7 @@ class Session:
         return [Send(response)]
 
     def _close(self, rid: str, read_ns: int) -> list[Action]:
-        now = self._wall_ns()
-        final = list(self._interrupted)
-        self._interrupted.clear()
-        for lane, episode in enumerate(self._episodes):
-            if episode is not None:
-                final.append(episode.record(now, truncated=True))
-                self._episodes[lane] = None
+        final = self._book.close()
         response = env_v1.JoinResponse(
             request_id=rid,
             close=env_v1.CloseEnvsResponse(final_episodes=final),
@@ -696,34 +559,14 @@ class Session:
     # ----------------------------------------------------------------- results
 
     def _account(self, op: Op, pos: int, result: object) -> None:
-        """Episode bookkeeping for one lane's successful result, in lane order (SPEC §7.7)."""
+        """One lane's successful result into the book, in lane order (SPEC §7.7)."""
         lane = op.lanes[pos]
-        if self._truncate and isinstance(result, (ResetResult, StepResult)):
-            self._last_obs[lane] = result.observation
-        if isinstance(result, ResetResult):
-            previous = self._episodes[lane]
-            if previous is not None:
-                self._interrupted.append(previous.record(self._wall_ns(), truncated=True))
-            self._episodes[lane] = Episode(
-                episode_id=op.episode_ids[pos],
-                seed=op.seeds[pos],
-                lane=lane,
-                start_ns=self._wall_ns(),
-            )
-        elif isinstance(result, StepResult):
-            episode = self._episodes[lane]
-            if episode is None:
-                return  # an idle lane was stepped: passed to the env, no record
-            episode.steps += 1
-            episode.reward += result.reward
-            if result.terminated or result.truncated:
-                self._episodes[lane] = None
-                op.completions[pos] = (
-                    episode,
-                    result.terminated,
-                    result.truncated,
-                    self._wall_ns(),
-                )
+        if isinstance(result, StepResult):
+            ended = self._book.step(lane, result)
+            if ended is not None:
+                op.completions[pos] = ended
+        elif isinstance(result, ResetResult):
+            self._book.reset(lane, op.episode_ids[pos], op.seeds[pos], result.observation)
 
     def _complete(self, op: Op) -> list[Action]:
         if op.serial:
@@ -732,75 +575,30 @@ class Session:
         for reply in replies:
             if isinstance(reply.outcome, outcome.Error):
                 error = reply.outcome.error
-                code, message, recoverable = env_error(op.verb, error)
-                debug = ""
-                if self._supervised and reply.fault is not None:
-                    if not isinstance(error, LaneNeedsResetError):
-                        code, recoverable = Code.CRASHED, True
-                        message = self._crash_message(op, reply.lane, message)
-                    debug = self._crash_debug(op)
-                elif code == Code.CRASHED:
-                    debug = self._crash_debug(op)
-                if code == Code.INVALID_ACTION:
-                    kind = "rejected"
-                elif isinstance(error, (LaneDeadError, LaneWedgedError, LaneClosedError)):
-                    kind = "refused"  # the lane took no job: no env code ran
-                else:
-                    kind = "fault"
+                f = failure(op, reply, error, supervised=self._supervised)
+                rid = op.request_id
                 actions: list[Action] = [
                     self._replies.error(
-                        op.request_id, op.started_ns, code, message, recoverable, debug
+                        rid, op.started_ns, f.code, f.message, f.recoverable, f.debug
                     ),
-                    Report(kind, op.verb, op.request_id, (reply.lane,), code, message, error),
+                    Report(f.kind, op.verb, rid, (reply.lane,), f.code, f.message, error),
                 ]
-                if not recoverable and op.serial:
+                if not f.recoverable and op.serial:
                     actions.extend(self._end())
                 return actions
         results = [r.outcome.unwrap() for r in replies]
         phases, skew = fold_phases([r.phases for r in replies])
         if op.verb == "render":
-            render = results[0]
-            assert isinstance(render, RenderResult)
-            body = (
-                env_v1.RenderResponse()
-                if render.frame is None
-                else env_v1.RenderResponse(frame=render.frame, format=env_v1.RenderFormat.PNG)
-            )
-            response = env_v1.JoinResponse(request_id=op.request_id, render=body)
-            self._replies.stamp(response, op, phases, None, decode=False)
+            response = self._replies.render_response(op, results[0], phases)
         elif op.verb == "reset":
             response = self._replies.reset_response(op, results, phases, skew)
         else:
-            response = self._replies.step_response(op, results, phases, skew, self._interrupted)
+            interrupted = self._book.take_interrupted()
+            response = self._replies.step_response(op, results, phases, skew, interrupted)
         if not self._observe:
             return [Send(response)]
         total = response.endpoint_total_ns or 0
         return [Send(response), Done(op.verb, tuple(op.lanes), total, phases.user_ns)]
-
-    def _crash_message(self, op: Op, lane: int, base: str) -> str:
-        """Policy ``rebuild``/``truncate``: a faulted lane's request (docs/supervision.md):
-        ``base`` (what policy ``error`` answers) and that the lane needs a reset."""
-        others = op.verb == "step" and len(op.lanes) > 1
-        return (
-            f"{base} (lane {lane} faulted and was rebuilt: reset it to go on"
-            f"{'; the other lanes of this request stepped, their results are dropped' if others else ''})"
-        )
-
-    def _crash_debug(self, op: Op) -> str:
-        """``EnvError.debug_info`` of a CRASHED reply: every faulted lane of ``op``, as
-        ``{"rlmesh_trio.lane_fault": [{"error": ..., "lane": i, "rebuilt": true}, ...]}``
-        (a lane still being rebuilt: ``"rebuilt": false``), so that a client can tell
-        which lanes need a reset."""
-        faults: list[dict[str, Any]] = []
-        for reply in op.replies:
-            if reply is None or not isinstance(reply.outcome, outcome.Error):
-                continue
-            if reply.fault is not None:
-                faults.append(reply.fault.info())
-            elif env_error(op.verb, reply.outcome.error)[0] == Code.CRASHED:
-                cause = str(reply.outcome.error)
-                faults.append({"error": cause, "lane": reply.lane, "rebuilt": False})
-        return json.dumps({LANE_FAULT_KEY: faults}, sort_keys=True)
 
     # ----------------------------------------------------------------- helpers
 
@@ -828,5 +626,4 @@ class Session:
         self._pending.clear()
         self._ops.clear()
         self._serial = None
-        self._episodes = [None] * self._n
-        self._interrupted.clear()
+        self._book.drop()

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from .._jobs import Job, LaneReply
 from .._proto.rlmesh.env import v1 as env_v1
-from ._episodes import Episode
+from ._episodes import Ended
 
 __all__ = ["Op", "Waiting"]
 
@@ -47,6 +47,6 @@ class Op:
     timeout_ms: int = 0
     timer_started: bool = False  # the deadline started while the request waited
     timed_out: bool = False
-    # lane position -> (episode, terminated, truncated, end_ns) of an episode completed by this op
-    completions: dict[int, tuple[Episode, bool, bool, int]] = field(default_factory=dict)
+    # lane position -> the episode this op's step ended on that lane (from the book)
+    completions: dict[int, Ended] = field(default_factory=dict)
     lane_step: bool = False  # one lane's step, posted and answered by the straight line

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._codec import Candidate
-from .._jobs import Phases, ResetResult, StepResult
+from .._jobs import Phases, RenderResult, ResetResult, StepResult
 from .._proto.rlmesh.env import v1 as env_v1
 from .._proto.rlmesh.spaces import v1 as spaces_v1
 from ._actions import Send
@@ -89,20 +89,16 @@ class Replies:
         skew: int | None,
         interrupted: list[env_v1.EpisodeMetadata],
     ) -> env_v1.JoinResponse:
-        """The reply to a step; ``interrupted`` (episodes lost to a rebuild, reported with
-        the next step) is taken and emptied."""
+        """The reply to a step; ``interrupted`` (the book's episodes lost to a reset or a
+        rebuild, taken for this reply) opens its completed episodes, and this list."""
         observation = self.observation(results)
         terminated = [bool(r.terminated) for r in results]
         truncated = [bool(r.truncated) for r in results]
         maps, fresh = self.place_warnings(op, results)
         done = [t or u for t, u in zip(terminated, truncated, strict=True)]
-        completed = list(interrupted)
-        interrupted.clear()
+        completed = interrupted
         for pos in sorted(op.completions):
-            episode, term, trunc, end_ns = op.completions[pos]
-            completed.append(
-                episode.record(end_ns, terminated=term, truncated=trunc, final_info=maps[pos])
-            )
+            completed.append(op.completions[pos].record(maps[pos]))
         body = env_v1.StepResponse(
             observation=spaces_v1.SpaceValue(leaves=observation),
             rewards=[float(r.reward) for r in results],
@@ -114,6 +110,47 @@ class Replies:
         )
         response = env_v1.JoinResponse(request_id=op.request_id, step=body)
         self.stamp(response, op, phases, skew, decode=True)
+        return response
+
+    def lane_step_response(
+        self,
+        op: Op,
+        result: StepResult,
+        phases: Phases,
+        completed: list[env_v1.EpisodeMetadata],
+    ) -> env_v1.JoinResponse:
+        """The reply to one lane's step on the session's straight line: what
+        :meth:`step_response` builds for one warning-free result, without its folds."""
+        terminated, truncated = bool(result.terminated), bool(result.truncated)
+        response = env_v1.JoinResponse(
+            request_id=op.request_id,
+            step=env_v1.StepResponse(
+                observation=spaces_v1.SpaceValue(leaves=result.observation),
+                rewards=[float(result.reward)],
+                terminated_mask=b"\x01" if terminated else b"\x00",
+                truncated_mask=b"\x01" if truncated else b"\x00",
+                infos=result.info,
+                completed_episodes=completed,
+                env_indices=op.echo_indices or [],
+            ),
+            decode_ns=phases.decode_ns,
+            user_ns=phases.user_ns,
+            encode_ns=phases.encode_ns,
+            queue_ns=phases.queue_ns,
+        )
+        response.endpoint_total_ns = self.elapsed(op.started_ns)
+        return response
+
+    def render_response(self, op: Op, render: RenderResult, phases: Phases) -> env_v1.JoinResponse:
+        """The reply to a render: the PNG frame, or an empty render when the env drew
+        nothing."""
+        body = (
+            env_v1.RenderResponse()
+            if render.frame is None
+            else env_v1.RenderResponse(frame=render.frame, format=env_v1.RenderFormat.PNG)
+        )
+        response = env_v1.JoinResponse(request_id=op.request_id, render=body)
+        self.stamp(response, op, phases, None, decode=False)
         return response
 
     def elapsed(self, read_ns: int) -> int:
