@@ -382,3 +382,26 @@ def test_cli_fleet_refuses_bad_arguments_before_starting_anything(
     assert "--ready-fd 987" in capsys.readouterr().err
     assert main([*base, "--endpoints", "2", "--bind", "not a host"]) == 2
     assert "not a host" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.8.9.10", True),
+        ("::1", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("10.1.2.3", False),
+        ("envs.example.org", False),
+    ],
+)
+def test_the_ray_fleets_loopback_rule_is_the_addresses(host: str, loopback: bool) -> None:
+    """``launch`` and ``rlmesh-trio fleet`` require a token beyond loopback by the same
+    rule the server warns by: ``_address``'s, for a bare host as for an address."""
+    from rlmesh_trio._address import is_loopback, is_loopback_host, parse_address
+
+    assert is_loopback_host(host) is loopback
+    shown = f"[{host}]" if ":" in host else host
+    assert is_loopback(parse_address(f"tcp://{shown}:1")) is loopback

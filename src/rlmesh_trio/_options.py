@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ._credentials import AUTH_TOKEN_ENV
 from ._wire._protocol import WORKFLOW_EDITION
 
 Policy = Literal["warn", "strict", "off"]
@@ -42,9 +43,6 @@ DEFAULT_CLOSE_TIMEOUT = 5.0
 
 DEFAULT_DRAIN_TIMEOUT = 5.0
 """Seconds in-flight requests get to finish after a shutdown was requested."""
-
-AUTH_TOKEN_ENV = "RLMESH_TRIO_AUTH_TOKEN"
-"""The environment variable an auth token may come from (so it is not on a command line)."""
 
 STOP_SLACK = 1.0
 """Seconds a stop may take beyond drain and close: the GOAWAY gap, cutting the

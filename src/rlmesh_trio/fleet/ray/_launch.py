@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import ipaddress
 import logging
 import os
 import secrets
@@ -25,7 +24,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ..._address import parse_address
+from ..._address import is_loopback_host, parse_address
 from ..._deprecation import renamed_kwargs
 from ..._options import ServeOptions, tls_files
 from ..._tls import TlsSetting
@@ -36,13 +35,6 @@ log = logging.getLogger("rlmesh_trio.fleet.ray")
 
 PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 LOOPBACK = "127.0.0.1"
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def _cluster_is_local() -> bool:
@@ -220,7 +212,7 @@ def launch(
     bind = resolve_bind(bind)
     node_ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call,unused-ignore]
     host = node_ip if bind == "node" else bind
-    needs_token = (not _is_loopback(host)) if require_auth is None else require_auth
+    needs_token = (not is_loopback_host(host)) if require_auth is None else require_auth
     token = (auth_token or secrets.token_urlsafe(32)) if needs_token else auth_token
     serve_options = options or ServeOptions()
     if token is not None:
