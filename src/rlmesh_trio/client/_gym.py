@@ -38,7 +38,7 @@ from ._autoreset import (
 )
 from ._blocking import BlockingEndpoint
 from ._codecs import decode_frame, lane_infos, step_arrays, timeout_of
-from ._core import JoinState, check_options
+from ._core import JoinStream, check_options
 from ._errors import LANE_FAULT_KEY, EndpointError, EnvError, lane_crash
 from ._messages import Episode, Reply, render_builder, reset_builder, step_builder
 from ._pool import Batch, BlockingPool
@@ -178,7 +178,7 @@ class VectorEnv(gym.vector.VectorEnv):
         batch_size: int | None,
         render_mode: str | None,
     ) -> None:
-        self._state: JoinState = self._ep.state
+        self._state: JoinStream = self._ep.state
         contract = self._state.contract
         if contract.autoreset_mode != "DISABLED":
             raise ValueError(
@@ -526,7 +526,7 @@ class Env(gym.Env):
                 close_timeout_seconds,
             ),
         )
-        self._state: JoinState = self._ep.state
+        self._state: JoinStream = self._ep.state
         contract = self._state.contract
         try:
             if contract.num_envs != 1:
