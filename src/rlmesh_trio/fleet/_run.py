@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
+from .._errors import first_line
 from .._tls import TlsSetting
 from ._records import EndpointStatus, FleetError, FleetRunResult, Health, ShardRun
 from ._scheduler import Abort, Done, Host, schedule
@@ -183,7 +184,7 @@ def run(
             hooks = recorder if record_episodes or user_hooks is not None else None
             result = rlmesh.run(model, address, seeds=shard_seeds, hooks=hooks, **run_kwargs)
         except BaseException as exc:
-            error = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
+            error = first_line(exc)
             if hook_error:
                 raise _HookFailed(hook_error[0]) from exc
             raise

@@ -270,7 +270,7 @@ def launch(
             ) from None
         except RayActorError as exc:
             cause = exc.__cause__ or exc
-            raise RuntimeError(f"an endpoint failed to start: {_first_line(cause)}") from exc
+            raise RuntimeError(f"an endpoint failed to start: {_cause_line(cause)}") from exc
     except BaseException:
         for actor in actors:
             with contextlib.suppress(Exception):
@@ -322,7 +322,9 @@ def _tls_pem(
     return TlsPem.read(files.cert_file, files.key_file, files.client_ca_file)
 
 
-def _first_line(exc: BaseException) -> str:
+def _cause_line(exc: BaseException) -> str:
+    """``Type: the last line of the message``: an actor's creation error from Ray ends
+    with the line that says what went wrong (the lines before are Ray's traceback)."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[-1]}" if text else type(exc).__name__
 
