@@ -28,8 +28,8 @@ def test_first_line(exc: BaseException, line: str) -> None:
 
 def test_the_cli_and_the_fleet_tell_errors_by_the_same_function() -> None:
     from rlmesh_trio._cli import _hints
-    from rlmesh_trio.fleet import _run, _scheduler
+    from rlmesh_trio.fleet import _scheduler, _shard
 
     assert _hints.first_line is first_line
     assert _scheduler.first_line is first_line
-    assert _run.first_line is first_line
+    assert _shard.first_line is first_line
