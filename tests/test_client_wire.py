@@ -36,7 +36,7 @@ from rlmesh_trio.client import (
     open_endpoint,
 )
 from rlmesh_trio.client._contract import contract_from_handshake
-from rlmesh_trio.client._core import JoinState, Slot
+from rlmesh_trio.client._core import JoinStream, Slot
 from rlmesh_trio.client._grpc import GrpcConnection
 from rlmesh_trio.client._messages import (
     close_request,
@@ -337,12 +337,12 @@ class _Server:
         self.client.receive(message)
 
 
-def _joined_with_two_requests() -> tuple[_Server, JoinState, Slot, Slot]:
+def _joined_with_two_requests() -> tuple[_Server, JoinStream, Slot, Slot]:
     """A Join (2 lanes) with a lane-scoped reset of lane 1 and a step of lane 0 waiting."""
     client = GrpcConnection("localhost", [])
     server = _Server(client)
     join = client.open(JOIN_PATH)
-    state = JoinState(client, join, contract_from_handshake(handshake()))
+    state = JoinStream(client, join, contract_from_handshake(handshake()))
     reset = state.submit(
         reset_request("rt-1", seeds=[], options=None, timeout_ms=0, env_indices=[1]),
         "rt-1",
@@ -548,7 +548,7 @@ def test_the_public_error_codes_are_the_protocols() -> None:
 
 
 class _StubJoin:
-    """What ``JoinState.process`` reads of a Join call: the replies read, its end."""
+    """What ``JoinStream.process`` reads of a Join call: the replies read, its end."""
 
     def __init__(self) -> None:
         import collections
@@ -576,10 +576,10 @@ class _StubConn:
 def test_a_reply_to_a_request_never_sent_is_a_protocol_error() -> None:
     """Issue 19, finding 7: a reply whose request_id the endpoint never sent (the late
     replies of cancelled calls excepted) fails the endpoint as a malformed reply."""
-    from rlmesh_trio.client._core import JoinState
+    from rlmesh_trio.client._core import JoinStream
 
     conn, join = _StubConn(), _StubJoin()
-    state = JoinState(conn, join, contract_from_handshake(handshake()))  # type: ignore[arg-type]
+    state = JoinStream(conn, join, contract_from_handshake(handshake()))  # type: ignore[arg-type]
     kept = state.submit(b"", "rt-1", lambda: None)
     state.submit(b"", "rt-2", lambda: None)
     state.abandon("rt-2")  # a cancelled call: its late reply is dropped

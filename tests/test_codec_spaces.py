@@ -427,7 +427,7 @@ _FakeMissionSpace.__module__ = "minigrid.core.mission"
 
 
 def test_a_minigrid_mission_space_is_served_as_text_holding_every_mission() -> None:
-    from rlmesh_trio._codec._spaces import MISSION_FALLBACK_MAX_LENGTH, mission_text_space
+    from rlmesh_trio._codec._minigrid import MISSION_FALLBACK_MAX_LENGTH, mission_text_space
 
     space = _FakeMissionSpace(
         lambda color, obj: f"pick up the {color} {obj}",

@@ -382,3 +382,54 @@ def test_cli_fleet_refuses_bad_arguments_before_starting_anything(
     assert "--ready-fd 987" in capsys.readouterr().err
     assert main([*base, "--endpoints", "2", "--bind", "not a host"]) == 2
     assert "not a host" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.8.9.10", True),
+        ("::1", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("10.1.2.3", False),
+        ("envs.example.org", False),
+    ],
+)
+def test_the_ray_fleets_loopback_rule_is_the_addresses(host: str, loopback: bool) -> None:
+    """``launch`` and ``rlmesh-trio fleet`` require a token beyond loopback by the same
+    rule the server warns by: ``_address``'s, for a bare host as for an address."""
+    from rlmesh_trio._address import is_loopback, is_loopback_host, parse_address
+
+    assert is_loopback_host(host) is loopback
+    shown = f"[{host}]" if ":" in host else host
+    assert is_loopback(parse_address(f"tcp://{shown}:1")) is loopback
+
+
+def _serving(index: int, num_envs: int | None) -> Any:
+    from rlmesh_trio.fleet._records import Health
+
+    return Health(index, f"tcp://127.0.0.1:{5000 + index}", True, "SERVING", num_envs=num_envs)
+
+
+@pytest.mark.parametrize(
+    ("lanes", "count", "tasks", "owners"),
+    [
+        # two endpoints of 2 and 1 lanes, 7 seeds: 3 rounds each, in order
+        ([2, 1], 7, [[0, 1, 2, 3, 4, 5], [6]], [0, 1]),
+        # fewer seeds than one round: the second endpoint gets nothing
+        ([4, 4], 3, [[0, 1, 2]], [0]),
+        # a Handshake not answered yet counts as one lane
+        ([None, 2], 5, [[0, 1], [2, 3, 4]], [0, 1]),
+        # none serving yet: one task, for whichever endpoint comes up first
+        ([], 4, [[0, 1, 2, 3]], None),
+    ],
+)
+def test_run_shards_seeds_in_whole_rounds_of_each_endpoints_lanes(
+    lanes: list[int | None], count: int, tasks: list[list[int]], owners: list[int] | None
+) -> None:
+    from rlmesh_trio.fleet._run import shard
+
+    serving = [_serving(i, n) for i, n in enumerate(lanes)]
+    assert shard(serving, count) == (tasks, owners)

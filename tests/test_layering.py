@@ -108,6 +108,48 @@ def test_the_fleet_never_imports_the_transport() -> None:
     assert crossings("fleet", {"_transport"}) == []
 
 
+THE_SERVER = frozenset(
+    {"_transport", "_lanes", "_serve", "_session", "_bridge", "_logging", "_metrics"}
+)
+"""The server's own units: what a client program never needs to import."""
+
+
+def reach(module: str) -> set[str]:
+    """Every module of the package that importing ``module`` may import, transitively."""
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        for imported in graph()[todo.pop()]:
+            if imported not in seen:
+                seen.add(imported)
+                todo.append(imported)
+    return seen
+
+
+def test_the_client_imports_nothing_of_the_server() -> None:
+    """The client stands on the floors below the server (the wire, the codec, the
+    address forms, TLS, the credential filter), never on the server itself: neither
+    directly nor through a module it imports."""
+    assert crossings("client", set(THE_SERVER)) == []
+    offenders = sorted(
+        f"{module} ~> {reached}"
+        for module in graph()
+        if unit(module) == "client"
+        for reached in reach(module)
+        if unit(reached) in THE_SERVER
+    )
+    assert offenders == []
+    # it sees the edges it rules on
+    assert "rlmesh_trio._credentials" in graph()["rlmesh_trio.client._settings"]
+    assert "rlmesh_trio._wire._protocol" in reach("rlmesh_trio.client._endpoint")
+
+
+def test_the_credentials_are_a_leaf() -> None:
+    """Client and server both install the credential filter: it imports nothing of the
+    package, so neither stands on the other to reach it."""
+    assert graph()["rlmesh_trio._credentials"] == frozenset()
+
+
 @pytest.mark.parametrize("layer", ["_wire", "_codec"])
 def test_the_sans_io_layers_import_no_io(layer: str) -> None:
     offenders = sorted(

@@ -49,16 +49,25 @@ def _register_with_gymnasium() -> None:
 _register_with_gymnasium()
 
 
+_LAZY = ("serve_env", "ServerInfo")
+"""Names served by :func:`__getattr__` (and listed by :func:`__dir__`)."""
+
+
 def __getattr__(name: str) -> Any:
     # The server (trio, grpclib, h2, ...) is imported on first use, so that a process
     # lane's child, which only needs the codec, starts fast.
-    if name in ("serve_env", "ServerInfo"):
+    if name in _LAZY:
         from . import _serve
 
         value = getattr(_serve, name)
         _fix(value, __name__)
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """What the module has, the names it imports on first use included."""
+    return sorted({*globals(), *_LAZY})
 
 
 __all__ = [

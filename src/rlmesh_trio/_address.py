@@ -214,11 +214,15 @@ def is_loopback(address: Address) -> bool:
     """Whether only this machine can reach ``address``: a unix socket, a loopback IP or
     ``localhost``. A wildcard (``0.0.0.0``, ``::``), any other IP and any other host
     name count as reachable from elsewhere."""
-    if isinstance(address, UnixAddress):
-        return True
-    if address.host == "localhost":
+    return isinstance(address, UnixAddress) or is_loopback_host(address.host)
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether a TCP host is reachable from this machine only: a loopback IP or
+    ``localhost`` (see :func:`is_loopback`)."""
+    if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(address.host).is_loopback
+        return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False

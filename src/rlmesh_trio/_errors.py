@@ -288,3 +288,24 @@ def env_error(verb: str, exc: BaseException) -> tuple[EnvErrorCode, str, bool]:
     if isinstance(exc, (ActionError, LaneError)):
         return exc.env_code, str(exc), exc.recoverable
     return EnvErrorCode.INTERNAL, f"{verb} failed: {type(exc).__name__}: {exc}", False
+
+
+# ------------------------------------------------------------------- one line of it
+
+
+def alone(exc: BaseException) -> BaseException:
+    """The one exception of an exception group of one (a nursery's), else ``exc``."""
+    inner = getattr(exc, "exceptions", None)
+    if isinstance(inner, tuple) and len(inner) == 1 and isinstance(inner[0], BaseException):
+        return alone(inner[0])
+    return exc
+
+
+def first_line(exc: BaseException) -> str:
+    """``Type: the first line of the message``, or ``Type`` alone when it has none (an
+    exception group of one: its member's): how the CLI, the fleet's shard and retry
+    records and its logs tell an error in one line."""
+    exc = alone(exc)
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__

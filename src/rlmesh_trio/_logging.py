@@ -8,7 +8,8 @@
   cannot flood the log (what was held back is counted in the next line).
 * :func:`configure` sets up the CLI's logging: our loggers at the chosen level, third
   party ones (hpack, h2, grpclib, asyncio) at WARNING unless ``--log-level debug`` asks
-  for everything; text or one JSON object per line.
+  for everything; text or one JSON object per line. Its handler carries the credential
+  filter (``_credentials.py``, re-exported here for the server's transport).
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import re
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from ._credentials import CredentialFilter, protect_credentials
 
 if TYPE_CHECKING:
     from ._session import Report
@@ -118,73 +119,6 @@ def report(item: Report, limit: RateLimit) -> None:
         suffix,
         extra=context,
     )
-
-
-REDACTED = "<redacted>"
-
-HEADER_LOGGERS = ("hpack", "hpack.hpack", "hpack.table", "h2", "grpclib")
-"""Loggers of the HTTP/2 stack that can print a header (hpack's DEBUG lines print every
-header it encodes or decodes, ``authorization`` included)."""
-
-_BEARER = re.compile(r"(?i)(bearer\s+)[^\s'\",)\]}]+")
-_AUTHORIZATION = re.compile(r"(?i)(authorization['\"]?\s*[,:=]\s*b?['\"]?)[^'\"]*")
-_BLOCK_DUMPS = ("Decoding ", "Encoded header block to ")
-"""hpack's dumps of a whole header block: HPACK bytes, Huffman-coded or not, that a
-reader could decode back to the token. Replaced by their size."""
-
-
-class CredentialFilter(logging.Filter):
-    """Redacts credentials from a record before any handler sees it: the value of an
-    ``authorization`` field, a ``Bearer`` token, any token a server registered
-    (:meth:`add_secret`), and hpack's raw header-block dumps. Costs nothing for records
-    below the logger's level (a filter runs only on records that are emitted)."""
-
-    def __init__(self) -> None:
-        super().__init__("")
-        self._secrets: set[str] = set()
-        self._lock = threading.Lock()
-
-    def add_secret(self, secret: str) -> None:
-        with self._lock:
-            self._secrets.add(secret)
-
-    def discard_secret(self, secret: str) -> None:
-        with self._lock:
-            self._secrets.discard(secret)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        try:
-            message = record.getMessage()
-        except Exception:
-            return True  # a broken record is logging's to report, not ours
-        if record.name.startswith("hpack") and message.startswith(_BLOCK_DUMPS):
-            head = message.split(" ", 1)[0] if message.startswith("Decoding") else message[:23]
-            message = f"{head} <a header block, not shown>"
-        else:
-            redacted = _AUTHORIZATION.sub(rf"\1{REDACTED}", _BEARER.sub(rf"\1{REDACTED}", message))
-            for secret in tuple(self._secrets):
-                redacted = redacted.replace(secret, REDACTED)
-            if redacted == message:
-                return True
-            message = redacted
-        record.msg = message
-        record.args = None
-        return True
-
-
-_credentials = CredentialFilter()
-
-
-def protect_credentials(secret: str | None = None) -> CredentialFilter:
-    """Install the credential filter on the HTTP/2 stack's loggers (once) and register
-    ``secret``; returns the filter (a handler of one's own can carry it too)."""
-    if secret is not None:
-        _credentials.add_secret(secret)
-    for name in HEADER_LOGGERS:
-        logger = logging.getLogger(name)
-        if _credentials not in logger.filters:
-            logger.addFilter(_credentials)
-    return _credentials
 
 
 def utc_timestamp(created: float) -> str:

@@ -9,29 +9,36 @@ import ssl
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
+from ._credentials import AUTH_TOKEN_ENV
 from ._wire._protocol import WORKFLOW_EDITION
 
 Policy = Literal["warn", "strict", "off"]
+"""How soft conformance violations are handled (SPEC §3.7.8)."""
+
+POLICIES: tuple[Policy, ...] = get_args(Policy)
 
 EventLoop = Literal["auto", "uvloop", "asyncio"]
+"""The transport thread's event loop: uvloop when installed (``auto``), or one of them."""
+
+EVENT_LOOPS: tuple[EventLoop, ...] = get_args(EventLoop)
 
 FaultPolicy = Literal["error", "rebuild", "truncate"]
 """What a lane does when its env raises or wedges (docs/supervision.md)."""
 
-FAULT_POLICIES: tuple[FaultPolicy, ...] = ("error", "rebuild", "truncate")
+FAULT_POLICIES: tuple[FaultPolicy, ...] = get_args(FaultPolicy)
 
 LaneIsolation = Literal["thread", "process"]
 """Where a lane's env lives: a thread of the server, or a child process of its own."""
+
+LANE_ISOLATIONS: tuple[LaneIsolation, ...] = get_args(LaneIsolation)
 
 DEFAULT_MAX_ABANDONED_LANES = 8
 """Wedged lane threads the process tolerates before health reports NOT_SERVING."""
 
 DEFAULT_MAX_GIVEN_UP_LANES = 0
 """Lanes given up for good the process tolerates before health reports NOT_SERVING."""
-"""The transport thread's event loop: uvloop when installed (``auto``), or one of them."""
-"""How soft conformance violations are handled (SPEC §3.7.8)."""
 
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
@@ -42,9 +49,6 @@ DEFAULT_CLOSE_TIMEOUT = 5.0
 
 DEFAULT_DRAIN_TIMEOUT = 5.0
 """Seconds in-flight requests get to finish after a shutdown was requested."""
-
-AUTH_TOKEN_ENV = "RLMESH_TRIO_AUTH_TOKEN"
-"""The environment variable an auth token may come from (so it is not on a command line)."""
 
 STOP_SLACK = 1.0
 """Seconds a stop may take beyond drain and close: the GOAWAY gap, cutting the
@@ -139,6 +143,12 @@ class ServeOptions:
         if self.validation_policy is not None:
             return self.validation_policy
         return policy_from_env(environ)
+
+
+def _one_of(values: tuple[str, ...]) -> str:
+    """``'a', 'b' or 'c'``: a Literal's values, as an error lists them."""
+    *head, last = map(repr, values)
+    return f"{', '.join(head)} or {last}" if head else last
 
 
 def policy_from_env(environ: Mapping[str, str] = os.environ) -> Policy:
@@ -262,9 +272,9 @@ def resolve(options: ServeOptions, environ: Mapping[str, str] = os.environ) -> R
     size = options.max_message_bytes
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"max_message_bytes must be an int >= 1, got {size!r}")
-    if options.validation_policy not in (None, "warn", "strict", "off"):
+    if options.validation_policy is not None and options.validation_policy not in POLICIES:
         raise ValueError(
-            f"validation_policy must be 'warn', 'strict', 'off' or None, "
+            f"validation_policy must be {', '.join(map(repr, POLICIES))} or None, "
             f"got {options.validation_policy!r}"
         )
     edition = options.workflow_edition or WORKFLOW_EDITION
@@ -288,8 +298,8 @@ def resolve(options: ServeOptions, environ: Mapping[str, str] = os.environ) -> R
             raise ValueError(f"metrics_address must be tcp://host:port or None, got {metrics!r}")
         metrics = str(parse_address(metrics))
     loop = options.event_loop
-    if loop not in ("auto", "uvloop", "asyncio"):
-        raise ValueError(f"event_loop must be 'auto', 'uvloop' or 'asyncio', got {loop!r}")
+    if loop not in EVENT_LOOPS:
+        raise ValueError(f"event_loop must be {_one_of(EVENT_LOOPS)}, got {loop!r}")
     if loop != "asyncio":
         available = importlib.util.find_spec("uvloop") is not None
         if loop == "uvloop" and not available:
@@ -297,13 +307,13 @@ def resolve(options: ServeOptions, environ: Mapping[str, str] = os.environ) -> R
         loop = "uvloop" if available else "asyncio"
     if options.on_lane_fault not in FAULT_POLICIES:
         raise ValueError(
-            f"on_lane_fault must be 'error', 'rebuild' or 'truncate', got {options.on_lane_fault!r}"
+            f"on_lane_fault must be {_one_of(FAULT_POLICIES)}, got {options.on_lane_fault!r}"
         )
     if options.lane_timeout_seconds is not None:
         _seconds("lane_timeout_seconds", options.lane_timeout_seconds, zero_ok=False)
-    if options.lane_isolation not in ("thread", "process"):
+    if options.lane_isolation not in LANE_ISOLATIONS:
         raise ValueError(
-            f"lane_isolation must be 'thread' or 'process', got {options.lane_isolation!r}"
+            f"lane_isolation must be {_one_of(LANE_ISOLATIONS)}, got {options.lane_isolation!r}"
         )
     if options.lane_isolation == "process" and sys.platform == "win32":
         raise ValueError("lane_isolation='process' needs a POSIX system")

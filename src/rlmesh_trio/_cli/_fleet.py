@@ -20,7 +20,8 @@ import sys
 import threading
 from typing import Any, TextIO
 
-from .._address import parse_address
+from .._address import is_loopback_host, parse_address
+from .._credentials import AUTH_TOKEN_ENV
 from ._args import (
     PROG,
     UsageError,
@@ -141,7 +142,7 @@ def add_fleet_parser(commands: Any) -> None:
     fleet.add_argument(
         "--auth-token",
         metavar="TOKEN",
-        help="the endpoints' bearer token (also: RLMESH_TRIO_AUTH_TOKEN); beyond loopback "
+        help=f"the endpoints' bearer token (also: {AUTH_TOKEN_ENV}); beyond loopback "
         "one is required: give it, or --token-file, or --no-auth",
     )
     fleet.add_argument(
@@ -200,7 +201,7 @@ def fleet_command(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(name)s: %(message)s", stream=sys.stderr
     )
-    auth_token = args.auth_token or os.environ.get("RLMESH_TRIO_AUTH_TOKEN") or None
+    auth_token = args.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None
     try:
         if args.no_auth and (auth_token or args.token_file):
             raise UsageError("--no-auth contradicts --auth-token / --token-file")
@@ -231,7 +232,7 @@ def fleet_command(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, auth_token: str | None, probe_tls: Any, out: TextIO) -> int:
     import ray
 
-    from ..fleet.ray import _is_loopback, launch, resolve_bind
+    from ..fleet.ray import launch, resolve_bind
 
     try:
         env = load_env(args, in_other_processes=True)
@@ -248,12 +249,12 @@ def _run(args: argparse.Namespace, auth_token: str | None, probe_tls: Any, out: 
                 ray.init(include_dashboard=False, log_to_driver=False)
                 started_ray = True
         host = resolve_bind(args.bind)
-        beyond = host == "node" or not _is_loopback(host)
+        beyond = host == "node" or not is_loopback_host(host)
         if beyond and not (auth_token or args.token_file or args.no_auth):
             shown = "each node's IP" if host == "node" else host
             print(
                 f"{COMMAND}: error: the endpoints bind beyond loopback ({shown}): give "
-                "--auth-token (or RLMESH_TRIO_AUTH_TOKEN), --token-file PATH to have one "
+                f"--auth-token (or {AUTH_TOKEN_ENV}), --token-file PATH to have one "
                 "generated, or --no-auth on a network you trust",
                 file=sys.stderr,
             )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from .._errors import alone, first_line
+
 __all__ = ["NAMESPACE_PACKAGES", "NAME_PREFIX_PACKAGES", "describe", "first_line"]
 
 NAMESPACE_PACKAGES = {
@@ -18,25 +20,9 @@ NAME_PREFIX_PACKAGES = {"MiniGrid-": "minigrid", "BabyAI-": "minigrid"}
 """Env ids without a namespace, registered by a package when it is imported."""
 
 
-def _alone(exc: BaseException) -> BaseException:
-    """The one exception of an exception group of one (a nursery's), else ``exc``."""
-    inner = getattr(exc, "exceptions", None)
-    if isinstance(inner, tuple) and len(inner) == 1 and isinstance(inner[0], BaseException):
-        return _alone(inner[0])
-    return exc
-
-
-def first_line(exc: BaseException) -> str:
-    """``Type: the first line of the message`` (an exception group of one: its member's)."""
-    exc = _alone(exc)
-    text = str(exc).strip().splitlines()
-    first = text[0] if text else ""
-    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-
-
 def describe(exc: BaseException) -> str:
     """:func:`first_line`, and the fix for an env id a package registers."""
-    return first_line(exc) + namespace_hint(_alone(exc))
+    return first_line(exc) + namespace_hint(alone(exc))
 
 
 def namespace_hint(exc: BaseException) -> str:

@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from .._address import parse_address
+from .._credentials import AUTH_TOKEN_ENV
 from ._args import PROG, DeprecatedFlag, add_seconds, seconds
 
 __all__ = ["add_client_tls_arguments", "add_probe_parser", "client_tls_from_args", "probe_command"]
@@ -41,7 +42,7 @@ def add_probe_parser(commands: Any) -> None:
     probe.add_argument(
         "--auth-token",
         metavar="TOKEN",
-        help="bearer token of the endpoint (also: RLMESH_TRIO_AUTH_TOKEN)",
+        help=f"bearer token of the endpoint (also: {AUTH_TOKEN_ENV})",
     )
     add_client_tls_arguments(probe)
 
@@ -56,7 +57,7 @@ def probe_command(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"{PROG} probe: error: {exc}", file=sys.stderr)
         return 2
-    auth_token = args.auth_token or os.environ.get("RLMESH_TRIO_AUTH_TOKEN") or None
+    auth_token = args.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None
     try:
         result = probe(
             args.address, timeout_seconds=args.timeout_seconds, auth_token=auth_token, tls=tls

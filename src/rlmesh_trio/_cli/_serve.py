@@ -32,7 +32,15 @@ from .._crash import CrashWitness
 from .._lanes import UNKNOWN_ENV_ID
 from .._logging import JsonFormatter
 from .._logging import configure as configure_logging
-from .._options import DEFAULT_MAX_ABANDONED_LANES, DEFAULT_MAX_GIVEN_UP_LANES, ServeOptions
+from .._options import (
+    DEFAULT_MAX_ABANDONED_LANES,
+    DEFAULT_MAX_GIVEN_UP_LANES,
+    EVENT_LOOPS,
+    FAULT_POLICIES,
+    LANE_ISOLATIONS,
+    POLICIES,
+    ServeOptions,
+)
 from .._serve import ServerInfo, serve_env
 from ._args import (
     PROG,
@@ -119,7 +127,7 @@ def add_serve_parser(commands: Any) -> None:
     )
     serve.add_argument(
         "--on-lane-fault",
-        choices=("error", "rebuild", "truncate"),
+        choices=FAULT_POLICIES,
         default="error",
         help="when an env raises or wedges: error (as rlmesh: the env stays as the "
         "exception left it), rebuild (a fresh env from the factory on a fresh thread), "
@@ -127,7 +135,7 @@ def add_serve_parser(commands: Any) -> None:
     )
     serve.add_argument(
         "--lane-isolation",
-        choices=("thread", "process"),
+        choices=LANE_ISOLATIONS,
         default="thread",
         help="where each lane's env lives: a thread of the server (default), or a child "
         "process of its own (a segfault or a GIL-holding env costs the other lanes "
@@ -189,7 +197,7 @@ def add_serve_parser(commands: Any) -> None:
     )
     serve.add_argument(
         "--event-loop",
-        choices=("auto", "uvloop", "asyncio"),
+        choices=EVENT_LOOPS,
         default="auto",
         help="the transport's event loop (default auto: uvloop where installed, as on "
         "Linux and macOS; else asyncio's selector loop)",
@@ -208,7 +216,7 @@ def add_serve_parser(commands: Any) -> None:
     )
     serve.add_argument(
         "--validation-policy",
-        choices=("warn", "strict", "off"),
+        choices=POLICIES,
         help="conformance checks (default: RLMESH_VALIDATION_POLICY, else warn)",
     )
     serve.add_argument(

@@ -38,7 +38,6 @@ Envs that modify their action in place must copy it first - as with the referenc
 
 from __future__ import annotations
 
-import itertools
 import string
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Final
@@ -58,6 +57,7 @@ from ._leaves import (
     MultiDiscreteLeaf,
     TextLeaf,
 )
+from ._minigrid import is_mission_space, mission_text_space
 
 __all__ = ["SpaceCodec", "space_to_spec", "spec_to_space"]
 
@@ -98,59 +98,9 @@ def space_to_spec(space: gym.spaces.Space[Any]) -> spaces_v1.SpaceSpec:
     return _to_spec(space, _ROOT)
 
 
-MISSION_ENUMERATION_LIMIT = 100_000
-"""At most this many mission strings are enumerated to size a MissionSpace's Text."""
-
-MISSION_FALLBACK_CHARSET = "".join(chr(c) for c in range(0x20, 0x7F))
-"""Printable ASCII: the charset of a MissionSpace whose missions cannot be enumerated."""
-
-MISSION_FALLBACK_MAX_LENGTH = 1024
-
-
-def _is_mission_space(space: Any) -> bool:
-    """MiniGrid's ``MissionSpace`` (or a subclass), recognised without importing minigrid."""
-    return any(
-        cls.__name__ == "MissionSpace" and cls.__module__.startswith("minigrid")
-        for cls in type(space).__mro__
-    )
-
-
-def mission_text_space(space: Any) -> gym.spaces.Text:
-    """The ``Text`` space a MiniGrid ``MissionSpace`` is served as (values: its strings).
-
-    Its charset and lengths hold every mission the space can produce: they are computed
-    from ``mission_func`` over every combination of ``ordered_placeholders``. A space
-    whose missions cannot be enumerated (BabyAI's free-form missions, more than
-    :data:`MISSION_ENUMERATION_LIMIT` combinations) gets printable ASCII and a maximum of
-    :data:`MISSION_FALLBACK_MAX_LENGTH` characters.
-    """
-    placeholders = getattr(space, "ordered_placeholders", None)
-    func = getattr(space, "mission_func", None)
-    missions: list[str] | None = None
-    if callable(func) and type(space).__name__ == "MissionSpace":
-        combos = 1
-        for options in placeholders or []:
-            combos *= max(len(options), 1)
-        if combos <= MISSION_ENUMERATION_LIMIT:
-            try:
-                missions = [str(func(*args)) for args in itertools.product(*(placeholders or []))]
-            except Exception:
-                missions = None
-    if not missions:
-        return gym.spaces.Text(
-            MISSION_FALLBACK_MAX_LENGTH, min_length=1, charset=MISSION_FALLBACK_CHARSET
-        )
-    chars = sorted({char for mission in missions for char in mission})
-    return gym.spaces.Text(
-        max(len(m) for m in missions),
-        min_length=max(1, min(len(m) for m in missions)),
-        charset="".join(chars),
-    )
-
-
 def _to_spec(space: Any, path: str) -> spaces_v1.SpaceSpec:
     spaces = gym.spaces
-    if _is_mission_space(space):
+    if is_mission_space(space):
         return _to_spec(mission_text_space(space), path)
     if isinstance(space, spaces.Box):
         return _box_to_spec(space, path)

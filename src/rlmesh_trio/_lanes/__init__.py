@@ -45,3 +45,8 @@ def __getattr__(name: str) -> Any:
 
         return getattr(_engine, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """What the package has, the names it imports on first use included."""
+    return sorted({*globals(), "LaneState", *_ENGINE})

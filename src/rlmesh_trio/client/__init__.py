@@ -29,13 +29,13 @@ from ._errors import EndpointError as EndpointError
 from ._errors import EnvError as EnvError
 from ._errors import ErrorCode as ErrorCode
 from ._errors import HandshakeError as HandshakeError
+from ._errors import LaneBusyError as LaneBusyError
+from ._errors import LaneError as LaneError
 from ._errors import RequestTimeoutError as RequestTimeoutError
 from ._errors import RpcError as RpcError
 from ._gym import Env as Env
 from ._gym import VectorEnv as VectorEnv
 from ._messages import Episode as Episode
-from ._pool import LaneBusyError as LaneBusyError
-from ._pool import LaneError as LaneError
 from ._probe import ProbeResult as ProbeResult
 from ._probe import probe as probe
 

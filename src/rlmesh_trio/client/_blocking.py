@@ -22,7 +22,7 @@ from .._tls import TlsSetting, check_alpn
 from .._wire._protocol import HANDSHAKE_PATH, JOIN_PATH
 from ._codecs import late, reply_deadline
 from ._contract import contract_from_handshake
-from ._core import JoinState, Slot, call_failure, result_of
+from ._core import JoinStream, Slot, call_failure, result_of
 from ._errors import ConnectionLostError, EndpointClosedError, EndpointError
 from ._grpc import Call, GrpcConnection
 from ._messages import Episode, Reply, close_request, configure_request, handshake_request
@@ -281,7 +281,7 @@ class BlockingEndpoint:
                     unary_result(call, shutting_down=self._conn.shutting_down)
                 )
                 join = self._conn.open(JOIN_PATH)
-                self.state = JoinState(self._conn, join, contract)
+                self.state = JoinStream(self._conn, join, contract)
                 self._link.after = self.state.process
                 self.roundtrip([configure_request], ["configure"], deadline=deadline)
             except ConnectionLostError:

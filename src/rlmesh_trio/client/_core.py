@@ -2,7 +2,7 @@
 shaping and the connection settings are in :mod:`._contract`, :mod:`._codecs` and
 :mod:`._settings`).
 
-Sans-IO: a :class:`JoinState` owns the :class:`GrpcConnection` and the table of pending
+Sans-IO: a :class:`JoinStream` owns the :class:`GrpcConnection` and the table of pending
 requests (by ``request_id``); the Trio driver and the blocking driver feed it bytes and
 wait on its slots in their own way.
 """
@@ -31,7 +31,7 @@ from ._messages import Reply, decode_reply
 
 __all__ = [
     "MAX_COMPLETED",
-    "JoinState",
+    "JoinStream",
     "Slot",
     "call_failure",
     "check_options",
@@ -99,8 +99,9 @@ class Slot:
         self.lanes = tuple(lanes)
 
 
-class JoinState:
-    """The client's side of one Join stream: request ids, pending slots, failure."""
+class JoinStream:
+    """The client's side of one Join stream: request ids, pending slots, failure (the
+    server's side is the transport's ``JoinCall``, its states ``JoinState``)."""
 
     def __init__(self, conn: GrpcConnection, join: Call, contract: Contract) -> None:
         self.conn = conn

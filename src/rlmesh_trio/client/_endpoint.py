@@ -25,7 +25,7 @@ from .._wire._protocol import HANDSHAKE_PATH, JOIN_PATH
 from ._codecs import decode_frame, lanes_of, late, reply_deadline, seeds_of, step_arrays, timeout_of
 from ._contract import Contract, contract_from_handshake
 from ._core import (
-    JoinState,
+    JoinStream,
     Slot,
     call_failure,
     check_options,
@@ -113,7 +113,7 @@ class Endpoint:
         self._read_scope: trio.CancelScope | None = None
         self._quickack = False
         self._unary: dict[int, trio.Event] = {}
-        self._state: JoinState | None = None
+        self._state: JoinStream | None = None
         self._ping_interval = ping_interval_seconds
         self._ping_timeout = ping_timeout_seconds
         self._close_timeout = close_timeout_seconds
@@ -309,7 +309,7 @@ class Endpoint:
         assert self._pool is not None
         return self._pool
 
-    def _joined(self) -> JoinState:
+    def _joined(self) -> JoinStream:
         if self._state is None:
             raise EndpointClosedError("the endpoint is not joined")
         return self._state
@@ -334,7 +334,7 @@ class Endpoint:
             await self._unary_call(HANDSHAKE_PATH, handshake_request())
         )
         join = self._conn.open(JOIN_PATH)
-        self._state = state = JoinState(self._conn, join, contract)
+        self._state = state = JoinStream(self._conn, join, contract)
         rid = state.next_id()
         slot = state.submit(configure_request(rid), rid, _noop, verb="configure")
         self._arm_keepalive()

@@ -22,6 +22,8 @@ __all__ = [
     "EnvError",
     "ErrorCode",
     "HandshakeError",
+    "LaneBusyError",
+    "LaneError",
     "RequestTimeoutError",
     "RpcError",
 ]
@@ -154,6 +156,33 @@ class EnvError(EndpointError):
         if not isinstance(faults, list):
             return []
         return [f for f in faults if isinstance(f, dict) and isinstance(f.get("lane"), int)]
+
+
+class LaneBusyError(EndpointError):
+    """A lane was addressed while it has a request in flight, or a result that
+    ``recv()`` has not returned yet (a lane never has two requests in flight).
+    ``BUSY``, recoverable: nothing was sent."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code=ErrorCode.BUSY, is_recoverable=True)
+
+
+class LaneError(EnvError):
+    """The server's recoverable :class:`EnvError` for one lane's request in a pool
+    (``env_id``: the lane). The lane is idle again: send it again, or reset it."""
+
+    def __init__(self, error: EnvError, env_id: int) -> None:
+        super().__init__(
+            error.message,
+            code=error.code,
+            is_recoverable=error.is_recoverable,
+            request_id=error.request_id,
+            debug_info=error.debug_info,
+        )
+        self.env_id = env_id
+
+    def __str__(self) -> str:
+        return f"lane {self.env_id}: {super().__str__()}"
 
 
 def lane_crash(error: EndpointError) -> bool:

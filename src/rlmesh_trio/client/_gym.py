@@ -12,7 +12,6 @@ a :class:`VectorEnv` (``num_envs=`` checked against the endpoint's lanes).
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from functools import partial
 from typing import Any, SupportsFloat
@@ -25,9 +24,21 @@ from gymnasium.vector.utils import batch_space, concatenate, create_empty_array,
 
 from .._deprecation import Rename, renamed_kwargs
 from .._tls import TlsSetting
+from ._autoreset import (
+    LaneReset,
+    LaneStep,
+    StepPlan,
+    VectorLanes,
+    fold_reset,
+    fold_step,
+    plan_step,
+    same_step_resets,
+    seeds_of,
+    take_reset_mask,
+)
 from ._blocking import BlockingEndpoint
 from ._codecs import decode_frame, lane_infos, step_arrays, timeout_of
-from ._core import JoinState, check_options
+from ._core import JoinStream, check_options
 from ._errors import LANE_FAULT_KEY, EndpointError, EnvError, lane_crash
 from ._messages import Episode, Reply, render_builder, reset_builder, step_builder
 from ._pool import Batch, BlockingPool
@@ -167,7 +178,7 @@ class VectorEnv(gym.vector.VectorEnv):
         batch_size: int | None,
         render_mode: str | None,
     ) -> None:
-        self._state: JoinState = self._ep.state
+        self._state: JoinStream = self._ep.state
         contract = self._state.contract
         if contract.autoreset_mode != "DISABLED":
             raise ValueError(
@@ -195,21 +206,15 @@ class VectorEnv(gym.vector.VectorEnv):
         self.observation_space = batch_space(self.single_observation_space, self.num_envs)
         self.action_space = batch_space(self.single_action_space, self.num_envs)
         self.spec = None
-        n = self.num_envs
-        self._env_obs: list[Any] = [None] * n
-        self._rewards = np.zeros((n,), dtype=np.float64)
-        self._terminations = np.zeros((n,), dtype=np.bool_)
-        self._truncations = np.zeros((n,), dtype=np.bool_)
-        self._autoreset_envs = np.zeros((n,), dtype=np.bool_)
-        self._pool = BlockingPool(
-            self._ep, _VectorBook(self), batch_size=batch_size, autoreset_mode=mode
-        )
+        self._lanes = VectorLanes(self.num_envs)
+        # The lanes are the pool's book too; they hold no reference back to the env.
+        self._pool = BlockingPool(self._ep, self._lanes, batch_size=batch_size, autoreset_mode=mode)
 
     # ---- requests ---------------------------------------------------------------------
 
     def _resets(
         self, lanes: Sequence[int], seeds: Sequence[int | None], options: dict[str, Any] | None
-    ) -> dict[int, tuple[Any, dict[str, Any]]]:
+    ) -> dict[int, LaneReset]:
         """Lane-scoped resets of ``lanes`` (one request for the seeded lanes, one for the
         unseeded), sent together; each lane's observation and info."""
         seeded = [(lane, s) for lane, s in zip(lanes, seeds, strict=True) if s is not None]
@@ -236,14 +241,12 @@ class VectorEnv(gym.vector.VectorEnv):
             timeout_ms=self._timeout_ms,
             lanes=[group for group, _ in groups],
         )
-        out: dict[int, tuple[Any, dict[str, Any]]] = {}
+        out: dict[int, LaneReset] = {}
         for (group, _), reply in zip(groups, replies, strict=True):
             out.update(self._per_lane_reset(group, reply))
         return out
 
-    def _per_lane_reset(
-        self, lanes: list[int], reply: Reply
-    ) -> dict[int, tuple[Any, dict[str, Any]]]:
+    def _per_lane_reset(self, lanes: list[int], reply: Reply) -> dict[int, LaneReset]:
         k = len(lanes)
         observations = self._state.codecs.observations(reply.leaves, k)
         infos = lane_infos(reply.infos, k)
@@ -303,49 +306,12 @@ class VectorEnv(gym.vector.VectorEnv):
     ) -> tuple[Any, dict[str, Any]]:
         n = self.num_envs
         self._pool.core.check_idle(None, "reset()")
-        if seed is None:
-            seeds: list[int | None] = [None] * n
-        elif isinstance(seed, int | np.integer):
-            seeds = [int(seed) + i for i in range(n)]
-        else:
-            seeds = list(seed)
-        if len(seeds) != n:
-            raise ValueError(
-                f"If seeds are passed as a list the length must match num_envs={n} but got length={len(seeds)}."
-            )
+        seeds = seeds_of(seed, n)
         check_options(options)
-        mask = None
-        if options is not None and "reset_mask" in options:
-            mask = options.pop("reset_mask")
-            if not isinstance(mask, np.ndarray):
-                raise TypeError(f"`options['reset_mask']` must be a numpy array, got {type(mask)}")
-            if mask.shape != (n,):
-                raise ValueError(
-                    f"`options['reset_mask']` must have shape `({n},)`, got {mask.shape}"
-                )
-            if mask.dtype != np.bool_:
-                raise TypeError(
-                    f"`options['reset_mask']` must have `dtype=np.bool_`, got {mask.dtype}"
-                )
-            if not np.any(mask):
-                raise ValueError(
-                    "`options['reset_mask']` must contain a boolean array with at least one True value, "
-                    f"got reset_mask={mask}"
-                )
+        mask = take_reset_mask(options, n)
         lanes = list(range(n)) if mask is None else [i for i in range(n) if mask[i]]
         results = self._resets(lanes, [seeds[i] for i in lanes], options)
-        if mask is None:
-            self._terminations = np.zeros((n,), dtype=np.bool_)
-            self._truncations = np.zeros((n,), dtype=np.bool_)
-            self._autoreset_envs = np.zeros((n,), dtype=np.bool_)
-        else:
-            self._terminations[mask] = False
-            self._truncations[mask] = False
-            self._autoreset_envs[mask] = False
-        infos: dict[str, Any] = {}
-        for i in lanes:
-            self._env_obs[i], info = results[i]
-            infos = self._add_info(infos, info, i)
+        infos = fold_reset(self._lanes, results, mask, self._add_info)
         return self._observations(), infos
 
     def step(
@@ -354,45 +320,59 @@ class VectorEnv(gym.vector.VectorEnv):
         Any, np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any], dict[str, Any]
     ]:
         self._pool.core.check_whole_step()
-        n = self.num_envs
-        never = [i for i in range(n) if self._env_obs[i] is None]
+        never = self._lanes.never_reset()
         if never:
             raise ResetNeeded(
                 f"Cannot call VectorEnv.step() before this client reset every lane "
                 f"(lanes {never} were never reset by it): call reset() first"
             )
+        rows = self._action_rows(actions)
+        plan = plan_step(self.autoreset_mode, self._lanes.done)
+        stepped, reset = self._step_request(plan, actions, rows)
+        done = same_step_resets(self.autoreset_mode, plan, stepped)
+        finished = self._resets(done, [None] * len(done), None) if done else {}
+        lanes = self._lanes
+        infos = fold_step(lanes, stepped, reset, finished, self._add_info)
+        return (
+            self._observations(),
+            np.copy(lanes.rewards),
+            np.copy(lanes.terminations),
+            np.copy(lanes.truncations),
+            infos,
+        )
+
+    def _action_rows(self, actions: Any) -> list[Any] | None:
+        """None when ``actions`` is a batch the fast action codec encodes whole; else one
+        action per lane (their count checked)."""
+        n = self.num_envs
+        fast = self._state.codecs.fast_action is not None
+        if fast and isinstance(actions, np.ndarray) and actions.shape[:1] == (n,):
+            return None
+        rows = list(iterate(self.action_space, actions))
+        if len(rows) != n:
+            raise ValueError(f"expected {n} actions, got {len(rows)}")
+        return rows
+
+    def _step_request(
+        self, plan: StepPlan, actions: Any, rows: list[Any] | None
+    ) -> tuple[dict[int, LaneStep], dict[int, LaneReset]]:
+        """The step's one round trip: a step of ``plan.step_lanes`` (whole-vector when
+        every lane steps: the same on a lane endpoint, and the form every server handles
+        fastest) beside a lane-scoped reset of ``plan.reset_lanes``; each lane's answer.
+        A faulted lane (rlmesh-trio under ``--on-lane-fault rebuild/truncate``) counts as
+        stepped: truncated on its last observation."""
+        step_lanes, reset_lanes = plan.step_lanes, plan.reset_lanes
         codecs = self._state.codecs
-        fast = codecs.fast_action
-        rows: list[Any] | None = None
-        if not (fast is not None and isinstance(actions, np.ndarray) and actions.shape[:1] == (n,)):
-            rows = list(iterate(self.action_space, actions))
-            if len(rows) != n:
-                raise ValueError(f"expected {n} actions, got {len(rows)}")
-        mode = self.autoreset_mode
-        if mode == AutoresetMode.NEXT_STEP:
-            reset_lanes = [i for i in range(n) if self._autoreset_envs[i]]
-        else:
-            reset_lanes = []
-            if mode == AutoresetMode.DISABLED and self._autoreset_envs.any():
-                done = [i for i in range(n) if self._autoreset_envs[i]]
-                raise ValueError(
-                    f"lanes {done} finished their episodes and autoreset is DISABLED: reset them "
-                    "first with reset(options={'reset_mask': mask})"
-                )
-        resetting = set(reset_lanes)
-        step_lanes = [i for i in range(n) if i not in resetting]
         builders: list[Any] = []
         kinds: list[str] = []
         addressed: list[Sequence[int]] = []
         if step_lanes:
-            whole = len(step_lanes) == n
+            whole = len(step_lanes) == self.num_envs
             if rows is None:
                 subset = actions if whole else actions[step_lanes]
                 leaves = codecs.encode_actions(subset, len(step_lanes))
             else:
                 leaves = codecs.encode_actions_rows([rows[i] for i in step_lanes])
-            # Every lane steps: a whole-vector step (the same on a lane endpoint, and the
-            # form every server handles fastest); else a lane-scoped one beside the resets.
             builders.append(
                 partial(
                     step_builder,
@@ -421,83 +401,58 @@ class VectorEnv(gym.vector.VectorEnv):
         for answer in answers:
             if isinstance(answer, EndpointError) and not lane_crash(answer):
                 raise answer
-        stepped: dict[int, tuple[Any, float, bool, bool, dict[str, Any]]] = {}
+        stepped: dict[int, LaneStep] = {}
         step_answer = answers[0] if step_lanes else None
         if isinstance(step_answer, EnvError):
-            # A lane faulted (rlmesh-trio under --on-lane-fault rebuild/truncate): every
-            # lane of the request ends its episode truncated on its last observation (the
-            # others' results were dropped with the request); the next step resets them.
+            # Every lane of the request ends its episode truncated on its last
+            # observation (the others' results were dropped with the request); the next
+            # step resets them.
             stepped.update(self._crashed(step_lanes, step_answer))
         elif isinstance(step_answer, Reply):
-            reply = step_answer
-            k = len(step_lanes)
-            rewards, terminated, truncated = step_arrays(reply, k)
-            observations = codecs.observations(reply.leaves, k)
-            infos_k = lane_infos(reply.infos, k)
-            for j, lane in enumerate(step_lanes):
-                stepped[lane] = (
-                    observations[j],
-                    float(rewards[j]),
-                    bool(terminated[j]),
-                    bool(truncated[j]),
-                    infos_k[j],
-                )
-        reset_results: dict[int, tuple[Any, dict[str, Any]]] = {}
+            stepped.update(self._per_lane_step(step_lanes, step_answer))
+        reset: dict[int, LaneReset] = {}
         reset_answer = answers[-1] if reset_lanes else None
         if isinstance(reset_answer, EnvError):
             # The autoreset of a lane that faulted: still done, tried again next step.
             stepped.update(self._crashed(reset_lanes, reset_answer))
         elif isinstance(reset_answer, Reply):
-            reset_results = self._per_lane_reset(reset_lanes, reset_answer)
-        finished: dict[int, tuple[Any, dict[str, Any]]] = {}
-        if mode == AutoresetMode.SAME_STEP:
-            done = [i for i in step_lanes if stepped[i][2] or stepped[i][3]]
-            if done:
-                finished = self._resets(done, [None] * len(done), None)
-        infos: dict[str, Any] = {}
-        for i in range(n):
-            if i in reset_results:
-                self._env_obs[i], info = reset_results[i]
-                self._rewards[i] = 0.0
-                self._terminations[i] = False
-                self._truncations[i] = False
-            else:
-                obs, reward, term, trunc, info = stepped[i]
-                self._env_obs[i] = obs
-                self._rewards[i], self._terminations[i], self._truncations[i] = reward, term, trunc
-                if i in finished:
-                    infos = self._add_info(infos, {"final_obs": obs, "final_info": info}, i)
-                    self._env_obs[i], info = finished[i]
-            infos = self._add_info(infos, info, i)
-        self._autoreset_envs = np.logical_or(self._terminations, self._truncations)
-        return (
-            self._observations(),
-            np.copy(self._rewards),
-            np.copy(self._terminations),
-            np.copy(self._truncations),
-            infos,
-        )
+            reset = self._per_lane_reset(reset_lanes, reset_answer)
+        return stepped, reset
 
-    def _crashed(
-        self, lanes: Sequence[int], error: EnvError
-    ) -> dict[int, tuple[Any, float, bool, bool, dict[str, Any]]]:
+    def _per_lane_step(self, lanes: list[int], reply: Reply) -> dict[int, LaneStep]:
+        k = len(lanes)
+        rewards, terminated, truncated = step_arrays(reply, k)
+        observations = self._state.codecs.observations(reply.leaves, k)
+        infos = lane_infos(reply.infos, k)
+        return {
+            lane: (
+                observations[j],
+                float(rewards[j]),
+                bool(terminated[j]),
+                bool(truncated[j]),
+                infos[j],
+            )
+            for j, lane in enumerate(lanes)
+        }
+
+    def _crashed(self, lanes: Sequence[int], error: EnvError) -> dict[int, LaneStep]:
         """A request for ``lanes`` answered CRASHED: each lane truncated on its last
         observation, reward 0; the faulted lanes' info carries ``rlmesh_trio.lane_fault``."""
         faults = {fault["lane"]: fault for fault in error.lane_faults}
-        out: dict[int, tuple[Any, float, bool, bool, dict[str, Any]]] = {}
+        out: dict[int, LaneStep] = {}
         for lane in lanes:
             info: dict[str, Any] = {}
             if lane in faults:
                 info[LANE_FAULT_KEY] = faults[lane]
-            out[lane] = (self._env_obs[lane], 0.0, False, True, info)
+            out[lane] = (self._lanes.obs[lane], 0.0, False, True, info)
         return out
 
     def _observations(self) -> Any:
         if self._state.codecs.fast_observation is not None:
-            return np.stack(self._env_obs)
+            return np.stack(self._lanes.obs)
         space = self.single_observation_space
         out: Any = create_empty_array(space, self.num_envs)
-        return concatenate(space, self._env_obs, out)
+        return concatenate(space, self._lanes.obs, out)
 
     def render(self) -> tuple[Any, ...] | None:
         """Each lane's frame; None for a lane the server cannot render (the 0.1.0
@@ -526,32 +481,6 @@ class VectorEnv(gym.vector.VectorEnv):
         # close_timeout_seconds, from the collector on any thread): the endpoint's own
         # finalizer drops the connection without a request and without waiting.
         pass
-
-
-class _VectorBook:
-    """The pool's view of a :class:`VectorEnv`'s lanes (its autoreset flags and
-    observations), so ``step()`` and ``send()`` agree on which lanes finished.
-
-    It refers to the env weakly: the env holds the pool, which holds the book, and a
-    cycle would keep a dropped env (and its server session) until the cycle collector
-    runs."""
-
-    def __init__(self, env: VectorEnv) -> None:
-        self._env = weakref.ref(env)
-
-    def _get(self) -> VectorEnv:
-        env = self._env()
-        if env is None:  # pragma: no cover - only the env itself calls its pool
-            raise ReferenceError("the VectorEnv is gone")
-        return env
-
-    @property
-    def done(self) -> np.ndarray[Any, Any]:
-        return self._get()._autoreset_envs
-
-    @property
-    def obs(self) -> list[Any]:
-        return self._get()._env_obs
 
 
 class Env(gym.Env):
@@ -597,7 +526,7 @@ class Env(gym.Env):
                 close_timeout_seconds,
             ),
         )
-        self._state: JoinState = self._ep.state
+        self._state: JoinStream = self._ep.state
         contract = self._state.contract
         try:
             if contract.num_envs != 1:

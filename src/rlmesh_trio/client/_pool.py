@@ -37,12 +37,13 @@ from ._codecs import (
     step_arrays,
     timeout_of,
 )
-from ._core import JoinState, Slot, check_options, result_of
+from ._core import JoinStream, Slot, check_options, result_of
 from ._errors import (
     LANE_FAULT_KEY,
     EndpointError,
     EnvError,
-    ErrorCode,
+    LaneBusyError,
+    LaneError,
     RequestTimeoutError,
 )
 from ._messages import reset_request, step_request
@@ -55,8 +56,6 @@ __all__ = [
     "AsyncPool",
     "BlockingPool",
     "LaneBook",
-    "LaneBusyError",
-    "LaneError",
     "PoolCore",
     "autoreset_mode_of",
 ]
@@ -66,33 +65,6 @@ ENV_ID_KEY = "env_id"
 
 Batch = tuple[Any, np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any], dict[str, Any]]
 """``(observations, rewards, terminated, truncated, infos)`` of a batch of lanes."""
-
-
-class LaneBusyError(EndpointError):
-    """A lane was addressed while it has a request in flight, or a result that
-    ``recv()`` has not returned yet (a lane never has two requests in flight).
-    ``BUSY``, recoverable: nothing was sent."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, code=ErrorCode.BUSY, is_recoverable=True)
-
-
-class LaneError(EnvError):
-    """The server's recoverable :class:`EnvError` for one lane's request in a pool
-    (``env_id``: the lane). The lane is idle again: send it again, or reset it."""
-
-    def __init__(self, error: EnvError, env_id: int) -> None:
-        super().__init__(
-            error.message,
-            code=error.code,
-            is_recoverable=error.is_recoverable,
-            request_id=error.request_id,
-            debug_info=error.debug_info,
-        )
-        self.env_id = env_id
-
-    def __str__(self) -> str:
-        return f"lane {self.env_id}: {super().__str__()}"
 
 
 def autoreset_mode_of(mode: str | AutoresetMode) -> AutoresetMode:
@@ -163,7 +135,7 @@ class PoolCore:
 
     def __init__(
         self,
-        state: JoinState,
+        state: JoinStream,
         book: Book,
         *,
         batch_size: int | None,
@@ -540,7 +512,7 @@ class TrioHost(Protocol):
     """What :class:`AsyncPool` needs of the Trio endpoint it serves (so this module does
     not import ``_endpoint``, which imports it)."""
 
-    def _joined(self) -> JoinState: ...
+    def _joined(self) -> JoinStream: ...
 
     def _arm_keepalive(self) -> None: ...
 

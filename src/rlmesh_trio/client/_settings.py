@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from .._address import TcpAddress, UnixAddress, parse_address
-from .._logging import protect_credentials
+from .._credentials import protect_credentials
 from .._tls import ABRUPT_END, TlsSetting, client_context, describe_tls_error
 from ._errors import (
     ConnectionLostError,

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from .._errors import first_line
 from ._records import EndpointStatus, FleetError, Retry
 
 log = logging.getLogger("rlmesh_trio.fleet")
@@ -320,7 +321,7 @@ class _Scheduler:
     def requeue(self, endpoint: EndpointStatus, task: list[int], exc: BaseException) -> bool:
         """A task failed: queue its unfinished units again (those within their retries).
         Returns False when the host is closing."""
-        error = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
+        error = first_line(exc)
         retry: Retry | None = None
         with self.cond:
             self.in_flight -= 1

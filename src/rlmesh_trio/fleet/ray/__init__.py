@@ -19,7 +19,6 @@ The package: ``_actor`` (the endpoint actor, :class:`EndpointInfo`), ``_supervis
 
 from ..._exports import publish as _publish
 from ._actor import EndpointInfo as EndpointInfo
-from ._launch import _is_loopback as _is_loopback
 from ._launch import kill_process as kill_process
 from ._launch import launch as launch
 from ._launch import ray_output_to_stderr as ray_output_to_stderr

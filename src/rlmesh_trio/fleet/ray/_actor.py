@@ -26,6 +26,7 @@ from typing import Any
 import ray
 
 from ..._address import TcpAddress, parse_address
+from ..._credentials import AUTH_TOKEN_ENV
 from ..._deprecation import renamed_attribute
 from ..._options import ServeOptions, resolve
 
@@ -144,7 +145,7 @@ class EndpointActor:
         if config.options.auth_token is None:
             # launch() decided on auth; a token in the workers' environment would make
             # the endpoint refuse the fleet's own probes (and be restarted forever).
-            os.environ.pop("RLMESH_TRIO_AUTH_TOKEN", None)
+            os.environ.pop(AUTH_TOKEN_ENV, None)
         self._ready: queue.Queue[ServerInfo | BaseException] = queue.Queue()
         self._token: trio.lowlevel.TrioToken | None = None
         self._scope: trio.CancelScope | None = None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import ipaddress
 import logging
 import os
 import secrets
@@ -17,7 +16,7 @@ import signal
 import sys
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
 import ray
@@ -25,7 +24,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ..._address import parse_address
+from ..._address import is_loopback_host, parse_address
 from ..._deprecation import renamed_kwargs
 from ..._options import ServeOptions, tls_files
 from ..._tls import TlsSetting
@@ -36,13 +35,6 @@ log = logging.getLogger("rlmesh_trio.fleet.ray")
 
 PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 LOOPBACK = "127.0.0.1"
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def _cluster_is_local() -> bool:
@@ -190,102 +182,52 @@ def launch(
     ``TimeoutError`` after ``ready_timeout_seconds``, or the first endpoint's startup error
     (after removing what was launched).
     """
-    if not isinstance(endpoints, int) or endpoints < 1:
-        raise ValueError(f"endpoints must be an int >= 1, got {endpoints!r}")
-    if isinstance(num_envs, bool) or not isinstance(num_envs, int) or num_envs < 1:
-        raise ValueError(f"num_envs must be an int >= 1, got {num_envs!r}")
-    if placement not in PLACEMENTS:
-        raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
-    if not isinstance(max_restarts, int) or max_restarts < -1:
-        raise ValueError(f"max_restarts must be an int >= -1, got {max_restarts!r}")
-    if not isinstance(unhealthy_after, int) or unhealthy_after < 1:
-        raise ValueError(f"unhealthy_after must be an int >= 1, got {unhealthy_after!r}")
-    for label, value in (
-        ("health_period_seconds", health_period_seconds),
-        ("health_timeout_seconds", health_timeout_seconds),
-        ("ready_timeout_seconds", ready_timeout_seconds),
-        ("stop_timeout_seconds", stop_timeout_seconds),
-    ):
-        if not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"{label} must be a number > 0, got {value!r}")
-    if niceness is not None and not -20 <= niceness <= 19:
-        raise ValueError(f"niceness must be in -20..19 or None, got {niceness!r}")
-    bundle = {"CPU": 1.0} if resources is None else {k: float(v) for k, v in resources.items()}
-    if any(v < 0 for v in bundle.values()) or not any(v > 0 for v in bundle.values()):
-        raise ValueError(f"resources must be non-negative and not all zero, got {bundle!r}")
+    bundle = _check_arguments(
+        endpoints=endpoints,
+        num_envs=num_envs,
+        resources=resources,
+        placement=placement,
+        max_restarts=max_restarts,
+        unhealthy_after=unhealthy_after,
+        seconds={
+            "health_period_seconds": health_period_seconds,
+            "health_timeout_seconds": health_timeout_seconds,
+            "ready_timeout_seconds": ready_timeout_seconds,
+            "stop_timeout_seconds": stop_timeout_seconds,
+        },
+        niceness=niceness,
+    )
     if bind not in ("auto", "node"):
         resolve_bind(bind)  # checked before Ray is started
     if not ray.is_initialized():
         ray.init()  # a new local Ray, or the cluster RAY_ADDRESS / `ray start` names
     bind = resolve_bind(bind)
-    node_ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call,unused-ignore]
-    host = node_ip if bind == "node" else bind
-    needs_token = (not _is_loopback(host)) if require_auth is None else require_auth
-    token = (auth_token or secrets.token_urlsafe(32)) if needs_token else auth_token
+    token = _token(bind, auth_token, require_auth)
     serve_options = options or ServeOptions()
     if token is not None:
         serve_options = replace(serve_options, auth_token=token)
     tls_pem = _tls_pem(serve_options, tls, tls_cert_file, tls_key_file, tls_client_ca_file)
-
-    actor_runtime_env: dict[str, Any] = dict(runtime_env or {})
-    if niceness is not None:
-        env_vars = dict(actor_runtime_env.get("env_vars") or {})
-        env_vars.setdefault("RAY_worker_niceness", str(niceness))
-        actor_runtime_env["env_vars"] = env_vars
-
     fleet_id = uuid.uuid4().hex[:12]
-    pg = placement_group([dict(bundle) for _ in range(endpoints)], strategy=placement)
-    actors: list[Any] = []
-    try:
-        try:
-            ray.get(pg.ready(), timeout=ready_timeout_seconds)
-        except GetTimeoutError:
-            raise TimeoutError(
-                f"Ray could not place {endpoints} x {bundle} ({placement}) within "
-                f"{ready_timeout_seconds} s: not enough resources in the cluster?"
-            ) from None
-        remote = ray.remote(EndpointActor)
-        for index in range(endpoints):
-            config = ActorConfig(
-                fleet_id=fleet_id,
-                index=index,
-                env=env,
-                env_kwargs=dict(env_kwargs or {}),
-                num_envs=num_envs,
-                bind=bind,
-                options=serve_options,
-                pin_ports=pin_ports,
-                ready_timeout_seconds=ready_timeout_seconds,
-                tls_pem=tls_pem,
-            )
-            actor = remote.options(
-                max_restarts=max_restarts,
-                max_task_retries=-1,
-                max_concurrency=2,  # info() answers while stop() drains
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=index
-                ),
-                runtime_env=actor_runtime_env or None,
-                **_actor_options(bundle),
-            ).remote(config)
-            actors.append(actor)
-        refs = [a.info.remote() for a in actors]
-        try:
-            infos: list[EndpointInfo] = ray.get(refs, timeout=ready_timeout_seconds)
-        except GetTimeoutError:
-            raise TimeoutError(
-                f"the fleet's endpoints did not all serve within {ready_timeout_seconds} s"
-            ) from None
-        except RayActorError as exc:
-            cause = exc.__cause__ or exc
-            raise RuntimeError(f"an endpoint failed to start: {_first_line(cause)}") from exc
-    except BaseException:
-        for actor in actors:
-            with contextlib.suppress(Exception):
-                ray.kill(actor, no_restart=True)
-        with contextlib.suppress(Exception):
-            remove_placement_group(pg)
-        raise
+    plan = _Plan(
+        endpoints=endpoints,
+        bundle=bundle,
+        placement=placement,
+        max_restarts=max_restarts,
+        runtime_env=_runtime_env(runtime_env, niceness),
+        actor=ActorConfig(
+            fleet_id=fleet_id,
+            index=0,
+            env=env,
+            env_kwargs=dict(env_kwargs or {}),
+            num_envs=num_envs,
+            bind=bind,
+            options=serve_options,
+            pin_ports=pin_ports,
+            ready_timeout_seconds=ready_timeout_seconds,
+            tls_pem=tls_pem,
+        ),
+    )
+    pg, actors, infos = _start(plan)
     fleet = RayFleet(
         actors,
         infos,
@@ -301,6 +243,125 @@ def launch(
     )
     log.info("fleet %s: %d endpoints serving: %s", fleet_id, endpoints, fleet.addresses)
     return fleet
+
+
+def _check_arguments(
+    *,
+    endpoints: int,
+    num_envs: int,
+    resources: Mapping[str, float] | None,
+    placement: str,
+    max_restarts: int,
+    unhealthy_after: int,
+    seconds: Mapping[str, float],
+    niceness: int | None,
+) -> dict[str, float]:
+    """``launch``'s arguments checked before Ray is touched; returns the bundle of
+    resources each endpoint gets."""
+    if not isinstance(endpoints, int) or endpoints < 1:
+        raise ValueError(f"endpoints must be an int >= 1, got {endpoints!r}")
+    if isinstance(num_envs, bool) or not isinstance(num_envs, int) or num_envs < 1:
+        raise ValueError(f"num_envs must be an int >= 1, got {num_envs!r}")
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
+    if not isinstance(max_restarts, int) or max_restarts < -1:
+        raise ValueError(f"max_restarts must be an int >= -1, got {max_restarts!r}")
+    if not isinstance(unhealthy_after, int) or unhealthy_after < 1:
+        raise ValueError(f"unhealthy_after must be an int >= 1, got {unhealthy_after!r}")
+    for label, value in seconds.items():
+        if not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{label} must be a number > 0, got {value!r}")
+    if niceness is not None and not -20 <= niceness <= 19:
+        raise ValueError(f"niceness must be in -20..19 or None, got {niceness!r}")
+    bundle = {"CPU": 1.0} if resources is None else {k: float(v) for k, v in resources.items()}
+    if any(v < 0 for v in bundle.values()) or not any(v > 0 for v in bundle.values()):
+        raise ValueError(f"resources must be non-negative and not all zero, got {bundle!r}")
+    return bundle
+
+
+def _token(bind: str, auth_token: str | None, require_auth: bool | None) -> str | None:
+    """The endpoints' token: beyond loopback (unless ``require_auth`` says otherwise)
+    ``auth_token`` or one generated here; else ``auth_token`` as given. The workers'
+    ``RLMESH_TRIO_AUTH_TOKEN`` never decides (the actor drops it)."""
+    node_ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call,unused-ignore]
+    host = node_ip if bind == "node" else bind
+    needs_token = (not is_loopback_host(host)) if require_auth is None else require_auth
+    return (auth_token or secrets.token_urlsafe(32)) if needs_token else auth_token
+
+
+def _runtime_env(runtime_env: Mapping[str, Any] | None, niceness: int | None) -> dict[str, Any]:
+    """Ray's runtime env for the actors: the caller's, with the workers' nice value."""
+    actor_runtime_env: dict[str, Any] = dict(runtime_env or {})
+    if niceness is not None:
+        env_vars = dict(actor_runtime_env.get("env_vars") or {})
+        env_vars.setdefault("RAY_worker_niceness", str(niceness))
+        actor_runtime_env["env_vars"] = env_vars
+    return actor_runtime_env
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What ``launch`` decided before placing anything: how many endpoints, each one's
+    bundle, the placement, restarts and runtime env, and the actors' config (``actor``:
+    endpoint 0's; the others' differ in their ``index`` alone)."""
+
+    endpoints: int
+    bundle: dict[str, float]
+    placement: str
+    max_restarts: int
+    runtime_env: dict[str, Any]
+    actor: ActorConfig
+
+
+def _start(plan: _Plan) -> tuple[Any, list[Any], list[EndpointInfo]]:
+    """Place the endpoints, start one actor on each bundle, and wait until every one
+    serves: the placement group, the actors, what each reports. On any failure what was
+    started is killed and the placement group removed before the error goes on."""
+    timeout = plan.actor.ready_timeout_seconds
+    pg = placement_group(
+        [dict(plan.bundle) for _ in range(plan.endpoints)], strategy=plan.placement
+    )
+    actors: list[Any] = []
+    try:
+        try:
+            ray.get(pg.ready(), timeout=timeout)
+        except GetTimeoutError:
+            raise TimeoutError(
+                f"Ray could not place {plan.endpoints} x {plan.bundle} ({plan.placement}) "
+                f"within {timeout} s: not enough resources in the cluster?"
+            ) from None
+        remote = ray.remote(EndpointActor)
+        for index in range(plan.endpoints):
+            config = replace(plan.actor, index=index)
+            actor = remote.options(
+                max_restarts=plan.max_restarts,
+                max_task_retries=-1,
+                max_concurrency=2,  # info() answers while stop() drains
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=index
+                ),
+                runtime_env=plan.runtime_env or None,
+                **_actor_options(plan.bundle),
+            ).remote(config)
+            actors.append(actor)
+        refs = [a.info.remote() for a in actors]
+        try:
+            infos: list[EndpointInfo] = ray.get(refs, timeout=timeout)
+        except GetTimeoutError:
+            raise TimeoutError(
+                f"the fleet's endpoints did not all serve within {timeout} s"
+            ) from None
+        except RayActorError as exc:
+            cause = exc.__cause__ or exc
+            raise RuntimeError(f"an endpoint failed to start: {_cause_line(cause)}") from exc
+    except BaseException:
+        for actor in actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+        with contextlib.suppress(Exception):
+            remove_placement_group(pg)
+        raise
+    return pg, actors, infos
 
 
 def _tls_pem(
@@ -330,7 +391,9 @@ def _tls_pem(
     return TlsPem.read(files.cert_file, files.key_file, files.client_ca_file)
 
 
-def _first_line(exc: BaseException) -> str:
+def _cause_line(exc: BaseException) -> str:
+    """``Type: the last line of the message``: an actor's creation error from Ray ends
+    with the line that says what went wrong (the lines before are Ray's traceback)."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[-1]}" if text else type(exc).__name__
 

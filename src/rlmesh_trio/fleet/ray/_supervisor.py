@@ -24,6 +24,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from ..._deprecation import renamed_kwargs
+from ..._errors import first_line
 from ..._tls import TlsSetting
 from .._core import Fleet, Member
 from .._records import Health
@@ -168,7 +169,7 @@ class RayFleet(Fleet):
                     "fleet: endpoint %d (%s) is dead: %s",
                     member.index,
                     member.address,
-                    str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+                    first_line(exc),
                 )
 
     def _observed(self, member: Member, health: Health) -> None:
