@@ -1,4 +1,4 @@
-"""The Join's in-callback request reader (``_transport._shim.RequestReader``), sans IO.
+"""The Join's in-callback request reader (``_transport._reader.RequestReader``), sans IO.
 
 The reader cuts gRPC messages out of a stream's DATA as h2 delivers it and acknowledges
 received bytes to h2 only once they are consumed; while paused or stopped it consumes
@@ -19,8 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlmesh_trio._errors import FrameError, MessageTooLarge, WireError
-from rlmesh_trio._transport import _shim
-from rlmesh_trio._transport._shim import RequestReader
+from rlmesh_trio._transport import _reader, _shim
+from rlmesh_trio._transport._reader import RequestReader
 from rlmesh_trio._wire import _framing
 
 pytestmark = pytest.mark.timeout(60)
@@ -32,7 +32,7 @@ LIMIT = 4 << 20
 def ack_every_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
     """Acknowledge each consumed chunk at once, so the tests can count exactly; the
     batching itself is tested on its own below."""
-    monkeypatch.setattr(_shim, "ACK_BATCH", 0)
+    monkeypatch.setattr(_reader, "ACK_BATCH", 0)
 
 
 class FakeH2:
@@ -263,7 +263,7 @@ def test_any_chunking_and_pausing_delivers_everything_once(
 def test_acknowledgements_are_batched_and_none_is_forgotten(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_shim, "ACK_BATCH", 100)
+    monkeypatch.setattr(_reader, "ACK_BATCH", 100)
     h = Harness()
     h.start()
     one = frame(b"x" * 25)  # 30 bytes

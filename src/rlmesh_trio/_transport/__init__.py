@@ -5,7 +5,11 @@ client speaks h2 on Trio itself).
 * :mod:`._server` -- the loop side: method table, the one error-to-status mapping,
   health, idle timer, stop phases;
 * :mod:`._join` -- the Join driver (explicit states, back-pressure);
-* :mod:`._shim` -- grpclib's seam: dispatcher, connection, the Join's reader and sender;
+* :mod:`._connection` -- one HTTP/2 connection: dispatcher (admission), frame gate, GOAWAY,
+  the lingering close;
+* :mod:`._reader` -- the Join's request reader, inside the connection's data callback;
+* :mod:`._shim` -- the rest of grpclib's seam: codec, method table, the Join's sender,
+  unary reads, reflection's servicers;
 * :mod:`._flood` -- what one connection may cost (flood limits, per-turn slices);
 * :mod:`._privates` -- every private name of grpclib and h2 used, its check and fallback.
 

@@ -1,7 +1,7 @@
 """The Join driver: one bidi stream around one sans-IO session, on the transport loop.
 
 Requests are cut from the stream's DATA inside the connection's data callback
-(:class:`~._shim.RequestReader`: no reader task, no queue), decoded and fed to the
+(:class:`~._reader.RequestReader`: no reader task, no queue), decoded and fed to the
 session; the session's actions are performed here (post lane jobs, send replies,
 timers, end). A reply is written at once (:class:`~._shim.StreamSender`) when nothing is
 queued before it and the flow-control window and the socket take it; otherwise it is
@@ -68,15 +68,10 @@ from .._session import (
     Wedged,
 )
 from .._wire import PREFIX_SIZE, decode_join_request, encode_join_response_framed
+from ._connection import Connection
 from ._deadlines import Deadlines
-from ._shim import (
-    Connection,
-    RequestReader,
-    StreamSender,
-    reader_of,
-    reset_if_open,
-    send_framed,
-)
+from ._reader import RequestReader
+from ._shim import StreamSender, reader_of, reset_if_open, send_framed
 
 if TYPE_CHECKING:
     from .._metrics import ServerMetrics
