@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlmesh_trio._errors import FrameError, MessageTooLarge, WireError
-from rlmesh_trio._transport import _reader, _shim
+from rlmesh_trio._transport import _reader
 from rlmesh_trio._transport._reader import RequestReader
 from rlmesh_trio._wire import _framing
 
@@ -229,8 +229,8 @@ def test_a_failing_handler_ends_the_reader_instead_of_the_connection() -> None:
 def test_any_chunking_and_pausing_delivers_everything_once(
     messages: list[bytes], cuts: list[int], pads: list[int], pauses: set[int], small: int
 ) -> None:
-    old = _shim.SMALL_MESSAGE
-    _shim.SMALL_MESSAGE = small  # 0 and 50 send most bodies down the big-buffer path
+    old = _framing.SMALL_MESSAGE
+    _framing.SMALL_MESSAGE = small  # 0 and 50 send most bodies down the big-buffer path
     try:
         h = Harness()
         h.pause_after = pauses
@@ -257,7 +257,7 @@ def test_any_chunking_and_pausing_delivers_everything_once(
         assert h.h2.acked == fed_flow
         assert h.reader.buffered == 0
     finally:
-        _shim.SMALL_MESSAGE = old
+        _framing.SMALL_MESSAGE = old
 
 
 def test_acknowledgements_are_batched_and_none_is_forgotten(
