@@ -13,12 +13,13 @@ import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import h2.exceptions
 
 from .._errors import FrameError, WireError
 from .._wire import MessageReader
+from ._states import ReaderState, check_reader_move
 
 if TYPE_CHECKING:
     from grpclib.protocol import Connection as GrpclibConnection
@@ -30,6 +31,20 @@ ACK_BATCH = 256 << 10
 """Consumed request bytes are acknowledged to h2 in batches of this size (h2 sends a
 WINDOW_UPDATE only once half the 4 MiB window is consumed anyway); a stream's end, a
 pause and a detach acknowledge what is left."""
+
+# The states the per-chunk paths compare with, as module constants: an enum member read
+# off its class costs a descriptor lookup each time.
+_READING: Final = ReaderState.READING
+_PAUSED: Final = ReaderState.PAUSED
+_DONE: Final = ReaderState.DONE
+
+_STOP_CHANGES_NOTHING: Final = (ReaderState.STOPPED, ReaderState.DONE)
+"""A reader stopped already, or done, stays as it is on :meth:`RequestReader.stop` (the
+Join stops its reader on every way out of reading)."""
+
+_PAUSE_CHANGES_NOTHING: Final = (ReaderState.PAUSED, ReaderState.STOPPED, ReaderState.DONE)
+"""``paused = True`` is level-triggered (the Join sets it after every event): a paused
+reader stays paused, and one stopped or done reads nothing either way."""
 
 
 class ReaderConnection(Protocol):
@@ -63,13 +78,17 @@ class RequestReader:
     unreadable message) is reported once through ``on_end`` (None, or the
     :class:`~rlmesh_trio._errors.WireError`), after every message before it was
     delivered.
+
+    Its state (:class:`~._states.ReaderState`) changes only through :meth:`_move`, checked
+    against :data:`~._states.READER_TRANSITIONS`.
     """
 
     def __init__(self, connection: ReaderConnection, stream_id: int) -> None:
         self._id = stream_id
         self._connection = connection
         self._h2 = connection._h2()
-        self._on_message: Callable[[bytes | bytearray], None] | None = None  # not started
+        self.state = ReaderState.HOLDING
+        self._on_message: Callable[[bytes | bytearray], None] = lambda message: None
         self._on_end: Callable[[WireError | None], None] = lambda error: None
         self.on_read: Callable[[bool], None] | None = None
         """``on_read(True)`` before the connection hands over one read's frames, and
@@ -78,10 +97,11 @@ class RequestReader:
         self._chunks: deque[tuple[bytes | memoryview, int]] = deque()  # data, to ack
         self.buffered = 0  # bytes received and not yet consumed
         self._consumed = 0  # flow-controlled bytes consumed, not yet acknowledged
+        # The peer half-closed. Not a state: it is a fact about the input, which comes in
+        # any state; the end is reported (-> DONE) once what came before it is consumed.
         self._eof = False
-        self._done = False  # the end was reported, or the reader detached: discard
-        self._stopped = False
-        self._paused = False
+        # Inside _pump: a callback that resumes the reader re-enters it (a guard, not a
+        # state of the reader).
         self._pumping = False
         self._cutter = MessageReader(0)  # the message being read (its limit at start)
         connection.readers[stream_id] = self
@@ -105,6 +125,7 @@ class RequestReader:
         on_read: Callable[[bool], None] | None = None,
     ) -> None:
         """Deliver messages from now on: what was held first, then all that comes."""
+        self._move(ReaderState.READING)
         self._cutter = MessageReader(limit)
         self._on_end = on_end
         self.on_read = on_read
@@ -118,7 +139,8 @@ class RequestReader:
         The WINDOW_UPDATE goes out at once: the connection's window is shared, and a peer
         waiting for it to send on another stream may send nothing else meanwhile.
         """
-        self._done = True
+        if self.state is not _DONE:  # closed twice: the Join closes it, then detaches it
+            self._move(ReaderState.DONE)
         self._drop_all()
         self._flush()
 
@@ -130,25 +152,32 @@ class RequestReader:
 
     @property
     def paused(self) -> bool:
-        return self._paused
+        return self.state is _PAUSED
 
     @paused.setter
     def paused(self, value: bool) -> None:
-        if value == self._paused:
-            return
-        self._paused = value
-        if not value:
+        state = self.state
+        if value:
+            if state not in _PAUSE_CHANGES_NOTHING:
+                self._move(ReaderState.PAUSED)
+        elif state is _PAUSED:
+            self._move(ReaderState.READING)
             self._pump()
             self._flush()
 
     def stop(self) -> None:
         """Consume no more (the server is draining); kept data stays unacknowledged."""
-        self._stopped = True
+        if self.state not in _STOP_CHANGES_NOTHING:
+            self._move(ReaderState.STOPPED)
+
+    def _move(self, new: ReaderState) -> None:
+        check_reader_move(self.state, new)
+        self.state = new
 
     # -- events from the connection
 
     def feed(self, data: bytes, flow_controlled_length: int) -> None:
-        if self._done:
+        if self.state is _DONE:
             self._ack(flow_controlled_length)
             return
         self._chunks.append((data, flow_controlled_length))
@@ -179,7 +208,7 @@ class RequestReader:
         self._ack(ack)
 
     def _report_end(self, error: WireError | None) -> None:
-        self._done = True
+        self._move(ReaderState.DONE)
         self._drop_all()
         self._on_end(error)
 
@@ -191,7 +220,7 @@ class RequestReader:
             self._consume()
         finally:
             self._pumping = False
-        if self._consumed and (self._paused or self._stopped or self._on_message is None):
+        if self._consumed and self.state is not _READING:
             # Held back: what was consumed must not wait for a batch that may never come.
             self._ack(self._consumed)
             self._consumed = 0
@@ -199,7 +228,7 @@ class RequestReader:
     def _consume(self) -> None:
         chunks = self._chunks
         on_message = self._on_message
-        while not (self._done or self._paused or self._stopped or on_message is None):
+        while self.state is _READING:
             if not chunks:
                 if self._eof:
                     mid_message = self._cutter.mid_message
