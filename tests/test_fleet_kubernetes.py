@@ -28,7 +28,7 @@ from support.refserver import ROOT, TESTS_DIR, _read_address
 from rlmesh_trio._address import TcpAddress, parse_address
 from rlmesh_trio._cli import build_parser
 from rlmesh_trio._options import stop_bound
-from rlmesh_trio._transport import SERVICE_NAME
+from rlmesh_trio._wire import SERVICE_NAME
 from rlmesh_trio.client import probe
 from rlmesh_trio.fleet import Fleet
 

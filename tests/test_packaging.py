@@ -116,9 +116,9 @@ def test_ci_pins_lie_in_the_ranges_and_agree_with_the_extras() -> None:
 
 
 BOUND_AT = {"grpclib": 3, "h2": 2}
-"""The libraries whose internals the transport reaches into (``_transport/_shim.py``), and
-the release part their upper bound sits at: h2's next minor, grpclib's next 0.4.x (each
-0.4.x release changes its internals)."""
+"""The libraries whose internals the transport reaches into (``_transport/_connection.py``,
+``_shim.py``), and the release part their upper bound sits at: h2's next minor, grpclib's
+next 0.4.x (each 0.4.x release changes its internals)."""
 
 
 def test_bounds_on_internals_sit_just_past_the_ci_pin() -> None:

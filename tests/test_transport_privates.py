@@ -19,7 +19,7 @@ import trio
 from packaging.version import Version
 
 from rlmesh_trio import ServeOptions, serve_env
-from rlmesh_trio._transport import _privates, _shim
+from rlmesh_trio._transport import _connection, _privates
 from rlmesh_trio.client import open_endpoint
 
 pytestmark = pytest.mark.timeout(60)
@@ -220,13 +220,13 @@ async def test_a_renamed_h2_private_falls_back_to_the_public_path_with_one_warni
     monkeypatch.setattr(_privates, "check_h2", lambda: ["FrameBuffer._data is not a bytes"])
     _privates.direct_data_path.cache_clear()
     taken: list[int] = []
-    route = _shim.route_frames
+    route = _connection.route_frames
 
     def counted(*args: object, **kwargs: object) -> bool:
         taken.append(1)
         return route(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(_shim, "route_frames", counted)
+    monkeypatch.setattr(_connection, "route_frames", counted)
     try:
         with caplog.at_level(logging.WARNING, logger="rlmesh_trio.transport"):
             assert await _served_session() == baseline

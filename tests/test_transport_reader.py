@@ -1,4 +1,4 @@
-"""The Join's in-callback request reader (``_transport._shim.RequestReader``), sans IO.
+"""The Join's in-callback request reader (``_transport._reader.RequestReader``), sans IO.
 
 The reader cuts gRPC messages out of a stream's DATA as h2 delivers it and acknowledges
 received bytes to h2 only once they are consumed; while paused or stopped it consumes
@@ -19,8 +19,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlmesh_trio._errors import FrameError, MessageTooLarge, WireError
-from rlmesh_trio._transport import _shim
-from rlmesh_trio._transport._shim import RequestReader
+from rlmesh_trio._transport import _reader
+from rlmesh_trio._transport._reader import RequestReader
+from rlmesh_trio._transport._states import (
+    READER_TRANSITIONS,
+    ReaderState,
+    TransportStateError,
+    check_reader_move,
+)
 from rlmesh_trio._wire import _framing
 
 pytestmark = pytest.mark.timeout(60)
@@ -32,7 +38,7 @@ LIMIT = 4 << 20
 def ack_every_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
     """Acknowledge each consumed chunk at once, so the tests can count exactly; the
     batching itself is tested on its own below."""
-    monkeypatch.setattr(_shim, "ACK_BATCH", 0)
+    monkeypatch.setattr(_reader, "ACK_BATCH", 0)
 
 
 class FakeH2:
@@ -229,8 +235,8 @@ def test_a_failing_handler_ends_the_reader_instead_of_the_connection() -> None:
 def test_any_chunking_and_pausing_delivers_everything_once(
     messages: list[bytes], cuts: list[int], pads: list[int], pauses: set[int], small: int
 ) -> None:
-    old = _shim.SMALL_MESSAGE
-    _shim.SMALL_MESSAGE = small  # 0 and 50 send most bodies down the big-buffer path
+    old = _framing.SMALL_MESSAGE
+    _framing.SMALL_MESSAGE = small  # 0 and 50 send most bodies down the big-buffer path
     try:
         h = Harness()
         h.pause_after = pauses
@@ -257,13 +263,13 @@ def test_any_chunking_and_pausing_delivers_everything_once(
         assert h.h2.acked == fed_flow
         assert h.reader.buffered == 0
     finally:
-        _shim.SMALL_MESSAGE = old
+        _framing.SMALL_MESSAGE = old
 
 
 def test_acknowledgements_are_batched_and_none_is_forgotten(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_shim, "ACK_BATCH", 100)
+    monkeypatch.setattr(_reader, "ACK_BATCH", 100)
     h = Harness()
     h.start()
     one = frame(b"x" * 25)  # 30 bytes
@@ -281,3 +287,88 @@ def test_acknowledgements_are_batched_and_none_is_forgotten(
     h.reader.end()
     assert h.h2.acked == 180 and h.ends == [None]
     assert len(h.messages) == 6
+
+
+# -- the reader's state table (_transport/_states.py)
+
+
+def test_every_reader_state_is_reachable_and_ends_done() -> None:
+    reached = {ReaderState.HOLDING} | {new for _, new in READER_TRANSITIONS}
+    assert reached == set(ReaderState)
+    for state in set(ReaderState) - {ReaderState.DONE}:
+        assert (state, ReaderState.DONE) in READER_TRANSITIONS
+    assert not any(old is ReaderState.DONE for old, _ in READER_TRANSITIONS)
+
+
+def test_a_reader_move_outside_the_table_is_an_internal_error() -> None:
+    for old in ReaderState:
+        for new in ReaderState:
+            if (old, new) in READER_TRANSITIONS:
+                check_reader_move(old, new)
+            else:
+                with pytest.raises(
+                    TransportStateError,
+                    match=f"^request reader: no move from {old.value} to {new.value}$",
+                ):
+                    check_reader_move(old, new)
+
+
+def test_a_reader_life_moves_through_its_table() -> None:
+    h = Harness()
+    assert h.reader.state is ReaderState.HOLDING
+    h.start()
+    assert h.reader.state is ReaderState.READING
+    h.reader.paused = True
+    h.reader.paused = True  # level-triggered: still paused
+    assert h.reader.state is ReaderState.PAUSED and h.reader.paused
+    h.reader.paused = False
+    assert h.reader.state is ReaderState.READING and not h.reader.paused
+    h.reader.paused = False  # not paused: nothing to resume
+    h.reader.paused = True
+    h.reader.stop()
+    assert h.reader.state is ReaderState.STOPPED and not h.reader.paused
+    h.reader.paused = True  # stopped: reads nothing either way
+    h.reader.paused = False
+    h.reader.stop()
+    assert h.reader.state is ReaderState.STOPPED
+    h.reader.close()
+    assert h.reader.state is ReaderState.DONE
+    h.reader.stop()  # the Join stops its reader on every way out: done stays done
+    h.reader.paused = True
+    h.reader.detach()  # closed again
+    assert h.reader.state is ReaderState.DONE and h.connection.readers == {}
+
+
+def test_the_reported_end_is_done() -> None:
+    h = Harness()
+    h.start()
+    h.reader.feed(frame(b"a"), 6)
+    h.reader.end()
+    assert h.ends == [None] and h.reader.state is ReaderState.DONE
+
+
+@pytest.mark.parametrize(
+    ("act", "move"),
+    [
+        (lambda r: r.stop(), "holding to stopped"),
+        (lambda r: setattr(r, "paused", True), "holding to paused"),
+    ],
+    ids=["stop", "pause"],
+)
+def test_an_unstarted_reader_refuses_to_be_stopped_or_paused_loudly(act: Any, move: str) -> None:
+    """The Join starts its reader before it can stop or pause it: either call before
+    that is a bug, and says so instead of being passed over."""
+    h = Harness()
+    with pytest.raises(TransportStateError, match=f"no move from {move}$"):
+        act(h.reader)
+    assert h.reader.state is ReaderState.HOLDING
+
+
+def test_a_closed_reader_cannot_be_started() -> None:
+    h = Harness()
+    h.reader.close()
+    with pytest.raises(TransportStateError, match=r"no move from done to reading$"):
+        h.start()
+    h.reader.feed(frame(b"late"), 9)  # a refused move changes nothing: still dropped
+    assert h.reader.state is ReaderState.DONE
+    assert h.messages == [] and h.h2.acked == 9

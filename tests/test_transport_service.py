@@ -51,8 +51,8 @@ from rlmesh_trio._session import (
     Session,
     StartTimer,
 )
-from rlmesh_trio._transport import HEALTH_CHECK_PATH, TransportService
-from rlmesh_trio._wire import decode_message
+from rlmesh_trio._transport import TransportService
+from rlmesh_trio._wire import HEALTH_CHECK_PATH, decode_message
 
 ALREADY_JOINED = str(AlreadyJoinedError())
 

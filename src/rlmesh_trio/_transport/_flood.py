@@ -3,7 +3,7 @@
 Sans-IO: :class:`FrameGate` reads the client's byte stream at frame boundaries *before*
 h2 and grpclib see it (frame headers only: it never holds a payload), counts the frames
 that cost us work or memory without carrying any progress, and says where one turn of the
-loop stops taking this connection's frames. The connection (:class:`._shim.Connection`)
+loop stops taking this connection's frames. The connection (:class:`._connection.Connection`)
 answers a limit passed with GOAWAY and closes, and hands the rest of a read over in later
 turns, so one connection's frames cannot hold the transport thread.
 

@@ -1,7 +1,7 @@
 """The Join driver: one bidi stream around one sans-IO session, on the transport loop.
 
 Requests are cut from the stream's DATA inside the connection's data callback
-(:class:`~._shim.RequestReader`: no reader task, no queue), decoded and fed to the
+(:class:`~._reader.RequestReader`: no reader task, no queue), decoded and fed to the
 session; the session's actions are performed here (post lane jobs, send replies,
 timers, end). A reply is written at once (:class:`~._shim.StreamSender`) when nothing is
 queued before it and the flow-control window and the socket take it; otherwise it is
@@ -13,12 +13,10 @@ handled in one wake-up go to the socket in one write.
 
 A Join knows nothing of its server but the :class:`JoinContext` the server built once.
 
-States (:class:`JoinState`)::
-
-    OPEN ──stop_reading()──► NOT_READING          (server draining: replies still go out)
-      │                          │
-      └──finish()────────────────┴──► FLUSHING ──► CLOSED   (queued replies, then trailers)
-      any state ──send failed / cancelled──► BROKEN ──► CLOSED   (nothing more is sent)
+Its state (:class:`~._states.JoinState`: open, decoding, not reading, flushing, broken,
+closed) changes only through :meth:`JoinCall._move`, checked against
+:data:`~._states.JOIN_TRANSITIONS`; docs/architecture.md ("A Join stream's states") has the
+same table, and a test holds the two equal.
 
 Back-pressure: the reader is paused while more than :data:`REPLY_BACKLOG_BYTES` of
 replies wait to be sent (a client that never reads), or :data:`REQUEST_BACKLOG` requests
@@ -31,13 +29,12 @@ that it cannot stall the other connections.
 from __future__ import annotations
 
 import asyncio
-import enum
 import functools
 import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import h2.exceptions
 import outcome
@@ -68,19 +65,14 @@ from .._session import (
     Wedged,
 )
 from .._wire import PREFIX_SIZE, decode_join_request, encode_join_response_framed
+from ._connection import Connection
 from ._deadlines import Deadlines
-from ._shim import (
-    Connection,
-    RequestReader,
-    StreamSender,
-    reader_of,
-    reset_if_open,
-    send_framed,
-)
+from ._reader import RequestReader
+from ._shim import StreamSender, reader_of, reset_if_open, send_framed
+from ._states import JoinState, check_join_move
 
 if TYPE_CHECKING:
     from .._metrics import ServerMetrics
-    from .._session import Action
 
 log = logging.getLogger("rlmesh_trio.transport")
 
@@ -97,6 +89,30 @@ BIG_MESSAGE_BYTES = 16 << 20
 """After a message this big, the server asks the allocator to give memory back."""
 
 _BROKEN = (ConnectionError, h2.exceptions.H2Error, StreamTerminatedError)
+
+# The states the per-request and per-reply paths compare with, as module constants (an
+# enum member read off its class costs a descriptor lookup each time; a tuple is searched
+# by identity, a frozenset would call the enum's __hash__).
+_OPEN: Final = JoinState.OPEN
+_DECODING: Final = JoinState.DECODING
+_REPLYING: Final = (JoinState.OPEN, JoinState.DECODING, JoinState.NOT_READING)
+"""Replies are still queued and the writer goes on (the requests may have ended)."""
+_ATTACHED: Final = (*_REPLYING, JoinState.FLUSHING)
+"""Sends and timers are still wanted."""
+
+# The states in which a call has nothing to move: named, so that any other state goes
+# through _move and its check (never passed over).
+_NOT_READING_ALREADY: Final = (
+    JoinState.NOT_READING,
+    JoinState.FLUSHING,
+    JoinState.BROKEN,
+    JoinState.CLOSED,
+)
+"""stop_reading(): reading is over already (the server's drain may come after)."""
+_ENDING_ALREADY: Final = (JoinState.FLUSHING, JoinState.BROKEN, JoinState.CLOSED)
+"""finish(): the stream ends already (a failure after EndStream, a late session event)."""
+_GONE_ALREADY: Final = (JoinState.BROKEN, JoinState.CLOSED)
+"""_break(): nothing is sent already (a failed send, then the handler's end)."""
 
 
 class SessionLike(Protocol):
@@ -146,16 +162,9 @@ class JoinContext:
     """Whether Join streams still read requests (false once the drain is over)."""
 
 
-class JoinState(enum.Enum):
-    OPEN = "open"
-    NOT_READING = "not reading"
-    FLUSHING = "flushing"
-    BROKEN = "broken"
-    CLOSED = "closed"
-
-
 class JoinCall:
-    """One Join stream (loop thread only)."""
+    """One Join stream (loop thread only). Its :attr:`state` changes only through
+    :meth:`_move`, checked against :data:`~._states.JOIN_TRANSITIONS`."""
 
     def __init__(self, context: JoinContext, stream: Stream[bytes, bytes]) -> None:
         self.context = context
@@ -168,13 +177,17 @@ class JoinCall:
         self.outbox_bytes = 0
         self.direct: list[bytes] = []  # replies of this loop callback, for one DATA frame
         self.posts: list[Post] = []  # lane jobs of this loop callback, posted at its flush
-        self.in_read = False  # inside one read's requests: flush once, at its end
-        self.sending = False  # the writer is inside a send
+        # Three flags that are not the stream's state (each comes and goes in several
+        # states, or follows the session, not the stream):
+        # inside one read's requests: flush once, at its end (any state; a span of calls);
+        self.in_read = False
+        # the writer is inside a send (open to flushing: the writer's progress);
+        self.sending = False
+        # EndStream performed or on_stream_end() called: the session learns the end once,
+        # whether it ended the stream itself or the stream ended (broke) under it.
+        self.session_told = False
         self.wake_writer = asyncio.Event()
-        self.saturated = False  # back-pressure: the reader is paused
-        self.decoding = False  # a big request is being decoded off the loop
         self.ended = asyncio.Event()  # no more requests: finish the stream
-        self.session_told = False  # EndStream performed or on_stream_end() called
         self.reader: RequestReader | None = None
         self.sender: StreamSender | None = None
         self.status = Status.OK
@@ -243,14 +256,18 @@ class JoinCall:
     @property
     def attached(self) -> bool:
         """Sends and timers are still wanted."""
-        return self.state in (JoinState.OPEN, JoinState.NOT_READING, JoinState.FLUSHING)
+        return self.state in _ATTACHED
+
+    def _move(self, new: JoinState) -> None:
+        check_join_move(self.state, new)
+        self.state = new
 
     def perform(self, actions: list[Action]) -> None:
         for action in actions:
             if isinstance(action, Post):
                 self.posts.append(action)
             elif isinstance(action, Send):
-                if self.state in (JoinState.OPEN, JoinState.NOT_READING):
+                if self.state in _REPLYING:
                     self._queue(action.response)
             elif isinstance(action, StartTimer):
                 if self.attached:
@@ -310,16 +327,19 @@ class JoinCall:
         self.wake_writer.set()
 
     def _update_room(self) -> None:
-        self.saturated = (
-            self.outbox_bytes > REPLY_BACKLOG_BYTES or self.session.backlog >= REQUEST_BACKLOG
-        )
+        """Back-pressure: the reader is paused while too much waits, or a request is being
+        decoded off the loop."""
         if self.reader is not None:
-            self.reader.paused = self.saturated or self.decoding
+            self.reader.paused = (
+                self.outbox_bytes > REPLY_BACKLOG_BYTES
+                or self.session.backlog >= REQUEST_BACKLOG
+                or self.state is _DECODING
+            )
 
     def finish(self) -> None:
         """Read no more; flush what is queued, then end the stream (status as set)."""
-        if self.state in (JoinState.OPEN, JoinState.NOT_READING):
-            self.state = JoinState.FLUSHING
+        if self.state not in _ENDING_ALREADY:
+            self._move(JoinState.FLUSHING)
         if self.reader is not None:
             self.reader.stop()
         self.wake_writer.set()
@@ -332,8 +352,8 @@ class JoinCall:
 
     def _break(self) -> None:
         """The stream is gone (send failed, cancelled): nothing more is sent."""
-        if self.state is not JoinState.CLOSED:
-            self.state = JoinState.BROKEN
+        if self.state not in _GONE_ALREADY:
+            self._move(JoinState.BROKEN)
         if self.reader is not None:
             self.reader.stop()
         self.direct.clear()
@@ -344,7 +364,7 @@ class JoinCall:
     # -- requests (inside the connection's data callback, or when the reader resumes)
 
     def _on_message(self, data: bytes | bytearray) -> None:
-        if self.state is not JoinState.OPEN:
+        if self.state is not _OPEN:
             return
         if self.metrics is not None:
             self.metrics.received(len(data) + PREFIX_SIZE)
@@ -366,7 +386,7 @@ class JoinCall:
 
     def _decode_off_loop(self, data: bytes | bytearray, big: bool) -> None:
         """Decode on the worker; the reader stays paused (requests stay in order)."""
-        self.decoding = True
+        self._move(JoinState.DECODING)
         self._update_room()
         lanes = self.max_lanes
         self.context.worker.submit(
@@ -376,11 +396,11 @@ class JoinCall:
         )
 
     def _decoded(self, big: bool, result: outcome.Outcome[env_v1.JoinRequest]) -> None:
-        self.decoding = False
         if big:  # decoded: soon, the allocator may give the buffer's pages back
             self.context.big_message_done()
-        if self.state is not JoinState.OPEN:
+        if self.state is not _DECODING:
             return  # stopped reading (or ended) meanwhile: the request is not read
+        self._move(JoinState.OPEN)
         if isinstance(result, outcome.Error):
             error = result.error
             if isinstance(error, WireError):
@@ -430,8 +450,8 @@ class JoinCall:
 
     def stop_reading(self) -> None:
         """Read no more requests (server stopping); the stream stays open for replies."""
-        if self.state is JoinState.OPEN:
-            self.state = JoinState.NOT_READING
+        if self.state not in _NOT_READING_ALREADY:
+            self._move(JoinState.NOT_READING)
         if self.reader is not None:
             self.reader.stop()
 
@@ -455,14 +475,13 @@ class JoinCall:
             if self.context.reading():
                 self._start_reading()
             else:
-                self.state = JoinState.NOT_READING
+                self.stop_reading()  # the server's drain is over already
             await self.ended.wait()
             self.stop_reading()
             # Half-close, unreadable request or failed send: the session learns the stream
             # ended (SPEC §7.9); after EndStream it already knows.
             self._tell_session()
-            if self.state is not JoinState.BROKEN:
-                self.state = JoinState.FLUSHING
+            self.finish()  # (flushing already after EndStream; broken after a failed send)
             self.flush()  # (every event already ended with one: a safeguard)
             self.wake_writer.set()
             await writer
@@ -471,6 +490,7 @@ class JoinCall:
                     status=self.status, status_message=self.status_message
                 )
                 reset_if_open(self.stream)
+                self._move(JoinState.CLOSED)
         except _BROKEN as exc:
             log.debug("Join stream broke: %r", exc)
         finally:
@@ -478,8 +498,9 @@ class JoinCall:
                 writer.cancel()
             if self.reader is not None:
                 self.reader.detach()
-            self._break()
-            self.state = JoinState.CLOSED
+            if self.state is not JoinState.CLOSED:  # cancelled or broken before its trailers
+                self._break()
+                self._move(JoinState.CLOSED)
             self.deadlines.close()
             # Cancelled (client reset, disconnect, server cut): the session must know.
             self._tell_session()
@@ -505,7 +526,7 @@ class JoinCall:
                         self.context.activity(self)
                     elif self.outbox_bytes <= REPLY_BACKLOG_BYTES:
                         self._update_room()
-                if self.state is not JoinState.OPEN and self.state is not JoinState.NOT_READING:
+                if self.state not in _REPLYING:
                     return
                 self.wake_writer.clear()
                 await self.wake_writer.wait()

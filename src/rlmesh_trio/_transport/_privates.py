@@ -128,7 +128,8 @@ REACHES: tuple[Reach, ...] = (
         "the body bytes h2 counts on a stream (take_plain_data)",
         _PUBLIC_DATA,
     ),
-    # -- grpclib: building the request handler as grpclib's Server does (_shim.py)
+    # -- grpclib: building the request handler as grpclib's Server does (_connection.py,
+    # _shim.server_config)
     Reach(
         "grpclib",
         "grpclib.events",

@@ -62,11 +62,10 @@ from .._wire import (
     decode_shutdown_request,
 )
 from .._wire import encode_health_response as health_response
+from ._connection import Connection, Dispatcher
 from ._join import OFF_LOOP_DECODE_BYTES, JoinCall, JoinContext, SessionLike
 from ._reflection import ReflectionServices
 from ._shim import (
-    Connection,
-    Dispatcher,
     MethodTable,
     RawCodec,
     read_message,

@@ -1,0 +1,178 @@
+"""A Join stream's state machine: one table in the code, the same table in
+docs/architecture.md, and every move of ``JoinCall`` checked against it (the reader's own
+table is tested with the reader, in ``test_transport_reader.py``)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
+
+import outcome
+import pytest
+
+from rlmesh_trio._logging import RateLimit
+from rlmesh_trio._transport._join import JoinCall, JoinContext
+from rlmesh_trio._transport._states import (
+    JOIN_TRANSITIONS,
+    JoinState,
+    TransportStateError,
+    check_join_move,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "architecture.md"
+MARKER = "<!-- join-transitions"
+
+
+def documented_transitions() -> set[tuple[JoinState, JoinState]]:
+    """The rows of the table after the marker in docs/architecture.md."""
+    lines = DOC.read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(MARKER))
+    rows: set[tuple[JoinState, JoinState]] = set()
+    body = lines[start + 1 :]
+    assert body[0].startswith("| from | to |"), body[0]
+    assert set(body[1].replace("|", "").split()) == {"---"}, body[1]
+    for line in body[2:]:
+        if not line.startswith("|"):
+            break
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        old, new = (re.fullmatch(r"`(\w+)`", cell) for cell in cells[:2])
+        assert old is not None and new is not None, line
+        pair = (JoinState(old.group(1)), JoinState(new.group(1)))
+        assert pair not in rows, f"row listed twice: {line}"
+        rows.add(pair)
+    return rows
+
+
+def test_the_documented_table_is_the_code_table() -> None:
+    documented = documented_transitions()
+    assert documented - JOIN_TRANSITIONS == set(), "documented but not allowed by the code"
+    assert JOIN_TRANSITIONS - documented == set(), "allowed by the code but not documented"
+
+
+def test_every_state_is_reachable_and_every_stream_can_close() -> None:
+    reached = {JoinState.OPEN} | {new for _, new in JOIN_TRANSITIONS}
+    assert reached == set(JoinState)
+    assert not any(old is JoinState.CLOSED for old, _ in JOIN_TRANSITIONS)
+    # Every live state can break (a cancelled call), and a broken stream can only close.
+    for state in set(JoinState) - {JoinState.BROKEN, JoinState.CLOSED}:
+        assert (state, JoinState.BROKEN) in JOIN_TRANSITIONS
+    assert {new for old, new in JOIN_TRANSITIONS if old is JoinState.BROKEN} == {JoinState.CLOSED}
+    # Nothing goes back to reading once reading is over.
+    over = {JoinState.NOT_READING, JoinState.FLUSHING, JoinState.BROKEN, JoinState.CLOSED}
+    assert not any(old in over and new not in over for old, new in JOIN_TRANSITIONS)
+
+
+def test_a_move_outside_the_table_is_an_internal_error() -> None:
+    for old in JoinState:
+        for new in JoinState:
+            if (old, new) in JOIN_TRANSITIONS:
+                check_join_move(old, new)
+            else:
+                with pytest.raises(
+                    TransportStateError,
+                    match=f"^Join stream: no move from {old.value} to {new.value}$",
+                ):
+                    check_join_move(old, new)
+
+
+class _Session:
+    """A session with nothing in flight that records the requests it is fed."""
+
+    busy = False
+    backlog = 0
+
+    def __init__(self) -> None:
+        self.requests: list[Any] = []
+
+    def on_request(self, request: Any) -> list[Any]:
+        self.requests.append(request)
+        return []
+
+    def on_stream_end(self) -> list[Any]:
+        return []
+
+
+class _Worker:
+    """The transport's worker thread, as a list of the jobs it was given."""
+
+    def __init__(self) -> None:
+        self.jobs: list[Any] = []
+
+    def submit(self, job: Any, to_loop: Any, done: Any) -> None:
+        self.jobs.append(done)
+
+
+def _call(worker: _Worker | None = None) -> JoinCall:
+    """A JoinCall whose stream is never run: its state calls need neither a loop nor a
+    stream (no reader is attached before the handler starts one)."""
+    context = JoinContext(
+        loop=cast(Any, None),
+        new_session=cast(Any, _Session),
+        max_lanes=4,
+        max_message_bytes=1 << 20,
+        protocols=set(),
+        post=lambda lane, job, call: None,
+        wedged=None,
+        report_limit=RateLimit(),
+        metrics=None,
+        worker=cast(Any, worker),
+        to_loop=cast(Any, None),
+        big_message_done=lambda: None,
+        activity=lambda call: None,
+        reading=lambda: True,
+    )
+    return JoinCall(context, cast(Any, SimpleNamespace()))
+
+
+def test_the_calls_move_through_the_table_and_name_where_they_change_nothing() -> None:
+    call = _call()
+    assert call.state is JoinState.OPEN and call.attached
+    call.stop_reading()  # the server drains
+    assert call.state is JoinState.NOT_READING and call.attached
+    call.stop_reading()  # the handler, once the requests ended
+    assert call.state is JoinState.NOT_READING
+    call.finish()
+    assert call.state is JoinState.FLUSHING and call.ended.is_set()
+    call.finish()  # a failure after EndStream: the stream ends already
+    call.stop_reading()
+    assert call.state is JoinState.FLUSHING and call.attached
+    call.outbox.append(b"queued")
+    call._break()  # the send failed
+    assert call.state is JoinState.BROKEN and not call.attached
+    assert not call.outbox and call.outbox_bytes == 0
+    call._break()
+    call.finish()  # a late session event
+    call.stop_reading()
+    assert call.state is JoinState.BROKEN
+
+
+def test_a_big_request_decodes_in_its_own_state() -> None:
+    """open -> decoding -> open; a request decoded after the stream stopped reading is
+    dropped and moves nothing."""
+    worker = _Worker()
+    call = _call(worker)
+    session = cast(_Session, call.session)
+    call._decode_off_loop(b"big", False)
+    assert call.state is JoinState.DECODING and len(worker.jobs) == 1
+    worker.jobs.pop()(outcome.Value("request"))
+    assert call.state is JoinState.OPEN and session.requests == ["request"]
+    call._decode_off_loop(b"big", False)
+    call.stop_reading()  # the server drains meanwhile
+    assert call.state is JoinState.NOT_READING
+    worker.jobs.pop()(outcome.Value("late"))
+    assert call.state is JoinState.NOT_READING and session.requests == ["request"]
+
+
+def test_an_illegal_move_raises_and_changes_nothing() -> None:
+    call = _call(_Worker())
+    call.finish()
+    with pytest.raises(TransportStateError, match="no move from flushing to decoding"):
+        call._decode_off_loop(b"big", False)  # only an open stream reads requests
+    assert call.state is JoinState.FLUSHING
+    with pytest.raises(TransportStateError, match="no move from flushing to open"):
+        call._move(JoinState.OPEN)
+    assert call.state is JoinState.FLUSHING
