@@ -414,7 +414,7 @@ class LoopServer:
         return JoinContext(
             loop=self.loop,
             new_session=functools.partial(self.session_factory, self.endpoint),
-            max_lanes=self.endpoint.num_envs,
+            num_envs=self.endpoint.num_envs,
             max_message_bytes=self.max_message_bytes,
             protocols=self.protocols,
             post=routes.post,
@@ -430,8 +430,8 @@ class LoopServer:
 
     # -- work off the loop, memory
 
-    async def off_loop(self, fn: Callable[..., Any], data: Any, lanes: int) -> Any:
-        """``fn(data, max_lanes=lanes)`` on the worker thread; the loop serves meanwhile."""
+    async def off_loop(self, fn: Callable[..., Any], data: Any, num_envs: int) -> Any:
+        """``fn(data, num_envs=num_envs)`` on the worker thread; the loop serves meanwhile."""
         future: asyncio.Future[Any] = self.loop.create_future()
 
         def done(result: outcome.Outcome[Any]) -> None:
@@ -441,7 +441,7 @@ class LoopServer:
                 else:
                     future.set_result(result.unwrap())
 
-        self.worker.submit(lambda: fn(data, max_lanes=lanes), self.to_loop, done)
+        self.worker.submit(lambda: fn(data, num_envs=num_envs), self.to_loop, done)
         return await future
 
     def big_message_done(self) -> None:
@@ -557,7 +557,7 @@ class LoopServer:
     ) -> Any:
         data = await self._read_unary(stream, limit)
         if len(data) > OFF_LOOP_DECODE_BYTES:
-            return await self.off_loop(lambda d, max_lanes: decode(d), data, 0)
+            return await self.off_loop(lambda d, num_envs: decode(d), data, 0)
         return decode(data)
 
     async def _handshake(self, stream: Stream[bytes, bytes]) -> None:
