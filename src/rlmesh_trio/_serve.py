@@ -134,14 +134,23 @@ class _StopClock:
             self.lanes_scope.deadline = min(self.lanes_scope.deadline, deadline)
 
 
+@dataclass
+class _TransportEnd:
+    """How the transport ended, written once by :func:`_run_transport` as it returns."""
+
+    reason: str = "stopped"
+    """Why it stopped (every way out says why, a cancellation too)."""
+    failure: Exception | None = None
+    """Its failure after startup: raised by :func:`_serve` once everything stopped."""
+
+
 async def _serve(
     engine: LaneEngine,
     listener: Listener,
     options: Resolved,
     task_status: trio.TaskStatus[ServerInfo],
 ) -> str:
-    failures: list[Exception] = []
-    reasons: list[str] = []
+    end = _TransportEnd()
     startup_error: Exception | None = None
     async with trio.open_nursery() as nursery:
         # Not shielded while the envs are being built (a cancel then tears the lanes
@@ -185,7 +194,7 @@ async def _serve(
                 on_drained=engine.close,
                 on_stop_begin=clock.begin,
             )
-            await nursery.start(_run_transport, service, engine, clock, failures, reasons)
+            await nursery.start(_run_transport, service, engine, clock, end)
         except Exception as exc:
             # Raised plainly after the nursery has wound down, not as an ExceptionGroup.
             startup_error = exc
@@ -224,9 +233,9 @@ async def _serve(
             task_status.started(info)
     if startup_error is not None:
         raise startup_error
-    if failures:
-        raise failures[0]
-    return reasons[0] if reasons else "stopped"
+    if end.failure is not None:
+        raise end.failure
+    return end.reason
 
 
 async def _run_metrics(
@@ -278,8 +287,7 @@ async def _run_transport(
     service: TransportService,
     engine: LaneEngine,
     clock: _StopClock,
-    failures: list[Exception],
-    reasons: list[str],
+    end: _TransportEnd,
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -289,12 +297,11 @@ async def _run_transport(
         if not service.listening:
             raise  # a startup failure: raised at nursery.start
         log.error("the transport failed: %r", exc)
-        failures.append(exc)
+        end.failure = exc
     finally:
         # The transport has stopped (or was abandoned): now the lanes (and the metrics).
         _stop_lanes(engine, clock)
         clock.transport_done.set()
         # Every way out says why, a cancellation (a signal, the embedding program) too.
-        reason = service.stop_reason or "stopped"
-        reasons.append(reason)
-        log.info("server stopped: %s", reason)
+        end.reason = service.stop_reason or "stopped"
+        log.info("server stopped: %s", end.reason)
