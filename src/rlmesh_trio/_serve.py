@@ -23,6 +23,7 @@ from ._metrics import ServerMetrics, start_http
 from ._options import STOP_SLACK, Resolved, ServeOptions, resolve
 from ._session import Endpoint, Session
 from ._transport import TransportService
+from ._transport._server import Wiring
 
 log = logging.getLogger("rlmesh_trio.serve")
 
@@ -106,6 +107,38 @@ async def serve_env(
         listener.cleanup()
 
 
+def compose(engine: LaneEngine, options: Resolved) -> Wiring:
+    """The server around started lanes, wired once: endpoint, session factory, metrics.
+
+    ``engine`` has run up to ``task_status.started`` (its contract is agreed). The
+    :class:`~rlmesh_trio._transport._server.Wiring` is handed unchanged to the transport;
+    the tests build their servers with this same function (a fake session goes in with
+    ``dataclasses.replace``). Metrics are made (not yet served) when ``options`` asks for
+    them, and then every session observes what it does.
+    """
+    metrics = None
+    if options.metrics_address is not None:
+        metrics = ServerMetrics(engine.num_envs, engine.contract.env_id)
+        metrics.watch_lanes(engine.status)
+    endpoint = Endpoint(
+        engine.contract,
+        engine.num_envs,
+        policy=engine.policy,
+        workflow_edition=options.workflow_edition,
+        allow_remote_shutdown=options.allow_remote_shutdown,
+        on_lane_fault=options.on_lane_fault,
+        close_timeout=options.close_timeout,
+        lane_states=lambda: [lane.state for lane in engine.status()],
+    )
+    return Wiring(
+        options=options,
+        endpoint=endpoint,
+        lanes=engine,
+        session_factory=Session if metrics is None else functools.partial(Session, observe=True),
+        metrics=metrics,
+    )
+
+
 class _StopClock:
     """When the stop began (Trio time), and the one deadline every part of it meets."""
 
@@ -161,39 +194,13 @@ async def _serve(
         try:
             await nursery.start(_run_lanes, engine, lanes_scope)
             lanes_scope.shield = True
-            metrics = None
+            wiring = compose(engine, options)
             metrics_address = None
-            if options.metrics_address is not None:
-                metrics = ServerMetrics(engine.num_envs, engine.contract.env_id)
-                metrics.watch_lanes(engine.status)
+            if wiring.metrics is not None and options.metrics_address is not None:
                 metrics_address = await nursery.start(
-                    _run_metrics, metrics, options.metrics_address, clock
+                    _run_metrics, wiring.metrics, options.metrics_address, clock
                 )
-            endpoint = Endpoint(
-                engine.contract,
-                engine.num_envs,
-                policy=engine.policy,
-                workflow_edition=options.workflow_edition,
-                allow_remote_shutdown=options.allow_remote_shutdown,
-                on_lane_fault=options.on_lane_fault,
-                close_timeout=options.close_timeout,
-                lane_states=lambda: [lane.state for lane in engine.status()],
-            )
-            service = TransportService(
-                endpoint,
-                post=engine.post,
-                listener=listener.sock,
-                options=options,
-                session_factory=Session
-                if metrics is None
-                else functools.partial(Session, observe=True),
-                metrics=metrics,
-                lanes=engine,
-                # Once the drain is over the lanes start closing: a request still in
-                # flight finishes (and is answered) while they do.
-                on_drained=engine.close,
-                on_stop_begin=clock.begin,
-            )
+            service = TransportService(wiring, listener=listener.sock, on_stop_begin=clock.begin)
             await nursery.start(_run_transport, service, engine, clock, end)
         except Exception as exc:
             # Raised plainly after the nursery has wound down, not as an ExceptionGroup.
