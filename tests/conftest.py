@@ -1,4 +1,5 @@
-"""Shared fixtures: the no-leaked-thread check, and the pool of server subprocesses."""
+"""Shared fixtures: the no-leaked-thread check, the pool of server subprocesses, and
+the options of a server built in-process on each transport loop."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 from support.refserver import ServerPool
+
+from rlmesh_trio import ServeOptions
 
 THREAD_JOIN_SECONDS = 5.0
 """How long threads that a test started may take to finish after it returned."""
@@ -59,3 +62,12 @@ def servers() -> Iterator[ServerPool]:
         yield pool
     finally:
         pool.close()
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def serve_options(request: pytest.FixtureRequest) -> ServeOptions:
+    """The options a test starts from (``dataclasses.replace`` adds its own): a test that
+    takes them runs once on asyncio's selector loop and once on uvloop (when installed)."""
+    if request.param == "uvloop":
+        pytest.importorskip("uvloop")
+    return ServeOptions(event_loop=request.param)

@@ -531,3 +531,60 @@ async def test_serving_beyond_loopback_without_a_token_warns_once(
     if warned:
         assert warnings[0].levelno == logging.WARNING
         assert "--auth-token" in warnings[0].getMessage()
+
+
+@pytest.mark.parametrize("metrics", [False, True])
+async def test_one_wiring_is_composed_and_reaches_the_loop_server(
+    metrics: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """serve_env wires its server once (``compose``), and that same frozen value is what
+    the transport and its loop side hold: nothing is assembled again on the way down."""
+    import dataclasses
+
+    from rlmesh_trio import _serve
+    from rlmesh_trio._metrics import ServerMetrics
+    from rlmesh_trio._session import Session
+    from rlmesh_trio._transport._service import TransportService
+
+    composed: list[Any] = []
+    services: list[TransportService] = []
+
+    compose = _serve.compose
+
+    def recording_compose(*args: Any) -> Any:
+        composed.append(compose(*args))
+        return composed[-1]
+
+    monkeypatch.setattr(_serve, "compose", recording_compose)
+    init = TransportService.__init__
+
+    def recording_init(self: TransportService, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        services.append(self)
+
+    monkeypatch.setattr(TransportService, "__init__", recording_init)
+    options = ServeOptions(metrics_address="tcp://127.0.0.1:0" if metrics else None)
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(
+                functools.partial(serve_env, "CartPole-v1", num_envs=2, options=options)
+            )
+            (wiring,) = composed
+            (service,) = services
+            loop_server = service._loop_server
+            assert loop_server is not None
+            assert service.wiring is wiring
+            assert loop_server.wiring is wiring
+            nursery.cancel_scope.cancel()
+    assert wiring.endpoint.num_envs == wiring.lanes.num_envs == 2
+    assert wiring.options.metrics_address == options.metrics_address
+    if metrics:
+        assert isinstance(wiring.metrics, ServerMetrics)
+        factory = wiring.session_factory
+        assert isinstance(factory, functools.partial)
+        assert (factory.func, factory.keywords) == (Session, {"observe": True})
+    else:
+        assert wiring.metrics is None
+        assert wiring.session_factory is Session
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        wiring.metrics = None  # type: ignore[misc]

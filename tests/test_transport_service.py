@@ -17,7 +17,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +30,6 @@ import pytest
 import trio
 from hypothesis import strategies as st
 from support import envs, wire
-from support.lanes import engine as lane_engine
 
 from rlmesh_trio._address import bind, parse_address
 from rlmesh_trio._bridge import ReplyInbox, ToLoop
@@ -41,10 +40,10 @@ from rlmesh_trio._options import ServeOptions, resolve
 from rlmesh_trio._proto.rlmesh.core import v1 as core_v1
 from rlmesh_trio._proto.rlmesh.env import v1 as env_v1
 from rlmesh_trio._proto.rlmesh.spaces import v1 as spaces_v1
+from rlmesh_trio._serve import compose
 from rlmesh_trio._session import (
     Action,
     CancelTimer,
-    Endpoint,
     EndStream,
     Post,
     Send,
@@ -52,25 +51,12 @@ from rlmesh_trio._session import (
     StartTimer,
 )
 from rlmesh_trio._transport import TransportService
+from rlmesh_trio._transport._server import Wiring
 from rlmesh_trio._wire import HEALTH_CHECK_PATH, decode_message
 
 ALREADY_JOINED = str(AlreadyJoinedError())
 
 pytestmark = pytest.mark.timeout(60)
-
-EVENT_LOOP = ["asyncio"]
-"""The loop ``running()`` serves on (set per test by the fixture below)."""
-
-
-@pytest.fixture(autouse=True, params=["asyncio", "uvloop"])
-def event_loop_kind(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Every transport test runs on asyncio's selector loop and on uvloop."""
-    if request.param == "uvloop":
-        pytest.importorskip("uvloop")
-    EVENT_LOOP[0] = request.param
-    yield request.param
-    EVENT_LOOP[0] = "asyncio"
-
 
 T = TypeVar("T")
 
@@ -96,34 +82,25 @@ class Running:
 async def running(
     make_env: Callable[[], gym.Env[Any, Any]] = envs.make_cartpole,
     *,
+    options: ServeOptions,
     num_envs: int = 1,
-    options: ServeOptions | None = None,
     address: str = "tcp://127.0.0.1:0",
     session_factory: Any = None,
-    teardown_timeout: float = 5.0,
 ) -> AsyncIterator[Running]:
-    """Lanes + endpoint + transport, as serve_env composes them, with the service exposed.
+    """Lanes + transport wired by serve's own :func:`~rlmesh_trio._serve.compose`, with
+    the service exposed; ``session_factory`` replaces the real session (a scripted one).
 
-    The transport runs on the loop the module's ``event_loop`` fixture picked."""
-    options = dataclasses.replace(options or ServeOptions(), event_loop=EVENT_LOOP[0])
-    engine = lane_engine(make_env, num_envs, teardown_timeout=teardown_timeout)
+    ``options`` start from the ``serve_options`` fixture: each test runs on every loop."""
+    resolved = resolve(options)
+    engine = LaneEngine(make_env, num_envs, resolved)
     listener = bind(parse_address(address))
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(engine.run)
-            endpoint = Endpoint(
-                engine.contract,
-                num_envs,
-                allow_remote_shutdown=options.remote_shutdown_allowed(),
-            )
-            service = TransportService(
-                endpoint,
-                post=engine.post,
-                listener=listener.sock,
-                options=resolve(options),
-                session_factory=Session if session_factory is None else session_factory,
-                on_drained=engine.close,
-            )
+            wiring = compose(engine, resolved)
+            if session_factory is not None:
+                wiring = dataclasses.replace(wiring, session_factory=session_factory)
+            service = TransportService(wiring, listener=listener.sock)
             state = Running(str(listener.address), service, engine)
 
             async def run_service(task_status: trio.TaskStatus[None]) -> None:
@@ -257,9 +234,9 @@ async def unary_checks(address: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("transport", ["tcp", "unix"])
-async def test_unary_rpcs(transport: str, tmp_path: Path) -> None:
+async def test_unary_rpcs(transport: str, tmp_path: Path, serve_options: ServeOptions) -> None:
     address = f"unix://{tmp_path}/s.sock" if transport == "unix" else "tcp://127.0.0.1:0"
-    async with running(address=address) as server:
+    async with running(address=address, options=serve_options) as server:
         out = await in_thread(unary_checks(server.address))
         assert not server.stopped.is_set()
 
@@ -332,8 +309,8 @@ async def admission_session(address: str) -> dict[str, Any]:
     return out
 
 
-async def test_join_headers_admission_and_close() -> None:
-    async with running() as server:
+async def test_join_headers_admission_and_close(serve_options: ServeOptions) -> None:
+    async with running(options=serve_options) as server:
         out = await in_thread(admission_session(server.address))
     assert out["headers"][":status"] == "200"
     assert out["headers"]["content-type"].startswith("application/grpc")
@@ -371,9 +348,13 @@ async def bad_join_requests(address: str, limit: int) -> dict[str, Any]:
     return out
 
 
-async def test_undecodable_and_oversize_join_requests_end_the_stream_quietly() -> None:
+async def test_undecodable_and_oversize_join_requests_end_the_stream_quietly(
+    serve_options: ServeOptions,
+) -> None:
     limit = 4096
-    async with running(options=ServeOptions(max_message_bytes=limit)) as server:
+    async with running(
+        options=dataclasses.replace(serve_options, max_message_bytes=limit)
+    ) as server:
         out = await in_thread(bad_join_requests(server.address, limit))
         assert not server.stopped.is_set()
     assert out["reset"].reset is not None
@@ -399,13 +380,13 @@ async def cancel_mid_request(address: str) -> dict[str, Any]:
     return out
 
 
-async def test_client_cancel_releases_admission() -> None:
-    async with running(envs.make_slow) as server:
+async def test_client_cancel_releases_admission(serve_options: ServeOptions) -> None:
+    async with running(envs.make_slow, options=serve_options) as server:
         out = await in_thread(cancel_mid_request(server.address))
     assert out["next"].reset is not None
 
 
-async def test_rlmesh_remote_env(tmp_path: Path) -> None:
+async def test_rlmesh_remote_env(tmp_path: Path, serve_options: ServeOptions) -> None:
     """The real 0.1.0 client, over TCP and over a unix socket."""
     rlmesh_numpy = pytest.importorskip("rlmesh.numpy")
 
@@ -419,7 +400,7 @@ async def test_rlmesh_remote_env(tmp_path: Path) -> None:
             env.close()
 
     for address in ("tcp://127.0.0.1:0", f"unix://{tmp_path}/rl.sock"):
-        async with running(address=address) as server:
+        async with running(address=address, options=serve_options) as server:
             obs, steps = await call_sync(session, server.address)
         assert obs.shape == (4,)
         assert [s[1] for s in steps] == [1.0] * 5
@@ -530,9 +511,9 @@ async def plumbing_session(address: str) -> dict[str, Any]:
     return out
 
 
-async def test_action_plumbing_with_a_scripted_session() -> None:
+async def test_action_plumbing_with_a_scripted_session(serve_options: ServeOptions) -> None:
     FakeSession.instances = []
-    async with running(session_factory=FakeSession) as server:
+    async with running(session_factory=FakeSession, options=serve_options) as server:
         out = await in_thread(plumbing_session(server.address))
         first, second, third = FakeSession.instances
         # The client's cancel of the third stream reached its session.
@@ -553,8 +534,8 @@ async def test_action_plumbing_with_a_scripted_session() -> None:
     assert out["final"].base.compatible
 
 
-async def test_tcp_nodelay_on_accepted_connections() -> None:
-    async with running() as server:
+async def test_tcp_nodelay_on_accepted_connections(serve_options: ServeOptions) -> None:
+    async with running(options=serve_options) as server:
         loop_server = server.service._loop_server
         assert loop_server is not None
 
@@ -598,8 +579,10 @@ async def shutdown_with_open_join(address: str) -> dict[str, Any]:
     return out
 
 
-async def test_shutdown_accepted_drains_open_join_then_stops() -> None:
-    options = ServeOptions(allow_remote_shutdown=True, drain_timeout_seconds=30.0)
+async def test_shutdown_accepted_drains_open_join_then_stops(serve_options: ServeOptions) -> None:
+    options = dataclasses.replace(
+        serve_options, allow_remote_shutdown=True, drain_timeout_seconds=30.0
+    )
     async with running(options=options) as server:
         started = trio.current_time()
         out = await in_thread(shutdown_with_open_join(server.address))
@@ -633,10 +616,14 @@ async def drain_inflight(address: str, units: int) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(("units", "drain"), [(4, 1.0), (6, 0.2)])
-async def test_drain_delivers_an_inflight_reply_then_cuts(units: int, drain: float) -> None:
+async def test_drain_delivers_an_inflight_reply_then_cuts(
+    units: int, drain: float, serve_options: ServeOptions
+) -> None:
     """SPEC §10.3: the in-flight reply is delivered, also when the env call outlives the
     drain (then within the close timeout, while the lanes close), then the stream is cut."""
-    options = ServeOptions(allow_remote_shutdown=True, drain_timeout_seconds=drain)
+    options = dataclasses.replace(
+        serve_options, allow_remote_shutdown=True, drain_timeout_seconds=drain
+    )
     async with running(envs.make_slow, options=options) as server:
         out = await in_thread(drain_inflight(server.address, units))
         with trio.fail_after(BOUND):
@@ -648,11 +635,14 @@ async def test_drain_delivers_an_inflight_reply_then_cuts(units: int, drain: flo
     assert out["end"].status is None  # cut without trailers (client sees UNAVAILABLE)
 
 
-async def test_drain_and_close_bounds_cut_a_wedged_request() -> None:
+async def test_drain_and_close_bounds_cut_a_wedged_request(serve_options: ServeOptions) -> None:
     release = threading.Event()
     drain, close = 0.3, 0.3
-    options = ServeOptions(
-        allow_remote_shutdown=True, drain_timeout_seconds=drain, close_timeout_seconds=close
+    options = dataclasses.replace(
+        serve_options,
+        allow_remote_shutdown=True,
+        drain_timeout_seconds=drain,
+        close_timeout_seconds=close,
     )
 
     async def wedged(address: str) -> tuple[Any, wire.CallEnd | None]:
@@ -667,9 +657,7 @@ async def test_drain_and_close_bounds_cut_a_wedged_request() -> None:
             return reply, join.end
 
     try:
-        async with running(
-            functools.partial(envs.HangEnv, release), options=options, teardown_timeout=close
-        ) as server:
+        async with running(functools.partial(envs.HangEnv, release), options=options) as server:
             started = trio.current_time()
             reply, end = await in_thread(wedged(server.address))
             with trio.fail_after(BOUND):
@@ -690,9 +678,11 @@ async def test_drain_and_close_bounds_cut_a_wedged_request() -> None:
         assert end.status in (None, 0)
 
 
-async def test_idle_timeout_ignores_handshakes_and_cuts_a_silent_join() -> None:
+async def test_idle_timeout_ignores_handshakes_and_cuts_a_silent_join(
+    serve_options: ServeOptions,
+) -> None:
     idle = 0.5
-    options = ServeOptions(idle_timeout_seconds=idle)
+    options = dataclasses.replace(serve_options, idle_timeout_seconds=idle)
 
     async def activity(address: str) -> dict[str, Any]:
         out: dict[str, Any] = {"handshakes": 0}
@@ -722,8 +712,8 @@ async def test_idle_timeout_ignores_handshakes_and_cuts_a_silent_join() -> None:
     assert out["join_end"].status is None  # the silent Join was cut
 
 
-async def test_idle_timeout_waits_for_an_inflight_request() -> None:
-    options = ServeOptions(idle_timeout_seconds=0.3)
+async def test_idle_timeout_waits_for_an_inflight_request(serve_options: ServeOptions) -> None:
+    options = dataclasses.replace(serve_options, idle_timeout_seconds=0.3)
 
     async def slow_reset(address: str) -> env_v1.JoinResponse:
         async with wire.WireClient(address) as client, client.join() as join:
@@ -737,8 +727,10 @@ async def test_idle_timeout_waits_for_an_inflight_request() -> None:
     assert reply.reset is not None
 
 
-async def test_idle_timeout_with_no_activity_at_all() -> None:
-    async with running(options=ServeOptions(idle_timeout_seconds=0.2)) as server:
+async def test_idle_timeout_with_no_activity_at_all(serve_options: ServeOptions) -> None:
+    async with running(
+        options=dataclasses.replace(serve_options, idle_timeout_seconds=0.2)
+    ) as server:
         start = trio.current_time()
         with trio.fail_after(BOUND):
             await server.stopped.wait()
@@ -746,9 +738,13 @@ async def test_idle_timeout_with_no_activity_at_all() -> None:
         assert server.stopped_at - start >= 0.15
 
 
-async def test_cancel_is_bounded_with_an_open_join_and_a_wedged_lane() -> None:
+async def test_cancel_is_bounded_with_an_open_join_and_a_wedged_lane(
+    serve_options: ServeOptions,
+) -> None:
     release = threading.Event()
-    options = ServeOptions(drain_timeout_seconds=0.2)
+    options = dataclasses.replace(
+        serve_options, drain_timeout_seconds=0.2, close_timeout_seconds=0.5
+    )
     client_done = threading.Event()
 
     async def hold(address: str) -> None:
@@ -761,9 +757,7 @@ async def test_cancel_is_bounded_with_an_open_join_and_a_wedged_lane() -> None:
     try:
         with trio.CancelScope() as outer:
             async with (
-                running(
-                    functools.partial(envs.HangEnv, release), options=options, teardown_timeout=0.5
-                ) as server,
+                running(functools.partial(envs.HangEnv, release), options=options) as server,
                 trio.open_nursery() as nursery,
             ):
                 nursery.start_soon(in_thread, hold(server.address))
@@ -777,9 +771,11 @@ async def test_cancel_is_bounded_with_an_open_join_and_a_wedged_lane() -> None:
         release.set()
 
 
-async def test_request_stop_from_another_thread_and_reply_after_stop() -> None:
+async def test_request_stop_from_another_thread_and_reply_after_stop(
+    serve_options: ServeOptions,
+) -> None:
     FakeSession.instances = []
-    async with running(session_factory=FakeSession) as server:
+    async with running(session_factory=FakeSession, options=serve_options) as server:
 
         async def join_once(address: str) -> None:
             async with wire.WireClient(address) as client, client.join() as join:
@@ -800,16 +796,17 @@ def _closed_loop_call(*args: Any) -> None:
     raise RuntimeError("Event loop is closed")
 
 
-async def test_startup_failure_is_raised_from_run() -> None:
+async def test_startup_failure_is_raised_from_run(serve_options: ServeOptions) -> None:
     engine_sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # not a stream socket
+    # Nothing is ever served: neither an endpoint nor lanes are asked anything.
+    wiring = Wiring(
+        options=resolve(serve_options),
+        endpoint=object(),  # type: ignore[arg-type]
+        lanes=object(),  # type: ignore[arg-type]
+        session_factory=Session,
+    )
     try:
-        service = TransportService(
-            object(),  # type: ignore[arg-type]
-            post=lambda lane, job, reply: None,
-            listener=engine_sock,
-            options=resolve(ServeOptions()),
-            session_factory=Session,
-        )
+        service = TransportService(wiring, listener=engine_sock)
         async with trio.open_nursery() as nursery:
             with pytest.raises(ValueError, match="Stream Socket was expected"):
                 await nursery.start(service.run)
@@ -841,7 +838,7 @@ def test_a_token_no_client_can_present_is_refused_at_startup(token: str, where: 
     assert resolve(ServeOptions(auth_token="A-z_0.9~+/=:!")).auth_token == "A-z_0.9~+/=:!"
 
 
-async def test_handshake_request_shape_from_core() -> None:
+async def test_handshake_request_shape_from_core(serve_options: ServeOptions) -> None:
     """A Handshake without peer info or editions is still compatible (SPEC §6.3)."""
     bare = env_v1.HandshakeRequest(
         base=core_v1.HandshakeRequest(protocol_generation="rlmesh-wire-v1")
@@ -851,7 +848,7 @@ async def test_handshake_request_shape_from_core() -> None:
         async with wire.WireClient(address) as client:
             return await client.handshake(bare)
 
-    async with running() as server:
+    async with running(options=serve_options) as server:
         reply = await in_thread(go(server.address))
     assert reply.base.compatible
     assert reply.base.preferred_workflow_edition == "2026.06"
@@ -877,8 +874,10 @@ async def auth_session(address: str, token: str | None) -> dict[str, Any]:
     return out
 
 
-async def test_auth_token_refuses_every_call_without_it_but_health() -> None:
-    options = ServeOptions(auth_token="s3cret")
+async def test_auth_token_refuses_every_call_without_it_but_health(
+    serve_options: ServeOptions,
+) -> None:
+    options = dataclasses.replace(serve_options, auth_token="s3cret")
     assert "s3cret" not in repr(options) and "s3cret" not in repr(resolve(options))
     async with running(options=options) as server:
         missing = await in_thread(auth_session(server.address, None))
@@ -895,7 +894,7 @@ async def test_auth_token_refuses_every_call_without_it_but_health() -> None:
     assert right["health"] == (wire.CallEnd(0), b"\x08\x01")
 
 
-async def test_auth_token_through_a_grpc_library_client() -> None:
+async def test_auth_token_through_a_grpc_library_client(serve_options: ServeOptions) -> None:
     """grpclib's generated stub (a real gRPC client) with and without the metadata."""
     from grpclib.client import Channel
     from grpclib.exceptions import GRPCError
@@ -911,7 +910,7 @@ async def test_auth_token_through_a_grpc_library_client() -> None:
         finally:
             channel.close()
 
-    options = ServeOptions(auth_token="tok")
+    options = dataclasses.replace(serve_options, auth_token="tok")
     async with running(options=options) as server:
         refused = await in_thread(call(server.address, None))
         accepted = await in_thread(call(server.address, {"authorization": "Bearer tok"}))
@@ -954,7 +953,7 @@ async def ordered_bursts(address: str) -> list[str]:
 
 
 async def test_replies_keep_their_order_across_the_direct_and_queued_paths(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, serve_options: ServeOptions
 ) -> None:
     from rlmesh_trio._transport import _shim
 
@@ -968,7 +967,7 @@ async def test_replies_keep_their_order_across_the_direct_and_queued_paths(
 
     monkeypatch.setattr(_shim.StreamSender, "try_send", counted)
     FakeSession.instances = []
-    async with running(session_factory=FakeSession) as server:
+    async with running(session_factory=FakeSession, options=serve_options) as server:
         out = await in_thread(ordered_bursts(server.address))
     many = [f"m{i:02d}"[:3] for i in range(12)]
     assert out == ["fir", "BBB", "a", "b", *many, "las", "LLL", "aft"]
@@ -1019,7 +1018,7 @@ async def saturate(
 
 
 async def test_a_saturated_session_stops_acknowledging_requests(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, serve_options: ServeOptions
 ) -> None:
     """REQUEST_BACKLOG: past it the reader consumes nothing and sends no WINDOW_UPDATE,
     so the client can send one flow-control window more and then waits; nothing is
@@ -1030,7 +1029,7 @@ async def test_a_saturated_session_stops_acknowledging_requests(
     release = threading.Event()
     total = 80  # 8 MB of requests: twice grpclib's 4 MiB stream window
 
-    async with running(lambda: envs.HangEnv(release), num_envs=1) as server:
+    async with running(lambda: envs.HangEnv(release), num_envs=1, options=serve_options) as server:
         loop_server = server.service._loop_server
         assert loop_server is not None
 
@@ -1086,13 +1085,13 @@ async def reset_while_saturated(address: str, release: threading.Event) -> dict[
 
 
 async def test_a_reset_stream_gives_the_connection_its_window_back(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, serve_options: ServeOptions
 ) -> None:
     from rlmesh_trio._transport import _join
 
     monkeypatch.setattr(_join, "REQUEST_BACKLOG", 4)
     release = threading.Event()
-    async with running(lambda: envs.HangEnv(release), num_envs=1) as server:
+    async with running(lambda: envs.HangEnv(release), num_envs=1, options=serve_options) as server:
         try:
             out = await in_thread(reset_while_saturated(server.address, release))
         finally:
@@ -1103,7 +1102,7 @@ async def test_a_reset_stream_gives_the_connection_its_window_back(
 
 
 async def test_replies_of_one_callback_leave_in_one_data_frame(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, serve_options: ServeOptions
 ) -> None:
     """Coalescing: the three replies one request produces are handed to h2 as one
     payload (one DATA frame, one socket write), the messages intact and in order."""
@@ -1124,7 +1123,7 @@ async def test_replies_of_one_callback_leave_in_one_data_frame(
             await join.send(wire.configure(request_id="three"))
             return [rid(await join.recv()) for _ in range(3)]
 
-    async with running(session_factory=FakeSession) as server:
+    async with running(session_factory=FakeSession, options=serve_options) as server:
         got = await in_thread(three(server.address))
     assert got == ["3a", "3b", "3c"]
     assert len(payloads) == 1
@@ -1185,7 +1184,7 @@ class BlindClient:
             self.sock.sendall(conn.data_to_send())
 
 
-async def test_direct_writes_stop_when_the_socket_is_full() -> None:
+async def test_direct_writes_stop_when_the_socket_is_full(serve_options: ServeOptions) -> None:
     """A client that grants a huge window and then never reads the socket: the replies
     written at once stop at the transport's high-water mark and the rest wait in the
     Join's outbox, which REPLY_BACKLOG_BYTES bounds (test_hostile.py holds that bound)."""
@@ -1193,7 +1192,7 @@ async def test_direct_writes_stop_when_the_socket_is_full() -> None:
     pad = "y" * (100 << 10)
     count = 30  # 3 MB of replies, far more than the shrunk socket buffers hold
     requests = [bytes(wire.configure(request_id=f"{i:02d}{pad}")) for i in range(count)]
-    async with running(session_factory=FakeSession) as server:
+    async with running(session_factory=FakeSession, options=serve_options) as server:
         loop_server = server.service._loop_server
         assert loop_server is not None
         port = int(server.address.rsplit(":", 1)[1])

@@ -364,7 +364,7 @@ def _decoded(data: bytes, fast: bool, monkeypatch: pytest.MonkeyPatch) -> Any:
         if not fast:
             patch.setattr(_decode, "_plain_step", lambda data: None)
         try:
-            request = decode_join_request(data, max_lanes=8)
+            request = decode_join_request(data, num_envs=8)
         except WireDecodeError as exc:
             return ("error", str(exc))
     step = request.step
@@ -404,7 +404,7 @@ def test_the_plain_step_path_takes_what_the_clients_send() -> None:
     for data in (captured, ours):
         fast = _decode._plain_step(data)
         assert fast is not None
-        assert fast == decode_join_request(data, max_lanes=8)
+        assert fast == decode_join_request(data, num_envs=8)
     # rlmesh.run's whole-vector step at N = 1 (client_run_scalar) is taken too; two lanes,
     # or no action, are the general decoder's.
     scalar = bytes.fromhex(
@@ -413,7 +413,7 @@ def test_the_plain_step_path_takes_what_the_clients_send() -> None:
     )
     fast = _decode._plain_step(scalar)
     assert fast is not None and fast.step is not None and fast.step.env_indices == []
-    assert fast == decode_join_request(scalar, max_lanes=1)
+    assert fast == decode_join_request(scalar, num_envs=1)
     two = bytes(
         env_v1.JoinRequest(
             step=env_v1.StepRequest(action=spaces_v1.SpaceValue(), env_indices=[0, 1])

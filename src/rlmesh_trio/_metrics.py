@@ -18,12 +18,14 @@ import platform
 import socket
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ._address import TcpAddress, parse_address
 from ._version import __version__
 
 if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
+
     from ._lanes import LaneStatus
     from ._session import Done, Report
 
@@ -252,7 +254,7 @@ METRICS_SOCKET_TIMEOUT = 10.0
 dropped; a scrape of a server's metrics is a few KiB and takes milliseconds."""
 
 
-def _bounded_server_class() -> type[Any]:
+def _bounded_server_class() -> type[WSGIServer]:
     """A threading WSGI server (the kind prometheus-client's own ``start_http_server``
     runs) with a bound on concurrent connections."""
     from socketserver import ThreadingMixIn
@@ -293,7 +295,7 @@ def _bounded_server_class() -> type[Any]:
     return BoundedWSGIServer
 
 
-def _quiet_handler_class() -> type[Any]:
+def _quiet_handler_class() -> type[WSGIRequestHandler]:
     from wsgiref.simple_server import WSGIRequestHandler
 
     class QuietHandler(WSGIRequestHandler):
@@ -305,7 +307,7 @@ def _quiet_handler_class() -> type[Any]:
     return QuietHandler
 
 
-def start_http(metrics: ServerMetrics, address: str) -> tuple[Any, Any, str]:
+def start_http(metrics: ServerMetrics, address: str) -> tuple[WSGIServer, threading.Thread, str]:
     """Serve ``metrics`` over HTTP at ``address`` (``tcp://host:port``; port 0 picks one).
 
     prometheus-client's WSGI app, on a threading server of at most
@@ -334,6 +336,7 @@ def start_http(metrics: ServerMetrics, address: str) -> tuple[Any, Any, str]:
     )
     thread = threading.Thread(target=server.serve_forever, name="rlmesh-trio-metrics", daemon=True)
     thread.start()
-    host, port = server.server_address[:2]
+    # a TCP server: (host, port), or (host, port, flowinfo, scope_id) for IPv6
+    host, port = cast("tuple[str, int]", server.server_address[:2])
     shown = f"[{host}]" if ":" in host else host
     return server, thread, f"tcp://{shown}:{port}"

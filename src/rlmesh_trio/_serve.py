@@ -23,6 +23,7 @@ from ._metrics import ServerMetrics, start_http
 from ._options import STOP_SLACK, Resolved, ServeOptions, resolve
 from ._session import Endpoint, Session
 from ._transport import TransportService
+from ._transport._server import Wiring
 
 log = logging.getLogger("rlmesh_trio.serve")
 
@@ -106,6 +107,38 @@ async def serve_env(
         listener.cleanup()
 
 
+def compose(engine: LaneEngine, options: Resolved) -> Wiring:
+    """The server around started lanes, wired once: endpoint, session factory, metrics.
+
+    ``engine`` has run up to ``task_status.started`` (its contract is agreed). The
+    :class:`~rlmesh_trio._transport._server.Wiring` is handed unchanged to the transport;
+    the tests build their servers with this same function (a fake session goes in with
+    ``dataclasses.replace``). Metrics are made (not yet served) when ``options`` asks for
+    them, and then every session observes what it does.
+    """
+    metrics = None
+    if options.metrics_address is not None:
+        metrics = ServerMetrics(engine.num_envs, engine.contract.env_id)
+        metrics.watch_lanes(engine.status)
+    endpoint = Endpoint(
+        engine.contract,
+        engine.num_envs,
+        policy=engine.policy,
+        workflow_edition=options.workflow_edition,
+        allow_remote_shutdown=options.allow_remote_shutdown,
+        on_lane_fault=options.on_lane_fault,
+        close_timeout=options.close_timeout,
+        lane_states=lambda: [lane.state for lane in engine.status()],
+    )
+    return Wiring(
+        options=options,
+        endpoint=endpoint,
+        lanes=engine,
+        session_factory=Session if metrics is None else functools.partial(Session, observe=True),
+        metrics=metrics,
+    )
+
+
 class _StopClock:
     """When the stop began (Trio time), and the one deadline every part of it meets."""
 
@@ -134,14 +167,23 @@ class _StopClock:
             self.lanes_scope.deadline = min(self.lanes_scope.deadline, deadline)
 
 
+@dataclass
+class _TransportEnd:
+    """How the transport ended, written once by :func:`_run_transport` as it returns."""
+
+    reason: str = "stopped"
+    """Why it stopped (every way out says why, a cancellation too)."""
+    failure: Exception | None = None
+    """Its failure after startup: raised by :func:`_serve` once everything stopped."""
+
+
 async def _serve(
     engine: LaneEngine,
     listener: Listener,
     options: Resolved,
     task_status: trio.TaskStatus[ServerInfo],
 ) -> str:
-    failures: list[Exception] = []
-    reasons: list[str] = []
+    end = _TransportEnd()
     startup_error: Exception | None = None
     async with trio.open_nursery() as nursery:
         # Not shielded while the envs are being built (a cancel then tears the lanes
@@ -152,40 +194,14 @@ async def _serve(
         try:
             await nursery.start(_run_lanes, engine, lanes_scope)
             lanes_scope.shield = True
-            metrics = None
+            wiring = compose(engine, options)
             metrics_address = None
-            if options.metrics_address is not None:
-                metrics = ServerMetrics(engine.num_envs, engine.contract.env_id)
-                metrics.watch_lanes(engine.status)
+            if wiring.metrics is not None and options.metrics_address is not None:
                 metrics_address = await nursery.start(
-                    _run_metrics, metrics, options.metrics_address, clock
+                    _run_metrics, wiring.metrics, options.metrics_address, clock
                 )
-            endpoint = Endpoint(
-                engine.contract,
-                engine.num_envs,
-                policy=engine.policy,
-                workflow_edition=options.workflow_edition,
-                allow_remote_shutdown=options.allow_remote_shutdown,
-                on_lane_fault=options.on_lane_fault,
-                close_timeout=options.close_timeout,
-                lane_states=lambda: [lane.state for lane in engine.status()],
-            )
-            service = TransportService(
-                endpoint,
-                post=engine.post,
-                listener=listener.sock,
-                options=options,
-                session_factory=Session
-                if metrics is None
-                else functools.partial(Session, observe=True),
-                metrics=metrics,
-                lanes=engine,
-                # Once the drain is over the lanes start closing: a request still in
-                # flight finishes (and is answered) while they do.
-                on_drained=engine.close,
-                on_stop_begin=clock.begin,
-            )
-            await nursery.start(_run_transport, service, engine, clock, failures, reasons)
+            service = TransportService(wiring, listener=listener.sock, on_stop_begin=clock.begin)
+            await nursery.start(_run_transport, service, engine, clock, end)
         except Exception as exc:
             # Raised plainly after the nursery has wound down, not as an ExceptionGroup.
             startup_error = exc
@@ -224,9 +240,9 @@ async def _serve(
             task_status.started(info)
     if startup_error is not None:
         raise startup_error
-    if failures:
-        raise failures[0]
-    return reasons[0] if reasons else "stopped"
+    if end.failure is not None:
+        raise end.failure
+    return end.reason
 
 
 async def _run_metrics(
@@ -278,8 +294,7 @@ async def _run_transport(
     service: TransportService,
     engine: LaneEngine,
     clock: _StopClock,
-    failures: list[Exception],
-    reasons: list[str],
+    end: _TransportEnd,
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -289,12 +304,11 @@ async def _run_transport(
         if not service.listening:
             raise  # a startup failure: raised at nursery.start
         log.error("the transport failed: %r", exc)
-        failures.append(exc)
+        end.failure = exc
     finally:
         # The transport has stopped (or was abandoned): now the lanes (and the metrics).
         _stop_lanes(engine, clock)
         clock.transport_done.set()
         # Every way out says why, a cancellation (a signal, the embedding program) too.
-        reason = service.stop_reason or "stopped"
-        reasons.append(reason)
-        log.info("server stopped: %s", reason)
+        end.reason = service.stop_reason or "stopped"
+        log.info("server stopped: %s", end.reason)

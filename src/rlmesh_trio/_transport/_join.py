@@ -142,7 +142,7 @@ class JoinContext:
     loop: asyncio.AbstractEventLoop
     new_session: Callable[[], SessionLike]
     """A fresh session for a new stream."""
-    max_lanes: int
+    num_envs: int
     max_message_bytes: int
     protocols: set[Connection]
     """The server's live connections (to find a stream's)."""
@@ -193,7 +193,7 @@ class JoinCall:
         self.status = Status.OK
         self.status_message: str | None = None
         self.metrics = context.metrics
-        self.max_lanes = context.max_lanes
+        self.num_envs = context.num_envs
 
     # -- events into the session
 
@@ -373,7 +373,7 @@ class JoinCall:
             self._decode_off_loop(data, big)
             return
         try:
-            request = decode_join_request(data, max_lanes=self.max_lanes)
+            request = decode_join_request(data, num_envs=self.num_envs)
         except WireError as exc:
             self._unreadable(exc)
             return
@@ -388,9 +388,9 @@ class JoinCall:
         """Decode on the worker; the reader stays paused (requests stay in order)."""
         self._move(JoinState.DECODING)
         self._update_room()
-        lanes = self.max_lanes
+        lanes = self.num_envs
         self.context.worker.submit(
-            lambda: decode_join_request(data, max_lanes=lanes),
+            lambda: decode_join_request(data, num_envs=lanes),
             self.context.to_loop,
             functools.partial(self._decoded, big),
         )

@@ -25,7 +25,8 @@ import logging
 import socket
 import sys
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import outcome
 from grpclib.const import Cardinality, Status
@@ -45,7 +46,7 @@ from .._errors import (
 from .._jobs import Job, LaneReply, ReplyFn
 from .._logging import RateLimit, protect_credentials
 from .._options import Resolved
-from .._proto.rlmesh.env import v1 as env_v1
+from .._session import Endpoint, Session
 from .._tls import HANDSHAKE_TIMEOUT as TLS_HANDSHAKE_TIMEOUT
 from .._tls import RELOAD_INTERVAL as TLS_RELOAD_INTERVAL
 from .._tls import ReloadingServerContext
@@ -63,7 +64,7 @@ from .._wire import (
 )
 from .._wire import encode_health_response as health_response
 from ._connection import Connection, Dispatcher
-from ._join import OFF_LOOP_DECODE_BYTES, JoinCall, JoinContext, SessionLike
+from ._join import OFF_LOOP_DECODE_BYTES, JoinCall, JoinContext
 from ._reflection import ReflectionServices
 from ._shim import (
     MethodTable,
@@ -76,6 +77,7 @@ from ._shim import (
 if TYPE_CHECKING:
     from grpclib.protocol import Stream as H2Stream
 
+    from .._lanes import LaneEngine
     from .._metrics import ServerMetrics
 
 log = logging.getLogger("rlmesh_trio.transport")
@@ -108,27 +110,24 @@ STOP_MARGIN = 0.1
 _MAX_STREAM_ID = 2**31 - 1
 
 
-class EndpointLike(Protocol):
-    """What the transport needs from :class:`~rlmesh_trio._session.Endpoint`."""
+@dataclass(frozen=True, slots=True, eq=False)
+class Wiring:
+    """One server's parts, composed once (:func:`rlmesh_trio._serve.compose`, which the
+    tests call too) and handed unchanged from :class:`~._service.TransportService` to
+    :class:`LoopServer`. Real types all: the transport stands above the session, the
+    lanes and the metrics (docs/architecture.md, Layers), so it may name them.
+    """
 
-    num_envs: int
-
-    def handshake(self, request: env_v1.HandshakeRequest) -> env_v1.HandshakeResponse: ...
-
-    def shutdown(self, request: env_v1.ShutdownRequest) -> tuple[env_v1.ShutdownResponse, bool]: ...
-
-
-SessionFactory = Callable[[Any], SessionLike]
-PostFn = Callable[[int, Job, ReplyFn], None]
-
-
-class LanesLike(Protocol):
-    """What the transport asks of the lane engine beyond ``post`` (supervision)."""
-
-    def wedged(self, lane: int, job: Job, seconds: float) -> None: ...
-
-    @property
-    def healthy(self) -> bool: ...
+    options: Resolved
+    endpoint: Endpoint
+    """Answers Handshake and Shutdown; every Join's session belongs to it."""
+    lanes: LaneEngine
+    """Takes the Joins' jobs (``post``), is told of a wedge (``wedged``), says whether the
+    server is healthy (``healthy``), and is closed once the drain is over (``close``)."""
+    session_factory: Callable[[Endpoint], Session]
+    """A fresh session for each Join (``Session``; with ``observe=True`` for metrics)."""
+    metrics: ServerMetrics | None = None
+    """The server's Prometheus metrics (None: not asked for)."""
 
 
 def _libc_trim() -> Callable[[], None] | None:
@@ -161,7 +160,9 @@ class ReplyRoutes:
 
     __slots__ = ("_inbox", "_lanes", "_post", "_reply", "_routes", "_touched")
 
-    def __init__(self, post: PostFn, lanes: int, to_loop: ToLoop) -> None:
+    def __init__(
+        self, post: Callable[[int, Job, ReplyFn], None], lanes: int, to_loop: ToLoop
+    ) -> None:
         self._post = post
         self._lanes = lanes
         self._routes: dict[int, JoinCall] = {}  # job id * lanes + lane -> its Join
@@ -196,27 +197,20 @@ class LoopServer:
 
     def __init__(
         self,
-        options: Resolved,
+        wiring: Wiring,
         loop: asyncio.AbstractEventLoop,
         *,
-        endpoint: EndpointLike,
-        post: PostFn,
-        session_factory: SessionFactory,
-        on_drained: Callable[[], None] | None,
         on_stop_begin: Callable[[], None] | None,
-        metrics: ServerMetrics | None = None,
-        lanes: LanesLike | None = None,
     ) -> None:
+        options = wiring.options
         self.loop = loop
-        self.lanes = lanes
-        self.metrics = metrics
+        self.wiring = wiring
+        self.lanes = wiring.lanes
+        self.metrics = wiring.metrics
         self.to_loop = ToLoop(loop.call_soon_threadsafe)
-        self.endpoint = endpoint
-        self.post = post
-        self.session_factory = session_factory
+        self.endpoint = wiring.endpoint
         self.max_message_bytes = options.max_message_bytes
         self.options = options
-        self._on_drained = on_drained
         self._on_stop_begin = on_stop_begin
         self.closing = False
         self.reading = True  # Join streams read requests (until the drain is over)
@@ -400,24 +394,24 @@ class LoopServer:
             await self._changed.wait()
 
     def _notify_drained(self) -> None:
-        if self._on_drained is not None:
-            try:
-                self._on_drained()
-            except Exception:
-                log.exception("the on_drained callback failed")
+        """The drain is over: the lanes start closing (a request in flight is answered)."""
+        try:
+            self.lanes.close()
+        except Exception:
+            log.exception("closing the lanes after the drain failed")
 
     @functools.cached_property
     def join_context(self) -> JoinContext:
         """What every Join of this server needs of it (built once, at the first Join)."""
-        routes = ReplyRoutes(self.post, self.endpoint.num_envs, self.to_loop)
+        routes = ReplyRoutes(self.lanes.post, self.endpoint.num_envs, self.to_loop)
         return JoinContext(
             loop=self.loop,
-            new_session=functools.partial(self.session_factory, self.endpoint),
-            max_lanes=self.endpoint.num_envs,
+            new_session=functools.partial(self.wiring.session_factory, self.endpoint),
+            num_envs=self.endpoint.num_envs,
             max_message_bytes=self.max_message_bytes,
             protocols=self.protocols,
             post=routes.post,
-            wedged=self.lanes.wedged if self.lanes is not None else None,
+            wedged=self.lanes.wedged,
             report_limit=self.report_limit,
             metrics=self.metrics,
             worker=self.worker,
@@ -429,8 +423,8 @@ class LoopServer:
 
     # -- work off the loop, memory
 
-    async def off_loop(self, fn: Callable[..., Any], data: Any, lanes: int) -> Any:
-        """``fn(data, max_lanes=lanes)`` on the worker thread; the loop serves meanwhile."""
+    async def off_loop(self, fn: Callable[..., Any], data: Any, num_envs: int) -> Any:
+        """``fn(data, num_envs=num_envs)`` on the worker thread; the loop serves meanwhile."""
         future: asyncio.Future[Any] = self.loop.create_future()
 
         def done(result: outcome.Outcome[Any]) -> None:
@@ -440,7 +434,7 @@ class LoopServer:
                 else:
                     future.set_result(result.unwrap())
 
-        self.worker.submit(lambda: fn(data, max_lanes=lanes), self.to_loop, done)
+        self.worker.submit(lambda: fn(data, num_envs=num_envs), self.to_loop, done)
         return await future
 
     def big_message_done(self) -> None:
@@ -556,7 +550,7 @@ class LoopServer:
     ) -> Any:
         data = await self._read_unary(stream, limit)
         if len(data) > OFF_LOOP_DECODE_BYTES:
-            return await self.off_loop(lambda d, max_lanes: decode(d), data, 0)
+            return await self.off_loop(lambda d, num_envs: decode(d), data, 0)
         return decode(data)
 
     async def _handshake(self, stream: Stream[bytes, bytes]) -> None:
@@ -578,7 +572,7 @@ class LoopServer:
         service = await self._decode_unary(stream, decode_health_request, HEALTH_MAX_BYTES)
         if service not in ("", SERVICE_NAME):
             raise UnknownServiceError(service)
-        unhealthy = self.closing or (self.lanes is not None and not self.lanes.healthy)
+        unhealthy = self.closing or not self.lanes.healthy
         status = HEALTH_NOT_SERVING if unhealthy else HEALTH_SERVING
         await stream.send_message(health_response(status))
         await stream.send_trailing_metadata()

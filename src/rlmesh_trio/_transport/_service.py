@@ -15,20 +15,11 @@ import logging
 import socket
 import threading
 from collections.abc import Callable
-from typing import Any
 
 import trio
 
 from .._bridge import ToLoop, ToTrio, thread_gone
-from .._options import Resolved
-from ._server import (
-    LOOP_CLOSE_TIMEOUT,
-    EndpointLike,
-    LanesLike,
-    LoopServer,
-    PostFn,
-    SessionFactory,
-)
+from ._server import LOOP_CLOSE_TIMEOUT, LoopServer, Wiring
 
 log = logging.getLogger("rlmesh_trio.transport")
 
@@ -38,43 +29,33 @@ THREAD_NAME = "rlmesh-trio-transport"
 class TransportService:
     """The gRPC side of one server, on its own thread and asyncio loop.
 
+    ``wiring`` is the server's composition (:func:`rlmesh_trio._serve.compose`), handed
+    unchanged to the :class:`~._server.LoopServer`: its ``endpoint`` answers Handshake and
+    Shutdown, each Join gets ``session_factory(endpoint)``, its jobs go to ``lanes.post``.
     ``listener`` is a bound, listening socket (TCP or unix) that the service takes over
-    and closes. ``post(lane, job, reply)`` is the lane engine's thread-safe post;
-    ``endpoint`` answers Handshake and Shutdown; each Join gets ``session_factory(endpoint)``.
+    and closes. The loop is the one ``wiring.options.event_loop`` names.
 
     Run it with ``await nursery.start(service.run)``. Stop it with :meth:`request_stop`
     (any thread), a Shutdown RPC the endpoint accepts, the idle timeout, or by cancelling
     ``run``. A stop drains for at most ``drain_timeout`` (skipped for the idle timeout),
-    then calls ``on_drained()`` -- once, on the transport thread: no new request will be
-    served, so the owner may start closing the lanes -- and gives a request still in
-    flight up to ``close_timeout`` to be answered before the connections are cut.
+    then closes the lanes (``lanes.close()``) -- once, on the transport thread: no new
+    request will be served -- and gives a request still in flight up to
+    ``close_timeout`` to be answered before the connections are cut.
     ``on_stop_begin()`` is called on the Trio thread when a stop begins, whoever asked
     for it. The whole stop takes at most :attr:`stop_timeout` (the options' stop bound).
     """
 
     def __init__(
         self,
-        endpoint: EndpointLike,
+        wiring: Wiring,
         *,
-        post: PostFn,
         listener: socket.socket,
-        options: Resolved,
-        session_factory: SessionFactory,
-        on_drained: Callable[[], None] | None = None,
         on_stop_begin: Callable[[], None] | None = None,
-        loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
-        metrics: Any = None,
-        lanes: LanesLike | None = None,
     ) -> None:
-        self.metrics = metrics
-        self.lanes = lanes
-        self.endpoint = endpoint
-        self.post = post
-        self.options = options
-        self.session_factory = session_factory
-        self.on_drained = on_drained
+        self.wiring = wiring
+        self.options = wiring.options
         self.on_stop_begin = on_stop_begin
-        self._loop_factory = loop_factory or loop_factory_for(options.event_loop)
+        self._loop_factory = loop_factory_for(wiring.options.event_loop)
         self._listener = listener
         self._lock = threading.Lock()
         self._to_loop: ToLoop | None = None
@@ -200,17 +181,7 @@ class TransportService:
         on_listening: Callable[[], None],
         on_stop_begin: Callable[[], None],
     ) -> None:
-        server = LoopServer(
-            self.options,
-            loop,
-            endpoint=self.endpoint,
-            post=self.post,
-            session_factory=self.session_factory,
-            on_drained=self.on_drained,
-            on_stop_begin=on_stop_begin,
-            metrics=self.metrics,
-            lanes=self.lanes,
-        )
+        server = LoopServer(self.wiring, loop, on_stop_begin=on_stop_begin)
         with self._lock:
             self._to_loop, self._loop_server = server.to_loop, server
             early = self._early_stop

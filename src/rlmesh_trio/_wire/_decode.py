@@ -13,11 +13,11 @@ repeated occurrences combine: a repeated field concatenates, a singular message 
 merges repeats of the same arm (``step{[1], leaf} step{[3], leaf}`` is one step of lanes
 [1, 3] with two leaves). Unknown fields, groups included, are skipped.
 
-Bounded work: with ``max_lanes`` given, a repeated list the session reads positionally
-(``env_indices``, ``seeds``, ``episode_ids``) keeps at most ``max_lanes + 1`` items and
+Bounded work: with ``num_envs`` given, a repeated list the session reads positionally
+(``env_indices``, ``seeds``, ``episode_ids``) keeps at most ``num_envs + 1`` items and
 remembers its full length (:class:`Clipped`): no valid request has more, and every check
 the session makes on a longer list is decided by its length or by its first
-``max_lanes + 1`` items. Packed lists are counted and validated with numpy, without
+``num_envs + 1`` items. Packed lists are counted and validated with numpy, without
 materialising them.
 
 The field table (:data:`REQUEST_FIELDS`) is checked against the generated classes by the
@@ -372,17 +372,17 @@ def _plain_step(data: Any) -> env_v1.JoinRequest | None:
 
 
 def decode_join_request(
-    data: bytes | bytearray, *, max_lanes: int | None = None
+    data: bytes | bytearray, *, num_envs: int | None = None
 ) -> env_v1.JoinRequest:
     """Parse a JoinRequest as prost does; raise :class:`DecodeError` on malformed bytes.
 
-    ``max_lanes`` (the endpoint's ``num_envs``) bounds the positional lists kept (see the
+    ``num_envs`` (how many lanes the endpoint serves) bounds the positional lists kept (see the
     module docstring); None keeps everything.
     """
     fast = _plain_step(data)
     if fast is not None:
         return fast
-    cap = None if max_lanes is None else max_lanes + 1
+    cap = None if num_envs is None else num_envs + 1
     request_id = ""
     arm = 0
     slices: list[tuple[int, int]] = []
