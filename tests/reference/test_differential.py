@@ -135,9 +135,7 @@ def test_slow_lane_does_not_hold_the_others(servers: ServerPool, peer: str) -> N
 
 
 async def two_steps_for_one_lane(address: str) -> list[tuple[str, bytes]]:
-    async with wire.WireClient(address) as client, client.join() as join:
-        await join.call(wire.configure())
-        await join.call(wire.reset(seeds=[42]))
+    async with wire.joined(address, wire.configure(), wire.reset(seeds=[42])) as join:
         await join.send(wire.step([wire.i64([0])], env_indices=[0], request_id="first"))
         await join.send(wire.step([wire.i64([1])], env_indices=[0], request_id="second"))
         replies = [await join.recv(), await join.recv()]

@@ -851,8 +851,7 @@ def test_idle_timeout_ignores_handshakes(servers: ServerPool, kind: str) -> None
 
 
 async def inflight_reset(address: str, sleep: float) -> dict[str, Any]:
-    async with wire.WireClient(address, timeout=EXIT_BOUND) as client, client.join() as join:
-        await join.call(wire.configure())
+    async with wire.joined(address, wire.configure(), timeout=EXIT_BOUND) as join:
         reply = await join.call(wire.reset(seeds=[1], options={"sleep": sleep}))
         return {"kind": wire.reply_kind(reply), "error": reply.error}
 
@@ -867,9 +866,9 @@ def test_idle_timeout_held_by_inflight_request(servers: ServerPool, kind: str) -
 
 
 async def drain(address: str, step_units: int) -> dict[str, Any]:
-    async with wire.WireClient(address, timeout=EXIT_BOUND) as client, client.join() as join:
-        await join.call(wire.configure())
-        await join.call(wire.reset(seeds=[1]))
+    async with wire.joined(
+        address, wire.configure(), wire.reset(seeds=[1]), timeout=EXIT_BOUND
+    ) as join:
         await join.send(wire.step([wire.i64([step_units])], request_id="in-flight"))
         # Let the step reach the env (it then runs for step_units * 0.1 s) before asking
         # the server to stop; there is no event to wait for from outside the process.
@@ -908,8 +907,7 @@ def test_shutdown_drains_the_inflight_request(servers: ServerPool, kind: str) ->
 async def vanish_then_reconnect(address: str) -> dict[str, Any]:
     """A client resets its Join while an env call runs; a new client joins at once."""
     out: dict[str, Any] = {}
-    async with wire.WireClient(address) as gone, gone.join() as join:
-        await join.call(wire.configure())
+    async with wire.joined(address, wire.configure()) as join:
         await join.send(wire.reset(options={"sleep": 0.6}, request_id="slow"))
         await asyncio.sleep(0.1)  # the reset is now running on the lane
         # leaving the block reset the stream: the client is gone

@@ -70,8 +70,7 @@ async def huge_request_with_a_bystander(address: str, data: bytes) -> dict[str, 
     """Send ``data`` on a Join; meanwhile time Handshakes on a second connection."""
     latencies: list[float] = []
     done = asyncio.Event()
-    async with wire.WireClient(address, timeout=60) as client, client.join() as join:
-        await join.call(wire.reset(seeds=[1, 2, 3, 4]))
+    async with wire.joined(address, wire.reset(seeds=[1, 2, 3, 4]), timeout=60) as join:
 
         async def bystander() -> None:
             async with wire.WireClient(address, timeout=60) as other:
@@ -133,8 +132,7 @@ def rss_mib(pid: int) -> float:
 
 
 async def one_big_leaf(address: str, size: int) -> str:
-    async with wire.WireClient(address, timeout=120) as client, client.join() as join:
-        await join.call(wire.reset(seeds=[1, 2, 3, 4]))
+    async with wire.joined(address, wire.reset(seeds=[1, 2, 3, 4]), timeout=120) as join:
         reply = await join.call(wire.step([b"\x00" * size]))
         assert reply.error is not None
         return reply.error.message
@@ -230,8 +228,7 @@ def test_a_client_that_never_reads_cannot_grow_the_server(servers: ServerPool) -
 
 
 async def _reset_once(address: str) -> None:
-    async with wire.WireClient(address) as client, client.join() as join:
-        await join.call(wire.reset(seeds=[1, 2]))
+    async with wire.joined(address, wire.reset(seeds=[1, 2])) as join:
         await join.send(wire.close())
         while await join.recv() is not None:
             pass
