@@ -112,9 +112,7 @@ async def huge_request_with_a_bystander(address: str, data: bytes) -> dict[str, 
 def test_a_huge_list_gets_the_reference_answer_without_starving_others(
     servers: ServerPool, name: str, data: bytes, message: str
 ) -> None:
-    ref, ours = servers.pair("ours", config())
-    reference = wire.run(huge_request_with_a_bystander(ref.address, data))
-    result = wire.run(huge_request_with_a_bystander(ours.address, data))
+    reference, result = servers.on_both("ours", config(), huge_request_with_a_bystander, data)
     assert (
         reference["error"]
         == result["error"]
