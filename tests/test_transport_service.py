@@ -29,7 +29,7 @@ import outcome
 import pytest
 import trio
 from hypothesis import strategies as st
-from support import envs, wire
+from support import envs, protobuf, wire
 from support.lanes import engine as lane_engine
 
 from rlmesh_trio._address import bind, parse_address
@@ -247,7 +247,7 @@ async def unary_checks(address: str) -> dict[str, Any]:
             extra_headers=[("grpc-encoding", "gzip")],
             compressed=True,
         )
-        service = b"\x0a" + bytes([len("rlmesh.env.v1.EnvService")]) + b"rlmesh.env.v1.EnvService"
+        service = protobuf.field(1, b"rlmesh.env.v1.EnvService")
         out["health_all"] = await client.unary(HEALTH_CHECK_PATH, b"")
         out["health_env"] = await client.unary(HEALTH_CHECK_PATH, service)
         out["health_other"] = await client.unary(HEALTH_CHECK_PATH, b"\x0a\x03abc")

@@ -20,6 +20,7 @@ import pytest
 from hyperframe.frame import GoAwayFrame, HeadersFrame, SettingsFrame
 from support import scripts, wire
 from support.params import PEERS, skip_without_ours
+from support.protobuf import field
 from support.refserver import ServerConfig, ServerPool
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(120)]
@@ -41,19 +42,6 @@ OTHER_CONNECTION_BOUND = 2.0
 
 def config(num_envs: int = 4) -> ServerConfig:
     return ServerConfig(entrypoint=scripts.ENTRYPOINTS["cartpole"], num_envs=num_envs)
-
-
-def varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def field(number: int, body: bytes) -> bytes:
-    return varint(number << 3 | 2) + varint(len(body)) + body
 
 
 def huge_step(count: int) -> bytes:
