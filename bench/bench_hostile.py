@@ -59,19 +59,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import _support  # noqa: F401  (the test harness as ``support``: see bench/_support.py)
+import gymnasium as gym
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
+import numpy as np
+from gymnasium import spaces
+from support.refserver import ServerConfig, ServerProcess, start_server
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT / "tests"))
-os.environ.setdefault("RLMESH_WORKFLOW_EDITION", "2026.06")
-
-import gymnasium as gym  # noqa: E402
-import h2.config  # noqa: E402
-import h2.connection  # noqa: E402
-import h2.events  # noqa: E402
-import h2.exceptions  # noqa: E402
-import numpy as np  # noqa: E402
-from gymnasium import spaces  # noqa: E402
-from support.refserver import ServerConfig, ServerProcess, start_server  # noqa: E402
 
 # ``support.wire`` and the message classes import ``rlmesh_trio``: they are loaded by
 # :func:`load_ours` once it is settled which copy of our package is used (a server
