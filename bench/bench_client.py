@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import functools
 import json
-import os
 import statistics
 import sys
 import threading
@@ -37,22 +36,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-os.environ.setdefault("RLMESH_WORKFLOW_EDITION", "2026.06")
+import _support  # noqa: F401  (the test harness as ``support``: see bench/_support.py)
+import numpy as np
+import trio
+from support import wire
+from support.refserver import ServerConfig, start_server
 
-import numpy as np  # noqa: E402
-import trio  # noqa: E402
-from support import wire  # noqa: E402
-from support.refserver import ServerConfig, start_server  # noqa: E402
-
-from rlmesh_trio.client import VectorEnv, open_endpoint  # noqa: E402
-from rlmesh_trio.client._messages import (  # noqa: E402
+from rlmesh_trio.client import VectorEnv, open_endpoint
+from rlmesh_trio.client._messages import (
     configure_request,
     decode_reply,
     reset_request,
     step_request,
 )
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -59,19 +59,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import _support  # noqa: F401  (the test harness as ``support``: see bench/_support.py)
+import gymnasium as gym
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
+import numpy as np
+from gymnasium import spaces
+from support import protobuf
+from support.refserver import ServerConfig, ServerProcess, start_server
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT / "tests"))
-os.environ.setdefault("RLMESH_WORKFLOW_EDITION", "2026.06")
-
-import gymnasium as gym  # noqa: E402
-import h2.config  # noqa: E402
-import h2.connection  # noqa: E402
-import h2.events  # noqa: E402
-import h2.exceptions  # noqa: E402
-import numpy as np  # noqa: E402
-from gymnasium import spaces  # noqa: E402
-from support.refserver import ServerConfig, ServerProcess, start_server  # noqa: E402
 
 # ``support.wire`` and the message classes import ``rlmesh_trio``: they are loaded by
 # :func:`load_ours` once it is settled which copy of our package is used (a server
@@ -302,27 +302,6 @@ class RssSampler:
 # --------------------------------------------------------------------------- hand-built protobuf
 
 
-def varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-def ld(field_number: int, payload_len: int) -> bytes:
-    """Tag and length of a length-delimited field whose payload follows separately."""
-    return varint(field_number << 3 | 2) + varint(payload_len)
-
-
-def ld_field(field_number: int, payload: bytes) -> bytes:
-    return ld(field_number, len(payload)) + payload
-
-
 def join_request(kind_field: int, body: list[bytes], request_id: str = "big") -> list[bytes]:
     """A JoinRequest ``{kind_field: <body segments>, request_id}`` as a list of segments.
 
@@ -330,7 +309,11 @@ def join_request(kind_field: int, body: list[bytes], request_id: str = "big") ->
     255 MiB leaf is never copied on the client side.
     """
     body_len = sum(len(s) for s in body)
-    return [ld(kind_field, body_len), *body, ld_field(5, request_id.encode())]
+    return [
+        protobuf.length_prefix(kind_field, body_len),
+        *body,
+        protobuf.field(5, request_id.encode()),
+    ]
 
 
 JOIN_RESET, JOIN_STEP = 1, 2
@@ -343,26 +326,34 @@ def action_segments(leaves: Sequence[Sequence[bytes]]) -> list[bytes]:
     """``StepRequest.action`` = SpaceValue{leaves}; each leaf given as its segments."""
     inner: list[bytes] = []
     for leaf in leaves:
-        inner += [ld(SPACE_VALUE_LEAVES, sum(len(s) for s in leaf)), *leaf]
-    return [ld(STEP_ACTION, sum(len(s) for s in inner)), *inner]
+        inner += [protobuf.length_prefix(SPACE_VALUE_LEAVES, sum(len(s) for s in leaf)), *leaf]
+    return [protobuf.length_prefix(STEP_ACTION, sum(len(s) for s in inner)), *inner]
 
 
 def big_step_env_indices(count: int) -> list[bytes]:
     """Lane-scoped step, one Discrete action, ``count`` packed zeros as env_indices."""
-    body = [*action_segments([[wire.i64([0])]]), ld(STEP_ENV_INDICES, count), b"\x00" * count]
+    body = [
+        *action_segments([[wire.i64([0])]]),
+        protobuf.length_prefix(STEP_ENV_INDICES, count),
+        b"\x00" * count,
+    ]
     return join_request(JOIN_STEP, body)
 
 
 def big_reset_seeds(count: int) -> list[bytes]:
     """Lane-scoped reset of lane 0 carrying ``count`` packed zero seeds."""
-    body = [ld(RESET_SEEDS, count), b"\x00" * count, ld_field(RESET_ENV_INDICES, b"\x00")]
+    body = [
+        protobuf.length_prefix(RESET_SEEDS, count),
+        b"\x00" * count,
+        protobuf.field(RESET_ENV_INDICES, b"\x00"),
+    ]
     return join_request(JOIN_RESET, body)
 
 
 def big_reset_episode_ids(count: int) -> list[bytes]:
     """Lane-scoped reset of lane 0 carrying ``count`` repeated 8-character episode ids."""
-    one = ld_field(RESET_EPISODE_IDS, b"ep-hostl")
-    body = [ld_field(RESET_ENV_INDICES, b"\x00"), one * count]
+    one = protobuf.field(RESET_EPISODE_IDS, b"ep-hostl")
+    body = [protobuf.field(RESET_ENV_INDICES, b"\x00"), one * count]
     return join_request(JOIN_RESET, body)
 
 
@@ -376,7 +367,7 @@ def huge_text_step(text_bytes: int) -> list[bytes]:
     slab_header = struct.pack("<2Q", 1, text_bytes)
     body = [
         *action_segments([[slab_header, b"a" * text_bytes]]),
-        ld_field(STEP_ENV_INDICES, b"\x00"),
+        protobuf.field(STEP_ENV_INDICES, b"\x00"),
     ]
     return join_request(JOIN_STEP, body)
 

@@ -34,14 +34,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _support  # noqa: F401  (the test harness as ``support``: see bench/_support.py)
+import numpy as np
+from support.refserver import ServerConfig, start_server
+
+from rlmesh_trio.client import VectorEnv
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-os.environ.setdefault("RLMESH_WORKFLOW_EDITION", "2026.06")
-
-import numpy as np  # noqa: E402
-from support.refserver import ServerConfig, start_server  # noqa: E402
-
-from rlmesh_trio.client import VectorEnv  # noqa: E402
 
 ENTRYPOINT = "support.uneven:make"
 

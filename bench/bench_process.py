@@ -20,19 +20,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-os.environ.setdefault("RLMESH_WORKFLOW_EDITION", "2026.06")
+import _support  # noqa: F401  (the test harness as ``support``: see bench/_support.py)
+from support import wire
+from support.crashy import FRAMES_SEGFAULT
+from support.refserver import ServerConfig, start_server
 
-from support import wire  # noqa: E402
-from support.crashy import FRAMES_SEGFAULT  # noqa: E402
-from support.refserver import ServerConfig, start_server  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 SERVERS = {
     "reference": ("ref", ()),

@@ -59,12 +59,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-os.environ.setdefault("RLMESH_WORKFLOW_EDITION", "2026.06")
+import _support  # noqa: F401  (the test harness as ``support``: see bench/_support.py)
+from support import envs, scripts, wire
+from support.refserver import ServerConfig, ServerProcess, start_server
 
-from support import envs, scripts, wire  # noqa: E402
-from support.refserver import ServerConfig, ServerProcess, start_server  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 KINDS = ("ref", "ours")
 

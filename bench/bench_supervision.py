@@ -27,20 +27,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-os.environ.setdefault("RLMESH_WORKFLOW_EDITION", "2026.06")
+import _support  # noqa: F401  (the test harness as ``support``: see bench/_support.py)
+from support import wire
+from support.faulty import HANG, RAISE
+from support.refserver import ServerConfig, start_server
 
-from support import wire  # noqa: E402
-from support.faulty import HANG, RAISE  # noqa: E402
-from support.refserver import ServerConfig, start_server  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 HANG_SECONDS = 3.0
 WINDOW_SECONDS = 2.0

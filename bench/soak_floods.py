@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections import Counter
@@ -39,12 +38,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-os.environ.setdefault("RLMESH_WORKFLOW_EDITION", "2026.06")
+import _support  # noqa: F401  (the test harness as ``support``: see bench/_support.py)
+from support import h2raw
+from support.refserver import ServerConfig, ServerProcess, start_server
 
-from support import h2raw  # noqa: E402
-from support.refserver import ServerConfig, ServerProcess, start_server  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 JOIN = "/rlmesh.env.v1.EnvService/Join"
 

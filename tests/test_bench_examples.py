@@ -26,7 +26,8 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCH = sorted((ROOT / "bench").glob("*.py"))
+BENCH = sorted(p for p in (ROOT / "bench").glob("*.py") if not p.name.startswith("_"))
+"""The bench scripts (``bench/_*.py`` are the modules they share, imported by them)."""
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 TIMEOUT = 120.0
 """Seconds for one script to start (every one runs at once; Ray's import is the slowest)."""

@@ -396,8 +396,7 @@ def test_second_signal_exits_at_once(procs: list[subprocess.Popen[bytes]]) -> No
     hung = threading.Event()
 
     async def hang_a_step() -> None:
-        async with wire.WireClient(address) as client, client.join() as join:
-            await join.call(wire.reset())
+        async with wire.joined(address, wire.reset()) as join:
             await join.send(wire.step([b"\x01" + b"\x00" * 7]))
             hung.set()
             await join.recv(timeout=BOUND)
@@ -489,8 +488,7 @@ def test_an_unregistered_namespace_names_the_fix() -> None:
 
 
 async def _fail_step_then_bad_action(address: str) -> list[Any]:
-    async with wire.WireClient(address) as client, client.join() as join:
-        await join.call(wire.reset(seeds=[1]))
+    async with wire.joined(address, wire.reset(seeds=[1])) as join:
         bad = await join.call(wire.step([wire.i64([9])]))  # Discrete(4): refused
         boom = await join.call(wire.step([wire.i64([2])]))  # BOOM_STEP_ACTION: the env raises
         return [bad.error, boom.error]
@@ -613,8 +611,7 @@ def test_a_native_crash_on_a_thread_lane_is_not_silent(
     proc, address = start_serving(procs, "--entrypoint", "support.crashy:make_crashy")
 
     async def crash() -> None:
-        async with wire.WireClient(address) as client, client.join() as join:
-            await join.call(wire.reset(seeds=[1]))
+        async with wire.joined(address, wire.reset(seeds=[1])) as join:
             await join.send(wire.step([wire.i64([1])]))  # SEGFAULT
             await join.recv(timeout=BOUND)
 
@@ -656,8 +653,7 @@ def test_health_follows_the_lanes(procs: list[subprocess.Popen[bytes]]) -> None:
     )
 
     async def segfault(lanes: list[int]) -> None:
-        async with wire.WireClient(address) as client, client.join() as join:
-            await join.call(wire.reset(seeds=[1, 2, 3]))
+        async with wire.joined(address, wire.reset(seeds=[1, 2, 3])) as join:
             for lane in lanes:
                 reply = await join.call(wire.step([wire.i64([1])], env_indices=[lane]))
                 assert reply.error is not None, reply
@@ -690,8 +686,7 @@ def test_health_is_not_serving_once_no_lane_can_serve(
     )
 
     async def segfault() -> None:
-        async with wire.WireClient(address) as client, client.join() as join:
-            await join.call(wire.reset(seeds=[1, 2]))
+        async with wire.joined(address, wire.reset(seeds=[1, 2])) as join:
             for lane in (0, 1):
                 if lane == 1:  # one lane left: still serving
                     code, out, _ = run_probe(address)

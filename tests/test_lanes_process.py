@@ -242,8 +242,7 @@ async def test_a_gil_holding_env_freezes_nothing_and_the_watchdog_kills_it() -> 
 
 async def test_an_env_error_in_a_child_keeps_its_type_and_text() -> None:
     async def client(address: str) -> env_v1.JoinResponse:
-        async with wire.WireClient(address) as c, c.join() as j:
-            await j.call(wire.reset(seeds=[1]))
+        async with wire.joined(address, wire.reset(seeds=[1])) as j:
             return await j.call(wire.step(acts(RAISE)))
 
     async with served(num_envs=1) as address:
@@ -367,8 +366,7 @@ async def test_a_wedged_child_dumps_its_stack(capfd: pytest.CaptureFixture[str])
     declared wedged -- here while the env holds the child's GIL in native code."""
 
     async def client(address: str) -> env_v1.JoinResponse:
-        async with wire.WireClient(address) as c, c.join() as j:
-            await j.call(wire.reset(seeds=[1]))
+        async with wire.joined(address, wire.reset(seeds=[1])) as j:
             return await j.call(wire.step(acts(HOG)))
 
     async with served(num_envs=1, lane_timeout_seconds=0.5, close_timeout_seconds=1.0) as a:

@@ -116,8 +116,7 @@ async def test_a_whole_vector_step_that_raises(mode: str) -> None:
 
     async def client(address: str) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        async with wire.WireClient(address) as c, c.join() as j:
-            await j.call(wire.reset(seeds=[1, 2]))
+        async with wire.joined(address, wire.reset(seeds=[1, 2])) as j:
             await j.call(wire.step(acts(0, 0)))
             out["fault"] = await j.call(wire.step(acts(0, RAISE)))
             if mode == "truncate":
@@ -205,8 +204,7 @@ async def test_a_lane_scoped_step_that_raises_keeps_the_stream(mode: str) -> Non
 
     async def client(address: str) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        async with wire.WireClient(address) as c, c.join() as j:
-            await j.call(wire.reset(seeds=[1, 2]))
+        async with wire.joined(address, wire.reset(seeds=[1, 2])) as j:
             out["fault"] = await j.call(wire.step(acts(RAISE), env_indices=[1]))
             out["other"] = await j.call(wire.step(acts(0), env_indices=[0]))
             out["unreset"] = await j.call(wire.step(acts(0), env_indices=[1]))
@@ -269,8 +267,7 @@ async def test_a_reset_that_raises(mode: str) -> None:
 
     async def client(address: str) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        async with wire.WireClient(address) as c, c.join() as j:
-            await j.call(wire.reset(seeds=[1, 2]))
+        async with wire.joined(address, wire.reset(seeds=[1, 2])) as j:
             out["fault"] = await j.call(wire.reset(env_indices=[1], options={"raise": 1}))
             out["ok"] = await j.call(wire.reset(seeds=[3], env_indices=[1]))
         return out
@@ -319,8 +316,7 @@ async def test_a_render_that_raises(mode: str) -> None:
 
     async def client(address: str) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        async with wire.WireClient(address) as c, c.join() as j:
-            await j.call(wire.reset(seeds=[1]))
+        async with wire.joined(address, wire.reset(seeds=[1])) as j:
             ctl.render_raises = True
             out["fault"] = await j.call(wire.render())
             if mode == "error":
@@ -330,8 +326,7 @@ async def test_a_render_that_raises(mode: str) -> None:
                 await j.call(wire.reset(seeds=[1]))
                 out["same"] = await j.call(wire.render())
         ctl.render_raises = False
-        async with wire.WireClient(address) as c, c.join() as j:
-            await j.call(wire.reset(seeds=[1]))
+        async with wire.joined(address, wire.reset(seeds=[1])) as j:
             out["render"] = await j.call(wire.render())
         return out
 
@@ -360,8 +355,7 @@ async def test_a_step_that_hangs_past_its_deadline(mode: str) -> None:
 
     async def client(address: str) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        async with wire.WireClient(address) as c, c.join() as j:
-            await j.call(wire.reset(seeds=[1, 2]))
+        async with wire.joined(address, wire.reset(seeds=[1, 2])) as j:
             out["hang"] = await j.call(wire.step(acts(0, HANG), timeout_ms=300))
             if mode != "error":
                 t0 = time.monotonic()
@@ -419,8 +413,7 @@ async def test_the_watchdog_answers_a_hanging_step(mode: str) -> None:
 
     async def client(address: str) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        async with wire.WireClient(address) as c, c.join() as j:
-            await j.call(wire.reset(seeds=[1, 2]))
+        async with wire.joined(address, wire.reset(seeds=[1, 2])) as j:
             out["hang"] = await j.call(wire.step(acts(0, HANG)))  # no deadline of its own
             out["next"] = await j.call(wire.step(acts(0, 0)))
             ctl.release.set()
@@ -460,8 +453,7 @@ async def test_the_wedge_warning_shows_where_the_env_is_stuck(
     caplog.set_level(logging.WARNING, logger="rlmesh_trio.lanes")
 
     async def client(address: str) -> None:
-        async with wire.WireClient(address) as c, c.join() as j:
-            await j.call(wire.reset(seeds=[1, 2]))
+        async with wire.joined(address, wire.reset(seeds=[1, 2])) as j:
             await j.call(wire.step(acts(0, HANG)))
             ctl.release.set()
 
@@ -484,8 +476,7 @@ async def test_a_close_waits_for_a_hanging_lane_at_most_close_timeout(
 
     async def client(address: str) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        async with wire.WireClient(address) as c, c.join() as j:
-            await j.call(wire.reset(seeds=[1, 2]))
+        async with wire.joined(address, wire.reset(seeds=[1, 2])) as j:
             await j.send(wire.step(acts(HANG), env_indices=[1]))  # lane-scoped: no barrier
             await asyncio.to_thread(ctl.wait_hanging)
             t0 = time.monotonic()
@@ -515,18 +506,17 @@ async def test_a_faulted_env_whose_close_hangs_does_not_hold_the_rebuild(mode: s
 
     async def client(address: str) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        async with wire.WireClient(address) as c, c.join() as j:
-            await j.call(wire.reset(seeds=[1, 2]))
+        async with wire.joined(address, wire.reset(seeds=[1, 2])) as j:
             out["fault"] = await j.call(wire.step(acts(RAISE), env_indices=[1]))
             out["reset"] = await j.call(wire.reset(seeds=[3], env_indices=[1]))
             out["step"] = await j.call(wire.step(acts(0), env_indices=[1]))
-            out["health"] = (await c.unary(HEALTH_CHECK_PATH, b"")).reply
+            out["health"] = (await j.client.unary(HEALTH_CHECK_PATH, b"")).reply
             await asyncio.to_thread(ctl.wait_hanging)
             # The retired thread does not finish closing within close_timeout: it is
             # counted abandoned, and with max_abandoned_lanes=0 health says so.
             deadline = time.monotonic() + BOUND
             while time.monotonic() < deadline:
-                out["health_later"] = (await c.unary(HEALTH_CHECK_PATH, b"")).reply
+                out["health_later"] = (await j.client.unary(HEALTH_CHECK_PATH, b"")).reply
                 if out["health_later"] == NOT_SERVING:
                     break
                 await asyncio.sleep(0.02)
@@ -550,8 +540,7 @@ async def test_a_rebuild_whose_factory_fails_answers_a_clear_recoverable_error(m
 
     async def client(address: str) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        async with wire.WireClient(address) as c, c.join() as j:
-            await j.call(wire.reset(seeds=[1, 2]))
+        async with wire.joined(address, wire.reset(seeds=[1, 2])) as j:
             ctl.fail_builds = 1
             out["fault"] = await j.call(wire.step(acts(RAISE), env_indices=[1]))
             out["dead"] = await j.call(wire.reset(env_indices=[1]))
@@ -584,8 +573,7 @@ async def test_one_log_record_per_lane_state_change(caplog: pytest.LogCaptureFix
     caplog.set_level(logging.DEBUG, logger="rlmesh_trio.lanes")
 
     async def client(address: str) -> None:
-        async with wire.WireClient(address) as c, c.join() as j:
-            await j.call(wire.reset(seeds=[1, 2]))
+        async with wire.joined(address, wire.reset(seeds=[1, 2])) as j:
             ctl.fail_builds = 1
             await j.call(wire.step(acts(RAISE), env_indices=[1]))
             deadline = time.monotonic() + BOUND
@@ -623,8 +611,7 @@ async def test_a_dead_lane_does_not_flood_the_log(caplog: pytest.LogCaptureFixtu
     caplog.set_level(logging.INFO)
 
     async def client(address: str) -> list[Any]:
-        async with wire.WireClient(address) as c, c.join() as j:
-            await j.call(wire.reset(seeds=[1, 2]))
+        async with wire.joined(address, wire.reset(seeds=[1, 2])) as j:
             ctl.fail_builds = 1_000
             await j.call(wire.step(acts(RAISE), env_indices=[1]))
             return [await j.call(wire.reset(env_indices=[1])) for _ in range(200)]
@@ -902,8 +889,7 @@ async def test_a_fault_storm_stays_bounded(storm: str) -> None:
 
     async def client(address: str) -> dict[str, Any]:
         out: dict[str, Any] = {"codes": set(), "healthy_steps": 0}
-        async with wire.WireClient(address) as c, c.join() as j:
-            await j.call(wire.reset(seeds=[1, 2]))
+        async with wire.joined(address, wire.reset(seeds=[1, 2])) as j:
             out["threads_before"] = threading.active_count()
             start = time.monotonic()
             while time.monotonic() - start < seconds:
@@ -993,14 +979,13 @@ async def test_a_given_up_lane_turns_health_not_serving_unless_tolerated(
 
     async def client(address: str) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        async with wire.WireClient(address) as c, c.join() as j:
-            await j.call(wire.reset(seeds=[1, 2]))
-            out["before"] = (await c.unary(HEALTH_CHECK_PATH, b"")).reply
+        async with wire.joined(address, wire.reset(seeds=[1, 2])) as j:
+            out["before"] = (await j.client.unary(HEALTH_CHECK_PATH, b"")).reply
             # The watchdog abandons the hung step; the lane is given up instead of rebuilt.
             out["hang"] = await j.call(wire.step(acts(HANG), env_indices=[1]))
             # Refused, or queued and then refused by the give-up: either way it is dead.
             out["dead"] = await j.call(wire.reset(env_indices=[1]))
-            out["after"] = (await c.unary(HEALTH_CHECK_PATH, b"")).reply
+            out["after"] = (await j.client.unary(HEALTH_CHECK_PATH, b"")).reply
             out["lane 0"] = await j.call(wire.step(acts(0), env_indices=[0]))
             out["whole"] = await j.call(wire.step(acts(0, 0)))
         return out
@@ -1155,8 +1140,7 @@ async def test_the_stop_bound_holds_with_abandoned_and_retired_threads() -> None
     drain, close = 0.2, 0.4
 
     async def client(address: str) -> None:
-        async with wire.WireClient(address) as c, c.join() as j:
-            await j.call(wire.reset(seeds=[1, 2]))
+        async with wire.joined(address, wire.reset(seeds=[1, 2])) as j:
             await j.call(wire.step(acts(HANG), env_indices=[0], timeout_ms=100))
             ctl.close_hangs = True
             await j.call(wire.step(acts(RAISE), env_indices=[1]))
@@ -1198,8 +1182,7 @@ async def test_an_env_close_that_hangs_at_stop_is_abandoned_within_the_bound(mod
     ctl = Controller()
 
     async def client(address: str) -> None:
-        async with wire.WireClient(address) as c, c.join() as j:
-            await j.call(wire.reset(seeds=[1, 2]))
+        async with wire.joined(address, wire.reset(seeds=[1, 2])) as j:
             await j.call(wire.step(acts(0, 0)))
 
     close = 0.3

@@ -88,8 +88,7 @@ async def test_an_env_failure_is_a_fault_of_its_lane() -> None:
     options = ServeOptions(metrics_address="tcp://127.0.0.1:0")
 
     async def boom(address: str) -> Any:
-        async with wire.WireClient(address) as client, client.join() as join:
-            await join.call(wire.reset(seeds=[1, 2]))
+        async with wire.joined(address, wire.reset(seeds=[1, 2])) as join:
             return await join.call(wire.step([wire.i64([2])], env_indices=[1]))  # raises
 
     async with trio.open_nursery() as nursery:
@@ -116,8 +115,7 @@ async def test_the_lanes_supervision_counters_and_states() -> None:
     )
 
     async def faults(address: str) -> None:
-        async with wire.WireClient(address) as client, client.join() as join:
-            await join.call(wire.reset(seeds=[1, 2]))
+        async with wire.joined(address, wire.reset(seeds=[1, 2])) as join:
             await join.call(wire.step([wire.i64([RAISE])], env_indices=[1]))
             await join.call(wire.reset(seeds=[3], env_indices=[1]))
             await join.call(wire.step([wire.i64([HANG])], env_indices=[0]))  # watchdog

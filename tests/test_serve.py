@@ -311,8 +311,7 @@ async def test_cancel_drains_an_inflight_request_before_closing_the_lanes() -> N
     got: dict[str, Any] = {}
 
     async def session(address: str) -> None:
-        async with wire.WireClient(address) as client, client.join() as join:
-            await join.call(wire.reset())
+        async with wire.joined(address, wire.reset()) as join:
             await join.send(wire.step([struct.pack("<q", 4)]))  # 0.4 s
             got["sent"].set()
             got["reply"] = await join.recv(timeout=BOUND)
@@ -343,8 +342,7 @@ async def test_cancel_is_bounded_with_a_wedged_lane() -> None:
     sent = threading.Event()
 
     async def wedge(address: str) -> Any:
-        async with wire.WireClient(address) as client, client.join() as join:
-            await join.call(wire.reset())
+        async with wire.joined(address, wire.reset()) as join:
             await join.send(wire.step([struct.pack("<q", 1)]))  # HangEnv: blocks
             sent.set()
             return await join.recv(timeout=BOUND)
@@ -379,8 +377,7 @@ async def test_cancel_answers_a_request_that_outlives_the_drain() -> None:
     got: dict[str, Any] = {}
 
     async def session(address: str) -> None:
-        async with wire.WireClient(address) as client, client.join() as join:
-            await join.call(wire.reset())
+        async with wire.joined(address, wire.reset()) as join:
             await join.send(wire.step([struct.pack("<q", 6)]))  # 0.6 s
             sent.set()
             got["reply"] = await join.recv(timeout=BOUND)

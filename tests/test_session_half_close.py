@@ -71,9 +71,7 @@ async def pipelined_then_half_closed(address: str, name: str) -> dict[str, Any]:
 @pytest.mark.parametrize("name", ["configure-reset", "lane-steps", "whole-steps", "lane-resets"])
 @pytest.mark.parametrize("peer", PEERS)
 def test_half_close_answers_everything_then_ends(servers: ServerPool, peer: str, name: str) -> None:
-    ref, other = servers.pair(peer, config())  # type: ignore[arg-type]
-    expected = wire.run(pipelined_then_half_closed(ref.address, name))
-    got = wire.run(pipelined_then_half_closed(other.address, name))
+    expected, got = servers.on_both(peer, config(), pipelined_then_half_closed, name)
     assert len(expected["replies"]) == len(scenario_requests(name))
     assert expected["end"] == wire.CallEnd(0, None)
     assert got["end"] == expected["end"]

@@ -29,7 +29,7 @@ import outcome
 import pytest
 import trio
 from hypothesis import strategies as st
-from support import envs, wire
+from support import envs, protobuf, wire
 
 from rlmesh_trio._address import bind, parse_address
 from rlmesh_trio._bridge import ReplyInbox, ToLoop
@@ -224,7 +224,7 @@ async def unary_checks(address: str) -> dict[str, Any]:
             extra_headers=[("grpc-encoding", "gzip")],
             compressed=True,
         )
-        service = b"\x0a" + bytes([len("rlmesh.env.v1.EnvService")]) + b"rlmesh.env.v1.EnvService"
+        service = protobuf.field(1, b"rlmesh.env.v1.EnvService")
         out["health_all"] = await client.unary(HEALTH_CHECK_PATH, b"")
         out["health_env"] = await client.unary(HEALTH_CHECK_PATH, service)
         out["health_other"] = await client.unary(HEALTH_CHECK_PATH, b"\x0a\x03abc")
@@ -604,11 +604,10 @@ async def test_shutdown_accepted_drains_open_join_then_stops(serve_options: Serv
 
 async def drain_inflight(address: str, units: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    async with wire.WireClient(address) as client, client.join() as join:
-        await join.call(wire.reset())
+    async with wire.joined(address, wire.reset()) as join:
         await join.send(wire.step([struct.pack("<q", units)]))  # SlowEnv: units * 0.1 s
         await asyncio.sleep(0.05)
-        out["shutdown"] = await client.shutdown("drain test")
+        out["shutdown"] = await join.client.shutdown("drain test")
         out["inflight"] = await join.recv(timeout=BOUND)
         out["next"] = await join.recv(timeout=BOUND)  # the stream is cut, no status
         out["end"] = join.end
@@ -646,11 +645,10 @@ async def test_drain_and_close_bounds_cut_a_wedged_request(serve_options: ServeO
     )
 
     async def wedged(address: str) -> tuple[Any, wire.CallEnd | None]:
-        async with wire.WireClient(address) as client, client.join() as join:
-            await join.call(wire.reset())
+        async with wire.joined(address, wire.reset()) as join:
             await join.send(wire.step([struct.pack("<q", 1)]))  # blocks on `release`
             await asyncio.sleep(0.05)
-            await client.shutdown()
+            await join.client.shutdown()
             reply = await join.recv(timeout=BOUND)
             if reply is not None:
                 assert await join.recv(timeout=BOUND) is None
@@ -748,8 +746,7 @@ async def test_cancel_is_bounded_with_an_open_join_and_a_wedged_lane(
     client_done = threading.Event()
 
     async def hold(address: str) -> None:
-        async with wire.WireClient(address) as client, client.join() as join:
-            await join.call(wire.reset())
+        async with wire.joined(address, wire.reset()) as join:
             await join.send(wire.step([struct.pack("<q", 1)]))
             await join.recv(timeout=BOUND)
         client_done.set()
@@ -980,8 +977,7 @@ async def saturate(
     """Pipeline ``total`` 100 KiB lane steps at a wedged lane until the server stops
     taking them; ``probe()`` the server then; release the lane; collect every reply."""
     pad = "x" * (100 << 10)
-    async with wire.WireClient(address, timeout=30) as client, client.join() as join:
-        await join.call(wire.reset(seeds=[0]))
+    async with wire.joined(address, wire.reset(seeds=[0]), timeout=30) as join:
         sent = 0
 
         async def sender() -> None:
@@ -998,7 +994,7 @@ async def saturate(
         # (the client's h2 state, updated by every WINDOW_UPDATE the server sends), and
         # the server has read what reached it (its reader paused: it will grant no more).
         while True:
-            blocked = client._conn.local_flow_control_window(stream_id) < len(pad)
+            blocked = join.client._conn.local_flow_control_window(stream_id) < len(pad)
             server = probe()
             if task.done() or (blocked and server["paused"]):
                 break

@@ -8,6 +8,7 @@ import pytest
 from goldens_util import fill_missing_map_values, message_records, payload, scenarios
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.protobuf import field, scalar, varint
 
 from rlmesh_trio._codec import from_meta_map
 from rlmesh_trio._errors import MessageTooLarge
@@ -296,32 +297,19 @@ _STEP_FIELDS = {
 }
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _field(tag: bytes, body: bytes) -> bytes:
-    return tag + _varint(len(body)) + body
-
-
 step_fields = st.one_of(
     st.builds(
-        lambda leaves: _field(b"\x0a", b"".join(_field(b"\x0a", leaf) for leaf in leaves)),
+        lambda leaves: field(1, b"".join(field(1, leaf) for leaf in leaves)),
         st.lists(st.binary(max_size=200), max_size=3),
     ),
-    st.builds(lambda n: b"\x10" + _varint(n), st.integers(0, (1 << 64) - 1)),
+    st.builds(lambda n: scalar(2, n), st.integers(0, (1 << 64) - 1)),
     st.builds(
-        lambda lanes: _field(b"\x1a", b"".join(map(_varint, lanes))),
+        lambda lanes: field(3, b"".join(map(varint, lanes))),
         st.lists(st.integers(0, (1 << 64) - 1), max_size=2),
     ),
-    st.builds(lambda n: b"\x18" + _varint(n), st.integers(0, (1 << 40))),
-    st.builds(lambda text: _field(b"\x22", text), st.sampled_from((b"ep-1", b"\xff\xfe", b""))),
-    st.builds(lambda n: b"\x28" + _varint(n), st.integers(0, 300)),  # an unknown field
+    st.builds(lambda n: scalar(3, n), st.integers(0, (1 << 40))),
+    st.builds(lambda text: field(4, text), st.sampled_from((b"ep-1", b"\xff\xfe", b""))),
+    st.builds(lambda n: scalar(5, n), st.integers(0, 300)),  # an unknown field
 )
 
 
@@ -331,23 +319,21 @@ def join_requests(draw: st.DrawFn) -> bytes:
     repeated or missing, unknown ones, other arms, bad UTF-8, cut short."""
     if draw(st.integers(0, 9)) < 7:  # the shape the clients send, fields in any order
         leaves = draw(st.lists(st.binary(max_size=200), max_size=3))
-        fields = [_field(b"\x0a", b"".join(_field(b"\x0a", leaf) for leaf in leaves))]
+        fields = [field(1, b"".join(field(1, leaf) for leaf in leaves))]
         lane = draw(st.integers(0, (1 << 64) - 1))
-        fields.append(
-            draw(st.sampled_from((_field(b"\x1a", _varint(lane)), b"\x18" + _varint(lane))))
-        )
+        fields.append(draw(st.sampled_from((field(3, varint(lane)), scalar(3, lane)))))
         if draw(st.booleans()):
-            fields.append(b"\x10" + _varint(draw(st.integers(0, 1 << 33))))
+            fields.append(scalar(2, draw(st.integers(0, 1 << 33))))
         if draw(st.booleans()):
-            fields.append(_field(b"\x22", b"01a228c7-ce08-7c11-970b-a714192022e2"))
+            fields.append(field(4, b"01a228c7-ce08-7c11-970b-a714192022e2"))
         if draw(st.integers(0, 3)) == 0:
             fields.append(draw(step_fields))  # now and then one too many
         body = b"".join(draw(st.permutations(fields)))
     else:
         body = b"".join(draw(st.lists(step_fields, max_size=6)))
-    parts = [_field(b"\x12", body)]
+    parts = [field(2, body)]
     if draw(st.booleans()):
-        parts.append(_field(b"\x2a", draw(st.sampled_from((b"grpc-req-5", b"", b"\xc3")))))
+        parts.append(field(5, draw(st.sampled_from((b"grpc-req-5", b"", b"\xc3")))))
     extra = draw(
         st.sampled_from((b"",) * 8 + (b"\x12\x00", b"\x2a\x01r", b"\x1a\x00", b"\x08\x01"))
     )

@@ -38,9 +38,7 @@ def assert_same_transcript(reference: list[Any], peer: list[Any]) -> None:
 def test_raw_lane_session(servers: ServerPool, peer: str, env: str, num_envs: int) -> None:
     """Whole and lane-scoped ops out of order, pipelining, interruptions, options, close."""
     cfg = config(env, num_envs)
-    ref, other_server = servers.pair(peer, cfg)  # type: ignore[arg-type]
-    reference = wire.run(scripts.lanes_session(ref.address, env, num_envs))
-    other = wire.run(scripts.lanes_session(other_server.address, env, num_envs))
+    reference, other = servers.on_both(peer, cfg, scripts.lanes_session, env, num_envs)
     assert_same_transcript(reference.records, other.records)
 
 
@@ -51,9 +49,7 @@ def test_timing_fields_present_on_the_same_replies(
 ) -> None:
     """SPEC §8: which ``*_ns`` fields each reply carries (not their values)."""
     cfg = config("cartpole", num_envs)
-    ref, other_server = servers.pair(peer, cfg)  # type: ignore[arg-type]
-    reference = wire.run(scripts.lanes_session(ref.address, "cartpole", num_envs))
-    other = wire.run(scripts.lanes_session(other_server.address, "cartpole", num_envs))
+    reference, other = servers.on_both(peer, cfg, scripts.lanes_session, "cartpole", num_envs)
     assert_same_transcript(reference.timings, other.timings)
 
 
@@ -61,9 +57,7 @@ def test_timing_fields_present_on_the_same_replies(
 @pytest.mark.parametrize("peer", PEERS)
 def test_remote_env_session(servers: ServerPool, peer: str, env: str) -> None:
     cfg = config(env, 1)
-    ref, other_server = servers.pair(peer, cfg)  # type: ignore[arg-type]
-    reference = scripts.remote_env_session(ref.address, env)
-    other = scripts.remote_env_session(other_server.address, env)
+    reference, other = servers.on_both(peer, cfg, scripts.remote_env_session, env)
     assert_same_transcript(reference, other)
 
 
@@ -71,9 +65,7 @@ def test_remote_env_session(servers: ServerPool, peer: str, env: str) -> None:
 @pytest.mark.parametrize("peer", PEERS)
 def test_remote_vector_env_session(servers: ServerPool, peer: str, env: str) -> None:
     cfg = config(env, 3)
-    ref, other_server = servers.pair(peer, cfg)  # type: ignore[arg-type]
-    reference = scripts.remote_vector_env_session(ref.address, env, 3)
-    other = scripts.remote_vector_env_session(other_server.address, env, 3)
+    reference, other = servers.on_both(peer, cfg, scripts.remote_vector_env_session, env, 3)
     assert_same_transcript(reference, other)
 
 
@@ -83,9 +75,7 @@ def test_remote_vector_env_session(servers: ServerPool, peer: str, env: str) -> 
 def test_run_session(servers: ServerPool, peer: str, env: str, num_envs: int) -> None:
     cfg = config(env, num_envs)
     seeds = [4, 5, 6, 7, 8, 9]
-    ref, other_server = servers.pair(peer, cfg)  # type: ignore[arg-type]
-    reference = scripts.run_session(ref.address, env, seeds)
-    other = scripts.run_session(other_server.address, env, seeds)
+    reference, other = servers.on_both(peer, cfg, scripts.run_session, env, seeds)
     assert [e["seed"] for e in reference] == seeds
     wire.assert_same(reference, other)
 
@@ -94,9 +84,7 @@ def test_run_session(servers: ServerPool, peer: str, env: str, num_envs: int) ->
 def test_timelimit_truncation(servers: ServerPool, peer: str) -> None:
     """gymnasium's TimeLimit cut is a natural ``truncated`` completion (SPEC §7.7)."""
     cfg = config("cartpole_trunc3", 1)
-    ref, other_server = servers.pair(peer, cfg)  # type: ignore[arg-type]
-    reference = wire.run(scripts.truncation_session(ref.address))
-    other = wire.run(scripts.truncation_session(other_server.address))
+    reference, other = servers.on_both(peer, cfg, scripts.truncation_session)
     assert_same_transcript(reference.records, other.records)
     completed = [
         record["step"]["completed_episodes"]
@@ -127,17 +115,13 @@ def test_conformance_warnings(servers: ServerPool, peer: str, num_envs: int) -> 
 @pytest.mark.parametrize("peer", PEERS)
 def test_slow_lane_does_not_hold_the_others(servers: ServerPool, peer: str) -> None:
     cfg = config("slow", 2)
-    ref, other_server = servers.pair(peer, cfg)  # type: ignore[arg-type]
-    reference = wire.run(scripts.slow_lane_session(ref.address))
-    other = wire.run(scripts.slow_lane_session(other_server.address))
+    reference, other = servers.on_both(peer, cfg, scripts.slow_lane_session)
     assert_same_transcript(reference.records, other.records)
     assert ("reply order", ["quick", "slow"]) in reference.records
 
 
 async def two_steps_for_one_lane(address: str) -> list[tuple[str, bytes]]:
-    async with wire.WireClient(address) as client, client.join() as join:
-        await join.call(wire.configure())
-        await join.call(wire.reset(seeds=[42]))
+    async with wire.joined(address, wire.configure(), wire.reset(seeds=[42])) as join:
         await join.send(wire.step([wire.i64([0])], env_indices=[0], request_id="first"))
         await join.send(wire.step([wire.i64([1])], env_indices=[0], request_id="second"))
         replies = [await join.recv(), await join.recv()]

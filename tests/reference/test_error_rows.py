@@ -562,9 +562,7 @@ def check_expect(outcome: dict[str, Any], expect: Expect) -> None:
 def test_error_row(servers: ServerPool, peer: str, name: str) -> None:
     case = CASES[name]
     cfg = config(case.env, case.num_envs)
-    ref, other_server = servers.pair(peer, cfg)  # type: ignore[arg-type]
-    reference = wire.run(run_case(ref.address, case))
-    other = wire.run(run_case(other_server.address, case))
+    reference, other = servers.on_both(peer, cfg, run_case, case)
     assert "error" in reference, f"the reference did not answer with an error: {reference}"
     wire.assert_same(reference, other)
     if case.expect is not None:
@@ -578,9 +576,7 @@ def test_not_an_error(servers: ServerPool, peer: str, name: str) -> None:
     """SPEC §9 "Not errors": answered normally, and the same way by both servers."""
     case = NOT_ERRORS[name]
     cfg = config(case.env, case.num_envs)
-    ref, other_server = servers.pair(peer, cfg)  # type: ignore[arg-type]
-    reference = wire.run(run_case(ref.address, case))
-    other = wire.run(run_case(other_server.address, case))
+    reference, other = servers.on_both(peer, cfg, run_case, case)
     assert "error" not in reference
     assert reference["stream_open"]
     wire.assert_same(reference, other)
@@ -612,9 +608,7 @@ async def unary_errors(address: str) -> dict[str, Any]:
 def test_grpc_status_errors(servers: ServerPool, peer: str) -> None:
     """SPEC §1.10 and §1.7: the errors that are gRPC statuses, not in-band replies."""
     cfg = config("cartpole")
-    ref, other_server = servers.pair(peer, cfg)  # type: ignore[arg-type]
-    reference = wire.run(unary_errors(ref.address))
-    other = wire.run(unary_errors(other_server.address))
+    reference, other = servers.on_both(peer, cfg, unary_errors)
     wire.assert_same(reference, other)
     assert reference["handshake-missing-base"] == wire.CallEnd(3, "handshake request missing base")
     assert reference["shutdown-missing-base"] == wire.CallEnd(3, "shutdown request missing base")
@@ -641,9 +635,7 @@ async def handshakes(address: str) -> dict[str, Any]:
 def test_handshake_generation_mismatch(servers: ServerPool, peer: str) -> None:
     """SPEC §6.3: ``compatible`` false, an error message, no contract; never a gRPC error."""
     cfg = config("cartpole")
-    ref, other_server = servers.pair(peer, cfg)  # type: ignore[arg-type]
-    reference = wire.run(handshakes(ref.address))
-    other = wire.run(handshakes(other_server.address))
+    reference, other = servers.on_both(peer, cfg, handshakes)
     wire.assert_same(reference, other)
     assert reference["rlmesh-wire-v1"]["base"]["compatible"] is True
     mismatch = reference["rlmesh-wire-v0"]
@@ -698,9 +690,7 @@ def test_join_admission_close_and_malformed(servers: ServerPool, peer: str) -> N
     """SPEC §1.3, §1.8, §7.1, §7.8, §9: early headers, one Join at a time, after Close,
     undecodable and over-size requests."""
     cfg = config("cartpole")
-    ref, other_server = servers.pair(peer, cfg)  # type: ignore[arg-type]
-    reference = wire.run(join_admission(ref.address))
-    other = wire.run(join_admission(other_server.address))
+    reference, other = servers.on_both(peer, cfg, join_admission)
     wire.assert_same(reference, other)
     assert reference["second-join"] == wire.CallEnd(
         9,
@@ -747,9 +737,7 @@ async def undecodable(address: str) -> dict[str, Any]:
 @pytest.mark.parametrize("peer", PEERS)
 def test_undecodable_join_requests_end_the_stream(servers: ServerPool, peer: str) -> None:
     cfg = config("cartpole")
-    ref, other_server = servers.pair(peer, cfg)  # type: ignore[arg-type]
-    reference = wire.run(undecodable(ref.address))
-    other = wire.run(undecodable(other_server.address))
+    reference, other = servers.on_both(peer, cfg, undecodable)
     assert reference == other
     for name in UNDECODABLE:
         assert reference[name] == (None, wire.CallEnd(0)), name
@@ -771,9 +759,7 @@ async def shutdown_twice(address: str) -> list[Any]:
 @pytest.mark.parametrize("peer", PEERS)
 def test_shutdown_refused_by_default(servers: ServerPool, peer: str) -> None:
     cfg = config("cartpole")
-    ref, other_server = servers.pair(peer, cfg)  # type: ignore[arg-type]
-    reference = wire.run(shutdown_twice(ref.address))
-    other = wire.run(shutdown_twice(other_server.address))
+    reference, other = servers.on_both(peer, cfg, shutdown_twice)
     wire.assert_same(reference, other)
     assert reference == [{"base": {"accepted": False, "message": DISABLED}}, True]
 
@@ -851,8 +837,7 @@ def test_idle_timeout_ignores_handshakes(servers: ServerPool, kind: str) -> None
 
 
 async def inflight_reset(address: str, sleep: float) -> dict[str, Any]:
-    async with wire.WireClient(address, timeout=EXIT_BOUND) as client, client.join() as join:
-        await join.call(wire.configure())
+    async with wire.joined(address, wire.configure(), timeout=EXIT_BOUND) as join:
         reply = await join.call(wire.reset(seeds=[1], options={"sleep": sleep}))
         return {"kind": wire.reply_kind(reply), "error": reply.error}
 
@@ -867,9 +852,9 @@ def test_idle_timeout_held_by_inflight_request(servers: ServerPool, kind: str) -
 
 
 async def drain(address: str, step_units: int) -> dict[str, Any]:
-    async with wire.WireClient(address, timeout=EXIT_BOUND) as client, client.join() as join:
-        await join.call(wire.configure())
-        await join.call(wire.reset(seeds=[1]))
+    async with wire.joined(
+        address, wire.configure(), wire.reset(seeds=[1]), timeout=EXIT_BOUND
+    ) as join:
         await join.send(wire.step([wire.i64([step_units])], request_id="in-flight"))
         # Let the step reach the env (it then runs for step_units * 0.1 s) before asking
         # the server to stop; there is no event to wait for from outside the process.
@@ -908,8 +893,7 @@ def test_shutdown_drains_the_inflight_request(servers: ServerPool, kind: str) ->
 async def vanish_then_reconnect(address: str) -> dict[str, Any]:
     """A client resets its Join while an env call runs; a new client joins at once."""
     out: dict[str, Any] = {}
-    async with wire.WireClient(address) as gone, gone.join() as join:
-        await join.call(wire.configure())
+    async with wire.joined(address, wire.configure()) as join:
         await join.send(wire.reset(options={"sleep": 0.6}, request_id="slow"))
         await asyncio.sleep(0.1)  # the reset is now running on the lane
         # leaving the block reset the stream: the client is gone

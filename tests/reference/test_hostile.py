@@ -20,6 +20,7 @@ import pytest
 from hyperframe.frame import GoAwayFrame, HeadersFrame, SettingsFrame
 from support import scripts, wire
 from support.params import PEERS, skip_without_ours
+from support.protobuf import field
 from support.refserver import ServerConfig, ServerPool
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(120)]
@@ -43,19 +44,6 @@ def config(num_envs: int = 4) -> ServerConfig:
     return ServerConfig(entrypoint=scripts.ENTRYPOINTS["cartpole"], num_envs=num_envs)
 
 
-def varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def field(number: int, body: bytes) -> bytes:
-    return varint(number << 3 | 2) + varint(len(body)) + body
-
-
 def huge_step(count: int) -> bytes:
     """A step on ``count`` packed lane indices, all 0."""
     return field(2, field(3, b"\x00" * count))
@@ -70,8 +58,7 @@ async def huge_request_with_a_bystander(address: str, data: bytes) -> dict[str, 
     """Send ``data`` on a Join; meanwhile time Handshakes on a second connection."""
     latencies: list[float] = []
     done = asyncio.Event()
-    async with wire.WireClient(address, timeout=60) as client, client.join() as join:
-        await join.call(wire.reset(seeds=[1, 2, 3, 4]))
+    async with wire.joined(address, wire.reset(seeds=[1, 2, 3, 4]), timeout=60) as join:
 
         async def bystander() -> None:
             async with wire.WireClient(address, timeout=60) as other:
@@ -113,9 +100,7 @@ async def huge_request_with_a_bystander(address: str, data: bytes) -> dict[str, 
 def test_a_huge_list_gets_the_reference_answer_without_starving_others(
     servers: ServerPool, name: str, data: bytes, message: str
 ) -> None:
-    ref, ours = servers.pair("ours", config())
-    reference = wire.run(huge_request_with_a_bystander(ref.address, data))
-    result = wire.run(huge_request_with_a_bystander(ours.address, data))
+    reference, result = servers.on_both("ours", config(), huge_request_with_a_bystander, data)
     assert (
         reference["error"]
         == result["error"]
@@ -133,8 +118,7 @@ def rss_mib(pid: int) -> float:
 
 
 async def one_big_leaf(address: str, size: int) -> str:
-    async with wire.WireClient(address, timeout=120) as client, client.join() as join:
-        await join.call(wire.reset(seeds=[1, 2, 3, 4]))
+    async with wire.joined(address, wire.reset(seeds=[1, 2, 3, 4]), timeout=120) as join:
         reply = await join.call(wire.step([b"\x00" * size]))
         assert reply.error is not None
         return reply.error.message
@@ -230,8 +214,7 @@ def test_a_client_that_never_reads_cannot_grow_the_server(servers: ServerPool) -
 
 
 async def _reset_once(address: str) -> None:
-    async with wire.WireClient(address) as client, client.join() as join:
-        await join.call(wire.reset(seeds=[1, 2]))
+    async with wire.joined(address, wire.reset(seeds=[1, 2])) as join:
         await join.send(wire.close())
         while await join.recv() is not None:
             pass

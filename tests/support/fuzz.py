@@ -35,6 +35,7 @@ from typing import Any
 import betterproto2
 
 from . import scripts, wire
+from .protobuf import U64, tag, varint
 
 # --------------------------------------------------------------------------- field trees
 
@@ -74,25 +75,6 @@ class F:
 
 Node = F | Raw
 Tree = list[Node]
-
-U64 = (1 << 64) - 1
-
-
-def varint(value: int) -> bytes:
-    value &= U64  # negative int64 / int32 values are sent as 10-byte two's complement
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-def tag(num: int, wt: int) -> bytes:
-    return varint((num << 3) | wt)
 
 
 def payload(node: F) -> bytes:

@@ -18,6 +18,7 @@ import asyncio
 import atexit
 import contextlib
 import importlib
+import inspect
 import os
 import select
 import shutil
@@ -26,17 +27,18 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar, cast, get_args
 
 TESTS_DIR = Path(__file__).resolve().parent.parent
 ROOT = TESTS_DIR.parent
 
 Kind = Literal["ref", "ours"]
 Transport = Literal["tcp", "unix"]
+T = TypeVar("T")
 
 READY_TIMEOUT = 60.0
 """Seconds a server may take to report its address (imports included, on a busy box)."""
@@ -230,6 +232,26 @@ class ServerPool:
             return self.get("ref", config, slot=1), self.get("ref", config, slot=2)
         return self.get("ref", config, slot=0), self.get(peer, config)
 
+    def on_both(
+        self,
+        peer: str,
+        config: ServerConfig,
+        scenario: Callable[..., Coroutine[Any, Any, T]] | Callable[..., T],
+        *args: Any,
+    ) -> tuple[T, T]:
+        """One differential run: ``scenario(address, *args)`` against the reference,
+        then against ``peer`` (of :meth:`pair`); both results, the reference's first.
+
+        A scenario that is a coroutine function is run to completion on its own event
+        loop (as :func:`support.wire.run` does); a plain function is just called.
+        Comparing the two results is the test's business.
+        """
+        if peer not in get_args(Kind):
+            raise ValueError(f"not a kind of server: {peer!r}")
+        reference, other = self.pair(cast(Kind, peer), config)
+        first = _finish(scenario(reference.address, *args))
+        return first, _finish(scenario(other.address, *args))
+
     def fresh(self, kind: Kind, config: ServerConfig, **kwargs: Any) -> ServerProcess:
         server = start_server(kind, config, **kwargs)
         self._fresh.append(server)
@@ -246,6 +268,11 @@ class ServerPool:
 LANE_ISOLATION_ENV = "RLMESH_TEST_LANE_ISOLATION"
 """Set to ``process`` to run every rlmesh-trio server subprocess with process lanes (the
 ``tests-process`` nox session: the interop and differential suites in process mode)."""
+
+
+def _finish(result: Any) -> Any:
+    """A scenario's result: a coroutine is run on a new event loop first."""
+    return asyncio.run(result) if inspect.iscoroutine(result) else result
 
 
 def _isolation_args() -> tuple[str, ...]:

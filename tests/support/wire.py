@@ -16,7 +16,7 @@ import dataclasses
 import enum
 import socket
 import struct
-from collections.abc import Coroutine, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
@@ -510,6 +510,22 @@ class JoinStream:
         with contextlib.suppress(h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
             self.client._conn.reset_stream(self.stream.id, h2.errors.ErrorCodes.CANCEL)
             self.client._flush()
+
+
+@contextlib.asynccontextmanager
+async def joined(
+    address: str, *first: env_v1.JoinRequest, timeout: float = DEFAULT_TIMEOUT
+) -> AsyncIterator[JoinStream]:
+    """A connection to ``address`` and one Join on it, each of ``first`` sent and answered.
+
+    ``async with wire.joined(address, wire.reset(seeds=[1, 2])) as join: ...`` is the
+    set-up most tests start from; the replies to ``first`` are dropped (a test that looks
+    at one sends it itself), and the connection is ``join.client``.
+    """
+    async with WireClient(address, timeout=timeout) as client, client.join() as join:
+        for request in first:
+            await join.call(request)
+        yield join
 
 
 async def probe_handshake(address: str, timeout: float) -> env_v1.HandshakeResponse:
