@@ -249,10 +249,16 @@ def check_attach(exe: str, pid: int) -> None:
     if done.returncode != 0:
         raise ProfileError(
             f"--profile: py-spy cannot attach to the server (pid {pid}): "
-            f"{(done.stderr or done.stdout).strip()[-500:]}\n"
-            "py-spy needs ptrace on the process: kernel.yama.ptrace_scope 0 (or running as "
-            "root), and CAP_SYS_PTRACE in a container (docker run --cap-add SYS_PTRACE)"
+            f"{said(done.stderr or done.stdout)}\n"
+            "(on a permission error: py-spy needs ptrace on the process: kernel.yama.ptrace_scope 0 (or running as "
+            "root), and CAP_SYS_PTRACE in a container (docker run --cap-add SYS_PTRACE))"
         )
+
+
+def said(text: str) -> str:
+    """py-spy's error, without the backtrace it may add."""
+    head = [line.strip() for line in text.split("Stack backtrace:")[0].splitlines()]
+    return " / ".join([line for line in head if line][:4])[:500]
 
 
 class Spy:
@@ -274,7 +280,9 @@ class Spy:
         )
         time.sleep(self.ATTACH_SECONDS)
         if self.proc.poll() is not None:
-            raise ProfileError(f"--profile: py-spy record exited: {self.proc.communicate()[1]}")
+            raise ProfileError(
+                f"--profile: py-spy record exited: {said(self.proc.communicate()[1])}"
+            )
 
     def stop(self, into: Counter[tuple[str, str]], server_pid: int) -> None:
         """SIGINT (py-spy writes its output then), and add the samples to ``into``."""
@@ -289,7 +297,7 @@ class Spy:
         finally:
             self.out.unlink(missing_ok=True)
         if not text.strip():
-            raise ProfileError(f"--profile: py-spy wrote no samples: {err.strip()[-500:]}")
+            raise ProfileError(f"--profile: py-spy wrote no samples: {said(err)}")
         for line in text.splitlines():
             stack, _, count = line.rpartition(" ")
             if stack and count.isdigit():
@@ -336,6 +344,8 @@ def profile_report(label: str, counts: Counter[tuple[str, str]], mode: str, top:
     lines.append("  by thread:")
     for group, count in threads.most_common():
         lines.append(f"    {100 * count / total:5.1f} %  {count:6}  {group}")
+    if mode == "gil" and any(group.startswith("lane process:") for group in threads):
+        lines.append("  (each lane process has a GIL of its own: its samples add to the server's)")
     lines.append(f"  top {top} functions (own samples):")
     for (leaf, group), count in functions.most_common(top):
         lines.append(f"    {100 * count / total:5.1f} %  {leaf}  [{group}]")
