@@ -141,7 +141,7 @@ def build(key: str, env_id: str, n: int, seed: int, ours_args: tuple[str, ...]) 
         c = Contender(key, label, SyncVectorEnv(fns, autoreset_mode=AutoresetMode.NEXT_STEP))
     elif key == "async":
         env = AsyncVectorEnv(fns, autoreset_mode=AutoresetMode.NEXT_STEP)
-        c = Contender(key, label, env, children=lambda: [p.pid for p in env.processes])
+        c = Contender(key, label, env, children=lambda: [p.pid for p in env.processes if p.pid])
     else:
         if key.startswith("ref-"):
             server = serve_reference(env_id, n)
@@ -211,7 +211,7 @@ def run(c: Contender, actions: list[Any], vector_steps: int, n: int) -> Sample:
     client = time.process_time() - cpu0
     c.cursor = end
     c.last_obs = out[0]
-    server = server_usage(c.server.pid) - server0 if server0 is not None else None
+    server = server_usage(c.server.pid) - server0 if c.server and server0 else None
     return Sample(
         seconds,
         vector_steps,
