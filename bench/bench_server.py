@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 import _support  # noqa: F401  (the test harness as ``support``: see bench/_support.py)
+from _common import CpuMeter, ServerUsage, server_usage
 from support import envs, scripts, wire
 from support.refserver import ServerConfig, ServerProcess, start_server
 
@@ -86,65 +87,10 @@ class Row:
         return self.median("ours") / ref if ref else float("nan")
 
 
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-@dataclass(frozen=True)
-class ServerUsage:
-    """What the server process used so far: CPU seconds (user, system) of all its threads
-    (``/proc/<pid>/stat``) and voluntary context switches summed over its live threads
-    (``/proc/<pid>/task/*/status``; the per-process line counts the main thread only)."""
-
-    user: float
-    sys: float
-    voluntary: int
-
-    def __sub__(self, other: ServerUsage) -> ServerUsage:
-        return ServerUsage(
-            self.user - other.user, self.sys - other.sys, self.voluntary - other.voluntary
-        )
-
-
-def server_usage(pid: int) -> ServerUsage:
-    """The usage of process ``pid`` so far (Linux ``/proc``)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    voluntary = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            status = (task / "status").read_text()
-        except OSError:  # the thread exited meanwhile
-            continue
-        for line in status.splitlines():
-            if line.startswith("voluntary_ctxt_switches:"):
-                voluntary += int(line.split()[1])
-    return ServerUsage(int(fields[11]) / CLOCK_TICKS, int(fields[12]) / CLOCK_TICKS, voluntary)
-
-
 def server_cpu(pid: int) -> float:
     """CPU seconds (user + system) the process ``pid`` used so far (Linux ``/proc``)."""
     usage = server_usage(pid)
     return usage.user + usage.sys
-
-
-class CpuMeter:
-    """Server usage over a block: ``with CpuMeter(pid) as m: ...; m.usage`` (and
-    ``m.seconds``, user + system)."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.usage = ServerUsage(0.0, 0.0, 0)
-
-    @property
-    def seconds(self) -> float:
-        return self.usage.user + self.usage.sys
-
-    def __enter__(self) -> CpuMeter:
-        self._start = server_usage(self.pid)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.usage = server_usage(self.pid) - self._start
 
 
 class GilProfile:
