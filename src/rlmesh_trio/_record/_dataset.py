@@ -1,0 +1,284 @@
+"""Finished episodes into a Minari dataset, with Minari's own storage and without jax.
+
+:class:`DatasetWriter` creates the dataset when it is made (so a clash or a bad id is a
+startup error), under Minari's root (``MINARI_DATASETS_PATH``, else ``~/.minari/datasets``),
+through ``minari.dataset.minari_storage.MinariStorage``: the class Minari's own
+``create_dataset_from_buffers`` uses, called here directly because that function makes an
+instance of the env to learn its spaces (we have them from the contract, and the writer
+never touches an env). Episodes go in as ``minari.data_collector.EpisodeBuffer`` built
+from plain arrays (:func:`~rlmesh_trio._record._episode.stack`); ``DataCollector`` and
+``EpisodeBuffer.add_step_data`` are never used: they need jax.
+
+What is stored, per episode (``minari.load_dataset(ID)[i]`` and
+``dataset.storage.get_episode_metadata([i])``):
+
+* observations (N+1), actions (N), rewards, terminations, truncations, as the env saw and
+  produced them; images lossless (``jpeg_encoding=False``);
+* in the episode's metadata: ``seed`` (absent when the client sent none: Minari's own
+  convention), ``lane``, ``lane_episode`` (the lane's episode counter), and ``cut`` (why the
+  server ended it) on a cut episode, ``infos_dropped`` (why) when its infos were dropped;
+* infos, with ``record_infos``: the reset's info and each step's, stacked per key. Minari
+  requires one structure at every step (``DataCollector`` fails the recording otherwise);
+  here an episode whose infos change structure (keys, a leaf's dtype or shape) or hold a
+  leaf Minari cannot store (None, an object) keeps its data but loses its infos, with one
+  warning per writer (the rest counted in :attr:`DatasetWriter.infos_dropped`);
+* on a cut episode, ``infos["rlmesh_trio_cut"]``: N+1 strings, empty but the last, which
+  says why (``lane_fault``, ``session_close``, ``server_stop``, ``reset``).
+
+The dataset's spaces are the contract's; its env spec is the gymnasium id's registered
+spec with the served kwargs, so ``dataset.recover_environment()`` makes the same env.
+
+Each batch the writer takes (every episode queued since the last) is one
+``update_episodes`` call: an HDF5 file opened, written, closed (flushed), and Minari's
+metadata.json rewritten with the new totals. A crash loses the episodes not yet written;
+a crash in the middle of a write may also leave that HDF5 file unreadable (HDF5 has no
+journal), which ``h5py`` reports on open.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from gymnasium import spaces
+from gymnasium.envs.registration import EnvSpec
+
+from ._episode import Episode, check_space, stack
+from ._worker import BoundedWorker
+
+if TYPE_CHECKING:
+    from minari.dataset.minari_storage import MinariStorage
+
+__all__ = ["CUT_INFO_KEY", "DatasetWriter", "InfoMismatch", "dataset_path", "env_spec_for"]
+
+logger = logging.getLogger("rlmesh_trio.record")
+
+CUT_INFO_KEY = "rlmesh_trio_cut"
+"""The infos key that marks a cut episode (its last entry says why)."""
+
+INSTALL_HINT = 'dataset recording needs minari with h5py: pip install "rlmesh-trio[record]"'
+
+
+def _import_minari() -> Any:
+    try:
+        import h5py  # noqa: F401  (Minari's HDF5 storage imports it lazily: fail here)
+        import minari
+    except ImportError as exc:
+        raise ImportError(INSTALL_HINT) from exc
+    return minari
+
+
+def dataset_path(dataset_id: str) -> Path:
+    """Where Minari keeps ``dataset_id``: ``$MINARI_DATASETS_PATH/ID`` or
+    ``~/.minari/datasets/ID``."""
+    _import_minari()
+    from minari.storage.datasets_root_dir import get_dataset_path
+
+    return Path(get_dataset_path(dataset_id))
+
+
+def env_spec_for(env_id: str, kwargs: Mapping[str, Any] | None = None) -> EnvSpec:
+    """The registered spec of ``env_id`` with ``kwargs`` over its own (no env is made)."""
+    import gymnasium
+
+    spec = gymnasium.spec(env_id)
+    if not kwargs:
+        return spec
+    return dataclasses.replace(spec, kwargs={**spec.kwargs, **dict(kwargs)})
+
+
+class InfoMismatch(ValueError):
+    """An episode's infos that Minari cannot store as one structure."""
+
+
+def _signature(value: Any, where: str) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _signature(v, f"{where}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, str):
+        return "str"
+    array = np.asarray(value)
+    if array.dtype.kind not in "biuf":
+        raise InfoMismatch(f"{where} is {type(value).__name__} ({array.dtype}), not storable")
+    return (array.dtype.str, array.shape)
+
+
+def stack_infos(infos: list[dict[str, Any]]) -> dict[str, Any]:
+    """The reset's and each step's info as one dict of stacked leaves (a list of ``str``
+    for string leaves). Raises :class:`InfoMismatch` when a step's structure differs from
+    the reset's or a leaf cannot be stored."""
+    reference = _signature(infos[0], "info")
+    for i, info in enumerate(infos[1:], start=1):
+        if _signature(info, "info") != reference:
+            raise InfoMismatch(
+                f"step {i}'s info has another structure than the reset's "
+                f"({sorted(info)} vs {sorted(infos[0])})"
+            )
+    stacked: dict[str, Any] = _stack_tree(reference, infos)
+    return stacked
+
+
+def _stack_tree(signature: Any, values: list[Any]) -> Any:
+    if isinstance(signature, dict):
+        return {k: _stack_tree(sub, [v[k] for v in values]) for k, sub in signature.items()}
+    if signature == "str":
+        return list(values)
+    return np.stack([np.asarray(v) for v in values])
+
+
+def _tree_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+class DatasetWriter:
+    """A Minari dataset ``dataset_id`` that finished :class:`Episode` objects go into,
+    written on one thread of its own (:class:`~rlmesh_trio._record._worker.BoundedWorker`).
+
+    ``put`` is the sink for an :class:`~rlmesh_trio._record._episode.EpisodeAccumulator`;
+    it blocks while ``capacity`` episodes wait. ``close`` writes what is queued and
+    raises the writer's error, if any. Made on any thread; never touches an env."""
+
+    def __init__(
+        self,
+        dataset_id: str,
+        observation_space: spaces.Space[Any],
+        action_space: spaces.Space[Any],
+        *,
+        env_spec: EnvSpec | None = None,
+        record_infos: bool = False,
+        capacity: int = 64,
+        description: str | None = None,
+        on_batch: Callable[[int, int], None] | None = None,
+    ) -> None:
+        minari = _import_minari()
+        from minari.dataset.minari_dataset import parse_dataset_id
+        from minari.dataset.minari_storage import MinariStorage
+        from minari.namespace import create_namespace, list_local_namespaces
+
+        check_space(observation_space, "observation_space")
+        check_space(action_space, "action_space")
+        namespace, _, _ = parse_dataset_id(dataset_id)  # ValueError names the form
+        root = dataset_path(dataset_id)
+        if root.exists():
+            raise FileExistsError(
+                f"a Minari dataset {dataset_id!r} already exists at {root}: choose another "
+                f"id (e.g. bump its -vN) or delete it (`minari delete {dataset_id}`)"
+            )
+        if namespace is not None and namespace not in list_local_namespaces():
+            create_namespace(namespace)
+        data = root / "data"
+        data.mkdir(parents=True)
+        self.dataset_id = dataset_id
+        self.observation_space = observation_space
+        self.action_space = action_space
+        self.record_infos = record_infos
+        self.path = root
+        self._storage: MinariStorage = MinariStorage.new(
+            data,
+            observation_space=observation_space,
+            action_space=action_space,
+            env_spec=env_spec,
+            data_format="hdf5",
+            jpeg_encoding=False,
+        )
+        self._storage.update_metadata(
+            {
+                "dataset_id": dataset_id,
+                "minari_version": minari.__version__,
+                "description": description or "Episodes served by rlmesh-trio, per lane.",
+            }
+        )
+        self._data = data
+        self._size = _tree_size(data)
+        self._next_id = 0
+        self.episodes_written = 0
+        self.steps_written = 0
+        self.infos_dropped = 0
+        """Episodes whose infos were dropped (their structure varied)."""
+        self._worker: BoundedWorker[Episode] = BoundedWorker(
+            f"rlmesh-trio-dataset[{dataset_id}]", self._write, capacity=capacity, on_batch=on_batch
+        )
+
+    # -- the lane's side ------------------------------------------------------------
+
+    def put(self, episode: Episode) -> None:
+        """Queue a finished episode (blocks while the queue is full)."""
+        self._worker.put(episode)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Write every queued episode, stop the writer, raise its error if it failed."""
+        self._worker.close(timeout)
+
+    # -- counters (for the metrics) -------------------------------------------------
+
+    @property
+    def depth(self) -> int:
+        return self._worker.depth
+
+    @property
+    def bytes_written(self) -> int:
+        """How much the dataset's files grew since it was created."""
+        return self._worker.bytes_written
+
+    @property
+    def worker(self) -> BoundedWorker[Episode]:
+        return self._worker
+
+    # -- the writer's thread --------------------------------------------------------
+
+    def _write(self, batch: list[Episode]) -> int:
+        from minari.data_collector.episode_buffer import EpisodeBuffer
+
+        buffers = []
+        metadatas: list[dict[str, Any]] = []
+        for episode in batch:
+            metadata: dict[str, Any] = {"lane": episode.lane, "lane_episode": episode.index}
+            infos = self._infos(episode, metadata)
+            buffers.append(
+                EpisodeBuffer(
+                    seed=episode.seed,
+                    observations=stack(self.observation_space, episode.observations),
+                    actions=stack(self.action_space, episode.actions),
+                    rewards=np.asarray(episode.rewards, dtype=np.float64),
+                    terminations=np.asarray(episode.terminations, dtype=np.bool_),
+                    truncations=np.asarray(episode.truncations, dtype=np.bool_),
+                    infos=infos,
+                )
+            )
+            metadatas.append(metadata)
+        first = self._next_id
+        self._storage.update_episodes(buffers)
+        self._storage.update_episode_metadata(metadatas, range(first, first + len(buffers)))
+        self._next_id += len(buffers)
+        self.episodes_written += len(buffers)
+        self.steps_written += sum(len(e) for e in batch)
+        size = _tree_size(self._data)
+        grown, self._size = size - self._size, size
+        return grown
+
+    def _infos(self, episode: Episode, metadata: dict[str, Any]) -> dict[str, Any] | None:
+        infos: dict[str, Any] | None = None
+        if episode.infos is not None:
+            try:
+                infos = stack_infos(episode.infos)
+            except InfoMismatch as exc:
+                if self.infos_dropped == 0:
+                    logger.warning(
+                        "dataset %s: lane %d episode %d: infos not recorded (%s); Minari "
+                        "needs one info structure per episode. The episode's data is kept; "
+                        "later such episodes are only counted (infos_dropped)",
+                        self.dataset_id,
+                        episode.lane,
+                        episode.index,
+                        exc,
+                    )
+                self.infos_dropped += 1
+                metadata["infos_dropped"] = str(exc)
+        if episode.cut is not None:
+            metadata["cut"] = episode.cut
+            infos = {} if infos is None else infos
+            infos[CUT_INFO_KEY] = [""] * len(episode) + [episode.cut]
+        return infos

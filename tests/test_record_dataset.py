@@ -1,0 +1,368 @@
+"""Episodes of real gymnasium envs into a real Minari dataset (the ``record`` extra), read
+back with ``minari.load_dataset``: returns, seeds, lanes, a bit-for-bit replay, every
+space Minari stores, images lossless, cut episodes, infos, backpressure, errors, no jax."""
+
+from __future__ import annotations
+
+import importlib.abc
+import logging
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium import spaces
+from gymnasium.wrappers import AddRenderObservation
+
+minari = pytest.importorskip("minari")
+pytest.importorskip("h5py")
+
+from rlmesh_trio._record import (  # noqa: E402
+    CUT_INFO_KEY,
+    DatasetWriter,
+    Episode,
+    EpisodeAccumulator,
+    RecordingError,
+    env_spec_for,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(autouse=True)
+def minari_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    root = tmp_path / "minari"
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(root))
+    return root
+
+
+def play(
+    env: gym.Env[Any, Any], acc: EpisodeAccumulator, seed: int | None, steps: int | None = None
+) -> tuple[float, int]:
+    """One episode with actions drawn from a generator seeded by ``seed``; its return and
+    length. With ``steps``, stop after that many (the episode stays open)."""
+    obs, info = env.reset(seed=seed)
+    acc.reset(obs, seed, info)
+    env.action_space.seed(seed)
+    total, n = 0.0, 0
+    while steps is None or n < steps:
+        action = env.action_space.sample()
+        obs, reward, terminated, truncated, info = env.step(action)
+        total, n = total + float(reward), n + 1
+        if acc.step(action, obs, float(reward), terminated, truncated, info) is not None:
+            break
+    return total, n
+
+
+def episode_metadata(dataset: Any) -> list[dict[str, Any]]:
+    return list(dataset.storage.get_episode_metadata(range(dataset.total_episodes)))
+
+
+def replay_equal(env: gym.Env[Any, Any], seed: int | None, actions: Any, observations: Any) -> bool:
+    """Reset ``env`` with ``seed``, take ``actions``: every observation equal, bit for bit."""
+
+    def same(a: Any, b: Any) -> bool:
+        if isinstance(b, dict):
+            return all(same(a[k], b[k]) for k in b)
+        a, b = np.asarray(a), np.asarray(b)
+        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+    def at(tree: Any, i: int) -> Any:
+        return {k: at(v, i) for k, v in tree.items()} if isinstance(tree, dict) else tree[i]
+
+    obs, _ = env.reset(seed=seed)
+    if not same(obs, at(observations, 0)):
+        return False
+    for i in range(len(actions)):
+        obs, *_ = env.step(at(actions, i))
+        if not same(obs, at(observations, i + 1)):
+            return False
+    return True
+
+
+def test_cartpole_episodes_load_with_minari_and_replay_bit_for_bit() -> None:
+    env = gym.make("CartPole-v1")
+    writer = DatasetWriter(
+        "rlmesh/cartpole-v0",
+        env.observation_space,
+        env.action_space,
+        env_spec=env_spec_for("CartPole-v1"),
+    )
+    lanes = [
+        EpisodeAccumulator(lane, env.observation_space, env.action_space, writer.put)
+        for lane in range(2)
+    ]
+    played = []  # (lane, seed, return, length), in the order the episodes ended
+    for seed in [*range(6), None]:
+        lane = (seed or 0) % 2
+        played.append((lane, seed, *play(env, lanes[lane], seed)))
+    writer.close(60)
+    assert writer.episodes_written == 7 and writer.bytes_written > 0
+    assert writer.steps_written == sum(p[3] for p in played)
+
+    dataset = minari.load_dataset("rlmesh/cartpole-v0")
+    assert dataset.total_episodes == 7 and dataset.total_steps == writer.steps_written
+    assert dataset.observation_space == env.observation_space
+    assert dataset.action_space == env.action_space
+    metadata = episode_metadata(dataset)
+    for (lane, seed, total, length), episode, meta in zip(played, dataset, metadata, strict=True):
+        assert float(episode.rewards.sum()) == total and len(episode) == length
+        assert episode.observations.shape == (length + 1, 4)
+        assert episode.observations.dtype == np.float32
+        assert meta["lane"] == lane and meta.get("seed") == seed and "cut" not in meta
+        if seed is not None:  # a replay with the recorded seed and actions
+            assert replay_equal(
+                gym.make("CartPole-v1"), seed, episode.actions, episode.observations
+            )
+    recovered = dataset.recover_environment()
+    assert recovered.spec is not None and recovered.spec.id == "CartPole-v1"
+    assert recovered.spec.max_episode_steps == 500
+    recovered.close()
+
+
+def test_a_dict_observation_with_an_image_is_stored_losslessly() -> None:
+    env = AddRenderObservation(gym.make("CartPole-v1", render_mode="rgb_array"), render_only=False)
+    assert isinstance(env.observation_space, spaces.Dict)
+    writer = DatasetWriter("pixels-v0", env.observation_space, env.action_space, env_spec=env.spec)
+    acc = EpisodeAccumulator(0, env.observation_space, env.action_space, writer.put)
+    returns = [play(env, acc, seed, steps=6)[0] for seed in (11, 12)]
+    assert acc.in_episode  # the last one still open: the server stops
+    acc.cut("server_stop")
+    writer.close(60)
+    env.close()
+
+    dataset = minari.load_dataset("pixels-v0")
+    assert dataset.storage.jpeg_encoding is False
+    first, second = dataset
+    assert [float(first.rewards.sum()), float(second.rewards.sum())] == returns
+    assert first.observations["pixels"].shape == (7, 400, 600, 3)
+    # the first episode was cut by the reset of the second one
+    assert [m.get("cut") for m in episode_metadata(dataset)] == ["reset", "server_stop"]
+    # (not recover_environment(): gymnasium 1.1's AddRenderObservation spec names a
+    # keyword its __init__ no longer takes)
+    fresh = AddRenderObservation(
+        gym.make("CartPole-v1", render_mode="rgb_array"), render_only=False
+    )
+    assert replay_equal(fresh, 11, first.actions, first.observations)
+    fresh.close()
+
+
+def test_every_space_minari_stores_round_trips() -> None:
+    observation_space = spaces.Dict(
+        {
+            "box": spaces.Box(-2.0, 2.0, (3,), np.float64),
+            "multi": spaces.MultiDiscrete([3, 5]),
+            "binary": spaces.MultiBinary(6),
+            "text": spaces.Text(6),
+            "pair": spaces.Tuple((spaces.Discrete(4, start=1), spaces.Box(0, 9, (2,), np.int32))),
+        }
+    )
+    action_space = spaces.Tuple((spaces.Discrete(3), spaces.Text(4)))
+    observation_space.seed(3)
+    action_space.seed(4)
+    writer = DatasetWriter("spaces-v0", observation_space, action_space)
+    acc = EpisodeAccumulator(5, observation_space, action_space, writer.put)
+    observations = [observation_space.sample() for _ in range(5)]
+    actions = [action_space.sample() for _ in range(4)]
+    acc.reset(observations[0], 99)
+    for i, action in enumerate(actions):
+        acc.step(action, observations[i + 1], float(i), False, i == 3)
+    writer.close(60)
+
+    (episode,) = minari.load_dataset("spaces-v0")
+    assert episode.rewards.tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert episode.truncations.tolist() == [False, False, False, True]
+    for i, obs in enumerate(observations):
+        assert np.array_equal(episode.observations["box"][i], obs["box"])
+        assert np.array_equal(episode.observations["multi"][i], obs["multi"])
+        assert np.array_equal(episode.observations["binary"][i], obs["binary"])
+        assert episode.observations["text"][i] == obs["text"]
+        assert episode.observations["pair"][0][i] == obs["pair"][0]
+        assert np.array_equal(episode.observations["pair"][1][i], obs["pair"][1])
+    assert [episode.actions[0][i] for i in range(4)] == [a[0] for a in actions]
+    assert list(episode.actions[1]) == [a[1] for a in actions]
+
+
+def test_cut_episodes_are_marked_in_their_infos_or_dropped() -> None:
+    env = gym.make("CartPole-v1")
+    writer = DatasetWriter("cuts-v0", env.observation_space, env.action_space)
+    marked = EpisodeAccumulator(0, env.observation_space, env.action_space, writer.put)
+    dropping = EpisodeAccumulator(
+        1, env.observation_space, env.action_space, writer.put, drop_faulted=True
+    )
+    play(env, marked, 1, steps=4)
+    marked.cut("lane_fault")
+    play(env, dropping, 2, steps=4)
+    dropping.cut("lane_fault")
+    full = play(env, dropping, 3)
+    play(env, marked, 4, steps=2)
+    marked.cut("session_close")
+    writer.close(60)
+
+    dataset = minari.load_dataset("cuts-v0")
+    assert [(m["lane"], m.get("cut")) for m in episode_metadata(dataset)] == [
+        (0, "lane_fault"),
+        (1, None),
+        (0, "session_close"),
+    ]
+    fault, whole, closed = dataset
+    assert fault.truncations.tolist() == [False, False, False, True]
+    assert fault.infos[CUT_INFO_KEY].tolist() == [b""] * 4 + [b"lane_fault"]
+    assert closed.infos[CUT_INFO_KEY][-1] == b"session_close"
+    assert float(whole.rewards.sum()) == full[0] and CUT_INFO_KEY not in (whole.infos or {})
+
+
+class InfoEnv(gym.Env[np.ndarray, int]):
+    """A small env whose infos hold a number, an array and a string; from step
+    ``vary_at`` on, its infos gain a key (the case Minari's DataCollector refuses)."""
+
+    observation_space = spaces.Box(0, 10, (1,), np.float32)
+    action_space = spaces.Discrete(2)
+
+    def __init__(self, vary_at: int | None = None) -> None:
+        self.vary_at = vary_at
+        self.t = 0
+
+    def _info(self) -> dict[str, Any]:
+        info: dict[str, Any] = {
+            "t": self.t,
+            "pos": np.full(2, self.t, np.int16),
+            "tag": f"s{self.t}",
+        }
+        if self.vary_at is not None and self.t >= self.vary_at:
+            info["extra"] = 1.0
+        return info
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Any:
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(1, np.float32), self._info()
+
+    def step(self, action: int) -> Any:
+        self.t += 1
+        return np.full(1, self.t, np.float32), 1.0, self.t == 3, False, self._info()
+
+
+def test_infos_are_recorded_and_an_episode_whose_infos_vary_loses_only_its_infos(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    writer = DatasetWriter(
+        "infos-v0", InfoEnv.observation_space, InfoEnv.action_space, record_infos=True
+    )
+    acc = EpisodeAccumulator(
+        0, InfoEnv.observation_space, InfoEnv.action_space, writer.put, record_infos=True
+    )
+    with caplog.at_level(logging.WARNING, logger="rlmesh_trio.record"):
+        for vary_at in (None, 2, 1, None):
+            play(InfoEnv(vary_at), acc, seed=None)
+        writer.close(60)
+    assert writer.infos_dropped == 2
+    assert len([r for r in caplog.records if "infos not recorded" in r.getMessage()]) == 1
+
+    dataset = minari.load_dataset("infos-v0")
+    steady, varied, _, again = dataset
+    assert steady.infos["t"].tolist() == [0, 1, 2, 3]
+    assert steady.infos["pos"].shape == (4, 2) and steady.infos["pos"].dtype == np.int16
+    assert steady.infos["tag"].tolist() == [b"s0", b"s1", b"s2", b"s3"]
+    assert again.infos["t"].tolist() == [0, 1, 2, 3]
+    assert not varied.infos and len(varied) == 3  # the data is kept, the infos are not
+    metadata = episode_metadata(dataset)
+    assert "another structure" in metadata[1]["infos_dropped"]
+    assert "infos_dropped" not in metadata[0]
+
+
+def test_a_slow_writer_holds_the_lane_back_and_loses_nothing() -> None:
+    env = gym.make("CartPole-v1")
+    gate = threading.Event()
+
+    class SlowWriter(DatasetWriter):
+        def _write(self, batch: list[Episode]) -> int:
+            gate.wait(30)
+            return super()._write(batch)
+
+    writer = SlowWriter("slow-v0", env.observation_space, env.action_space, capacity=2)
+    acc = EpisodeAccumulator(0, env.observation_space, env.action_space, writer.put)
+    returns: list[float] = []
+    done = threading.Event()
+
+    def lane() -> None:
+        lane_env = gym.make("CartPole-v1")
+        for seed in range(12):
+            returns.append(play(lane_env, acc, seed)[0])
+        done.set()
+
+    thread = threading.Thread(target=lane, name="lane-0")
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not (writer.worker.put_waits and writer.depth == 2) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # the lane stays blocked: nothing moves while the writer is held
+    assert writer.worker.put_waits >= 1 and writer.depth == 2 and writer.episodes_written == 0
+    # at most one batch taken (<= 2), two queued, one waiting in put: the lane waits
+    assert not done.is_set() and len(returns) <= 4
+    gate.set()
+    thread.join(60)
+    writer.close(60)
+    assert done.is_set() and writer.worker.put_wait_ns > 0
+    dataset = minari.load_dataset("slow-v0")
+    assert [float(e.rewards.sum()) for e in dataset] == returns
+    assert [m["seed"] for m in episode_metadata(dataset)] == list(range(12))
+
+
+def test_a_write_that_fails_is_raised_not_swallowed() -> None:
+    space = spaces.Box(0.0, 1.0, (2,), np.float32)
+    writer = DatasetWriter("broken-v0", space, space)
+    acc = EpisodeAccumulator(0, spaces.Box(0.0, 1.0, (3,), np.float32), space, writer.put)
+    acc.reset(np.zeros(3, np.float32), None)  # not of the dataset's space
+    acc.step(np.zeros(2, np.float32), np.zeros(3, np.float32), 0.0, True, False)
+    with pytest.raises(RecordingError, match="1 item\\(s\\) not written"):
+        writer.close(60)
+
+
+def test_the_dataset_is_made_at_once_and_a_clash_or_bad_id_says_so(minari_root: Path) -> None:
+    space = spaces.Discrete(2)
+    writer = DatasetWriter("twice-v0", space, space)
+    assert (minari_root / "twice-v0" / "data" / "metadata.json").is_file()
+    assert minari.load_dataset("twice-v0").total_episodes == 0
+    with pytest.raises(FileExistsError, match="minari delete twice-v0"):
+        DatasetWriter("twice-v0", space, space)
+    writer.close(60)
+    with pytest.raises(ValueError, match="Malformed dataset ID"):
+        DatasetWriter("no version", space, space)
+
+
+class JaxWatch(importlib.abc.MetaPathFinder):
+    """Notes every attempt to import jax (it is not installed; an attempt is the bug)."""
+
+    def __init__(self) -> None:
+        self.attempts: list[str] = []
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        if name.split(".")[0] in ("jax", "jaxlib"):
+            self.attempts.append(name)
+
+
+@pytest.fixture
+def jax_watch() -> Iterator[JaxWatch]:
+    watch = JaxWatch()
+    sys.meta_path.insert(0, watch)
+    try:
+        yield watch
+    finally:
+        sys.meta_path.remove(watch)
+
+
+def test_writing_and_loading_never_import_jax(jax_watch: JaxWatch) -> None:
+    env = gym.make("CartPole-v1")
+    writer = DatasetWriter("nojax-v0", env.observation_space, env.action_space)
+    acc = EpisodeAccumulator(0, env.observation_space, env.action_space, writer.put)
+    play(env, acc, 0)
+    writer.close(60)
+    assert len(minari.load_dataset("nojax-v0")) == 1
+    assert jax_watch.attempts == []
+    assert not any(name.split(".")[0] in ("jax", "jaxlib") for name in sys.modules)
