@@ -95,11 +95,11 @@ def thread_poster(engine: LaneEngine, lane: int, make: MakeJob, jobs: int) -> fl
     get = replies.get
     last: LaneReply | None = None
     for seq in range(min(200, jobs)):  # warm-up
-        engine.post(lane, make(seq, last, put))
+        engine.post(lane, make(seq, last, put), put)
         last = get()
     start = time.perf_counter()
     for seq in range(jobs):
-        engine.post(lane, make(seq, last, put))
+        engine.post(lane, make(seq, last, put), put)
         last = get()
         if isinstance(last.outcome, outcome.Error):
             raise last.outcome.error
@@ -119,7 +119,7 @@ def asyncio_poster(engine: LaneEngine, lane: int, make: MakeJob, jobs: int) -> f
                 def reply(r: LaneReply, future: asyncio.Future[LaneReply] = future) -> None:
                     loop.call_soon_threadsafe(future.set_result, r)
 
-                engine.post(lane, make(seq, last, reply))
+                engine.post(lane, make(seq, last, reply), reply)
                 last = await future
             elapsed = time.perf_counter() - start
         return elapsed

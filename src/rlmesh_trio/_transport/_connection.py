@@ -82,7 +82,11 @@ their number."""
 
 
 class Admission(Protocol):
-    """What :class:`Dispatcher` asks the server about each new stream."""
+    """What :class:`Dispatcher` asks the server about each new stream.
+
+    A Protocol, not ``LoopServer`` itself: ``_server.py`` imports this module (it builds
+    the dispatcher and reads the connections), so naming it here would be a cycle. The
+    server is the only implementation."""
 
     @property
     def closing(self) -> bool: ...

@@ -34,7 +34,7 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final
 
 import h2.exceptions
 import outcome
@@ -61,6 +61,7 @@ from .._session import (
     Post,
     Report,
     Send,
+    Session,
     StartTimer,
     Wedged,
 )
@@ -115,32 +116,12 @@ _GONE_ALREADY: Final = (JoinState.BROKEN, JoinState.CLOSED)
 """_break(): nothing is sent already (a failed send, then the handler's end)."""
 
 
-class SessionLike(Protocol):
-    """What the Join driver needs from :class:`~rlmesh_trio._session.Session`."""
-
-    def on_request(self, request: env_v1.JoinRequest) -> list[Action]: ...
-
-    def on_lane_reply(self, reply: Any) -> list[Action]: ...
-
-    def on_timer(self, token: int) -> list[Action]: ...
-
-    def on_stream_end(self) -> list[Action]: ...
-
-    def on_half_close(self) -> list[Action]: ...
-
-    @property
-    def busy(self) -> bool: ...
-
-    @property
-    def backlog(self) -> int: ...
-
-
 @dataclass(frozen=True, slots=True, eq=False)
 class JoinContext:
     """What a Join needs of its server: built once by the server, shared by its Joins."""
 
     loop: asyncio.AbstractEventLoop
-    new_session: Callable[[], SessionLike]
+    new_session: Callable[[], Session]
     """A fresh session for a new stream."""
     num_envs: int
     max_message_bytes: int

@@ -35,6 +35,7 @@ from grpclib.exceptions import GRPCError
 from grpclib.server import Stream
 
 from .._bridge import ReplyInbox, ToLoop, Worker
+from .._credentials import protect_credentials
 from .._errors import (
     AlreadyJoinedError,
     RlmeshTrioError,
@@ -44,7 +45,7 @@ from .._errors import (
     grpc_status,
 )
 from .._jobs import Job, LaneReply, ReplyFn
-from .._logging import RateLimit, protect_credentials
+from .._logging import RateLimit
 from .._options import Resolved
 from .._session import Endpoint, Session
 from .._tls import HANDSHAKE_TIMEOUT as TLS_HANDSHAKE_TIMEOUT
