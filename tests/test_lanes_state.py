@@ -3,41 +3,16 @@ every move checked against it."""
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import pytest
+from support.doctables import documented_transitions
 
 from rlmesh_trio._errors import LaneDeadError, LaneWedgedError
 from rlmesh_trio._lanes._lane import STOP, Incarnation, Lane
 from rlmesh_trio._lanes._state import TRANSITIONS, LaneState, LaneStateError, check_transition
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "supervision.md"
-MARKER = "<!-- lane-transitions"
-
-
-def documented_transitions() -> set[tuple[LaneState, LaneState]]:
-    """The rows of the table after the marker in docs/supervision.md."""
-    lines = DOC.read_text(encoding="utf-8").splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith(MARKER))
-    rows: set[tuple[LaneState, LaneState]] = set()
-    body = lines[start + 1 :]
-    assert body[0].startswith("| from | to |"), body[0]
-    assert set(body[1].replace("|", "").split()) == {"---"}, body[1]
-    for line in body[2:]:
-        if not line.startswith("|"):
-            break
-        cells = [cell.strip() for cell in line.strip("|").split("|")]
-        old, new = (re.fullmatch(r"`(\w+)`", cell) for cell in cells[:2])
-        assert old is not None and new is not None, line
-        pair = (LaneState(old.group(1)), LaneState(new.group(1)))
-        assert pair not in rows, f"row listed twice: {line}"
-        rows.add(pair)
-    return rows
-
 
 def test_the_documented_table_is_the_code_table() -> None:
-    documented = documented_transitions()
+    documented = documented_transitions("supervision.md", "<!-- lane-transitions", LaneState)
     assert documented - TRANSITIONS == set(), "documented but not allowed by the code"
     assert TRANSITIONS - documented == set(), "allowed by the code but not documented"
 

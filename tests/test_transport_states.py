@@ -4,13 +4,12 @@ table is tested with the reader, in ``test_transport_reader.py``)."""
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
 import outcome
 import pytest
+from support.doctables import documented_transitions
 
 from rlmesh_trio._logging import RateLimit
 from rlmesh_trio._transport._join import JoinCall, JoinContext
@@ -23,32 +22,9 @@ from rlmesh_trio._transport._states import (
 
 pytestmark = pytest.mark.timeout(60)
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "architecture.md"
-MARKER = "<!-- join-transitions"
-
-
-def documented_transitions() -> set[tuple[JoinState, JoinState]]:
-    """The rows of the table after the marker in docs/architecture.md."""
-    lines = DOC.read_text(encoding="utf-8").splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith(MARKER))
-    rows: set[tuple[JoinState, JoinState]] = set()
-    body = lines[start + 1 :]
-    assert body[0].startswith("| from | to |"), body[0]
-    assert set(body[1].replace("|", "").split()) == {"---"}, body[1]
-    for line in body[2:]:
-        if not line.startswith("|"):
-            break
-        cells = [cell.strip() for cell in line.strip("|").split("|")]
-        old, new = (re.fullmatch(r"`(\w+)`", cell) for cell in cells[:2])
-        assert old is not None and new is not None, line
-        pair = (JoinState(old.group(1)), JoinState(new.group(1)))
-        assert pair not in rows, f"row listed twice: {line}"
-        rows.add(pair)
-    return rows
-
 
 def test_the_documented_table_is_the_code_table() -> None:
-    documented = documented_transitions()
+    documented = documented_transitions("architecture.md", "<!-- join-transitions", JoinState)
     assert documented - JOIN_TRANSITIONS == set(), "documented but not allowed by the code"
     assert JOIN_TRANSITIONS - documented == set(), "allowed by the code but not documented"
 
