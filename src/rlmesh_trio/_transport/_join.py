@@ -196,14 +196,7 @@ class JoinCall:
         all of them). The session takes them one by one; their actions are performed
         once."""
         self.gathers.pop(batch[0].job_id, None)
-        self._drive(self._each_reply, batch, flush=False)
-
-    def _each_reply(self, batch: list[LaneReply]) -> list[Action]:
-        on_lane_reply = self.session.on_lane_reply
-        actions: list[Action] = []
-        for reply in batch:
-            actions += on_lane_reply(reply)
-        return actions
+        self._drive(self.session.on_lane_replies, batch, flush=False)
 
     def _on_timer(self, token: int) -> None:
         if self.gathers:
@@ -220,6 +213,13 @@ class JoinCall:
         taken = [reply for gather in gathers for reply in release(gather)]
         if taken:
             self._drive(self._each_reply, taken, flush=False)
+
+    def _each_reply(self, replies: list[LaneReply]) -> list[Action]:
+        on_lane_reply = self.session.on_lane_reply
+        actions: list[Action] = []
+        for reply in replies:
+            actions += on_lane_reply(reply)
+        return actions
 
     def _drive(self, event: Callable[..., list[Action]], *args: Any, flush: bool = True) -> None:
         try:
