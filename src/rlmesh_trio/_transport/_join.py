@@ -9,7 +9,10 @@ queued for the one writer task, which sends in order, so a slow client never blo
 loop. Lane replies come back through the server's one
 :class:`~rlmesh_trio._bridge.ReplyInbox`, routed to their Join by job id
 (:meth:`JoinCall.on_lane_reply`, then :meth:`JoinCall.flush`): the replies of every lane
-handled in one wake-up go to the socket in one write.
+handled in one wake-up go to the socket in one write. A job posted to several lanes
+under one id (a whole-vector op) is posted with one :class:`~rlmesh_trio._bridge.Gather`:
+its replies cross once, when the last lane answers (:meth:`JoinCall.on_lane_replies`); a
+timer releases every gather of the Join before the session hears of it.
 
 A Join knows nothing of its server but the :class:`JoinContext` the server built once.
 
@@ -193,7 +196,7 @@ class JoinCall:
 
     def on_lane_replies(self, batch: list[LaneReply]) -> None:
         """A gather's replies: every lane of one job answered (one wake-up of the loop for
-        all of them). The session takes them one by one; their actions are performed
+        all of them); the session takes them at once, and their actions are performed
         once."""
         self.gathers.pop(batch[0].job_id, None)
         self._drive(self.session.on_lane_replies, batch, flush=False)
