@@ -85,8 +85,10 @@ CONTENDERS = {
 }
 DEFAULT_CONTENDERS = ("sync", "async", "thread", "process", "rlmesh")
 REFERENCE_CONTENDERS = ("ref-vector", "ref-rlmesh")
-OURS = ("thread", "process", "rlmesh")
+OURS = ["thread", "process", "rlmesh"]
 """The contenders served by rlmesh-trio: the ones ``--profile`` samples."""
+SOURCES: dict[str, str] = {}
+"""``--ours-src``: contender key -> the ``src`` directory its thread-lane server runs."""
 
 ACTION_CYCLE = 1024
 """Vector actions sampled beforehand; every contender steps through them in order."""
@@ -145,6 +147,8 @@ def build(key: str, env_id: str, n: int, seed: int, ours_args: tuple[str, ...]) 
     else:
         if key.startswith("ref-"):
             server = serve_reference(env_id, n)
+        elif key in SOURCES:
+            server = serve_ours(env_id, n, *ours_args, src=SOURCES[key])
         elif key == "process":
             server = serve_ours(env_id, n, "--lane-isolation", "process", *ours_args)
         else:
@@ -163,7 +167,7 @@ def build(key: str, env_id: str, n: int, seed: int, ours_args: tuple[str, ...]) 
 
 
 def _client(key: str, label: str, server: Served, n: int) -> Contender:
-    if key in ("thread", "process", "ref-vector"):
+    if key in ("thread", "process", "ref-vector") or key in SOURCES:
         from rlmesh_trio.client import VectorEnv
 
         return Contender(key, label, VectorEnv(server.address), server)
@@ -589,6 +593,14 @@ def main(argv: list[str] | None = None) -> int:
         help='extra serve options of our servers, e.g. "--event-loop asyncio"',
     )
     parser.add_argument(
+        "--ours-src",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="also a thread-lane server running the package in PATH (a source tree's src "
+        "directory), as its own row; repeat for several (same tree twice: an A/A)",
+    )
+    parser.add_argument(
         "--profile", action="store_true", help="py-spy our servers over their measured rounds"
     )
     parser.add_argument(
@@ -608,6 +620,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds is None:
         args.rounds = 3 if args.quick else 5
     keys = [k.strip() for k in args.contenders.split(",") if k.strip()]
+    for i, src in enumerate(args.ours_src, 1):
+        key = f"src{i}"
+        CONTENDERS[key] = f"VectorEnv, thread lanes, src{i} ({src})"
+        SOURCES[key] = str(Path(src).resolve())
+        OURS.append(key)
+        keys.append(key)
     if args.ref:
         keys += [k for k in REFERENCE_CONTENDERS if k not in keys]
     unknown = [k for k in keys if k not in CONTENDERS]

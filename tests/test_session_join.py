@@ -1104,3 +1104,75 @@ def test_the_straight_line_answers_whole_vector_steps_of_one_lane_as_the_general
         ]
 
     assert script(straight=True) == script(straight=False)
+
+
+@pytest.mark.parametrize("on_lane_fault", ["error", "rebuild", "truncate"])
+def test_the_straight_line_answers_gathered_whole_vector_steps_as_the_general_path(
+    on_lane_fault: str,
+) -> None:
+    """Whole-vector steps of several lanes, answered as a gather hands them over (all
+    lanes at once, in the order they finished): the same actions, byte for byte, as the
+    general path with each reply on its own -- episodes that end, deadlines (one runs out
+    with a lane still out: the rest then come one by one), a bad row, a lane's bad
+    action, a warning, a faulted env, a request read meanwhile, a lane-scoped step
+    between them, and the Done of an observed session."""
+    n = 3
+
+    def script(straight: bool) -> list[Any]:
+        h = Harness(num_envs=n, on_lane_fault=on_lane_fault)
+        h.session._session.straight_line = straight
+        h.session._session._observe = True
+        seen: list[Any] = list(h.request(reset=env_v1.ResetRequest(seeds=[1, 2, 3])))
+        for lane, job in h.take():
+            seen += h.answer(lane, job, reset_result(float(lane)))
+        for i in range(10):
+            timeout = 500 if i % 3 == 0 else 0
+            rows = (9, 0, 1) if i == 2 else (i % 2, 1, 0)
+            step = env_v1.StepRequest(action=action(*rows), timeout_ms=timeout)
+            seen += h.request(request_id=f"s{i}", step=step)
+            if i == 4:  # read while the vector step runs: it waits its turn
+                seen += h.request(request_id="s4b", step=env_v1.StepRequest(action=action(1, 1, 1)))
+            jobs = h.take()
+            replies = []
+            for lane, job in jobs:
+                result: Any = step_result(
+                    x=0.1 * i + lane,
+                    reward=float(i + lane),
+                    terminated=(i, lane) == (3, 1),
+                    truncated=(i, lane) == (5, 2),
+                    k=lane,
+                )
+                fault = None
+                if (i, lane) == (7, 0):
+                    result = outcome.Error(ActionError("$: value 9 not in range [0, 2)"))
+                elif (i, lane) == (8, 2):
+                    result = step_result(obs_warning=Candidate("bounds", "$", "out of bounds"))
+                elif (i, lane) == (9, 1):
+                    result = outcome.Error(RuntimeError("boom"))
+                    fault = LaneFault(lane=lane, error="RuntimeError: boom")
+                value = result if isinstance(result, outcome.Outcome) else outcome.Value(result)
+                replies.append(LaneReply(job.id, lane, value, Phases(1, 2, 30 + lane, 4), fault))
+            replies.reverse()  # the last lane finished first
+            if i == 6:  # the deadline runs out with one lane still out
+                seen += h.session.on_lane_reply(replies[0])
+                timers = [a for a in seen if isinstance(a, StartTimer)]
+                seen += h.session.on_timer(timers[-1].token)
+                for reply in replies[1:]:
+                    seen += h.session.on_lane_reply(reply)
+            elif replies:
+                seen += h.session.on_lane_replies(replies)
+            for lane, job in h.take():  # what waited behind
+                seen += h.answer(lane, job, step_result(x=0.9, reward=9.0))
+            if i == 1:
+                lane_step = env_v1.StepRequest(action=action(0), env_indices=[2])
+                seen += h.request(request_id="l1", step=lane_step)
+                for lane, job in h.take():
+                    seen += h.answer(lane, job, step_result(x=0.3))
+        seen += h.request(request_id="c", close=env_v1.CloseEnvsRequest())
+        return [bytes(a.response) if isinstance(a, Send) else a for a in seen] + [
+            (r.kind, r.verb, r.request_id, r.lanes, r.code, r.message) for r in h.reports
+        ]
+
+    straight = script(straight=True)
+    assert straight == script(straight=False)
+    assert sum(isinstance(a, bytes) for a in straight) >= 12  # the steps were answered

@@ -20,8 +20,13 @@ class FakeJoin:
         self.replies: list[LaneReply] = []
         self.flushes = 0
 
+        self.batches: list[list[LaneReply]] = []
+
     def on_lane_reply(self, reply: LaneReply) -> None:
         self.replies.append(reply)
+
+    def on_lane_replies(self, batch: list[LaneReply]) -> None:
+        self.batches.append(batch)
 
     def flush(self) -> None:
         self.flushes += 1
@@ -86,4 +91,51 @@ def test_a_refused_post_leaves_no_route() -> None:
     routes = ReplyRoutes(refuse, 1, ToLoop(loop.call_soon_threadsafe))
     with pytest.raises(LaneDeadError, match="lane 0 is gone"):
         routes.post(0, CallJob(fn=lambda env: None, id=3), FakeJoin())  # type: ignore[arg-type]
+    assert routes._routes == {}
+
+
+def _from_thread(fn: Any, *args: Any) -> None:
+    thread = threading.Thread(target=fn, args=args)
+    thread.start()
+    thread.join()
+
+
+def test_a_gathered_job_wakes_the_loop_once_when_its_last_lane_answers() -> None:
+    loop = Loop()
+    posted: list[tuple[int, Any, ReplyFn]] = []
+    routes = ReplyRoutes(
+        lambda lane, job, reply: posted.append((lane, job, reply)),
+        4,
+        ToLoop(loop.call_soon_threadsafe),
+    )
+    join = FakeJoin()
+    gather = routes.gather(5, [0, 1, 3], join)  # type: ignore[arg-type]
+    for lane in (0, 1, 3):
+        routes.post_to(lane, StepJob(leaves=[], n=3, row=0, validated=True, id=5), gather.reply)
+    answers = [LaneReply(5, lane, outcome.Value(lane), Phases()) for lane in (3, 0, 1)]
+    for reply in answers[:2]:
+        _from_thread(gather.reply, reply)
+    assert loop.calls == []  # two of three lanes answered: the loop sleeps on
+    _from_thread(gather.reply, answers[2])
+    assert len(loop.calls) == 1
+    loop.run()
+    assert join.batches == [answers] and join.replies == [] and join.flushes == 1
+    assert routes._routes == {}  # every lane's route used
+    assert gather.release() == []  # the batch crossed: nothing is left to take
+
+
+def test_a_released_gather_hands_over_what_came_and_the_rest_crosses_alone() -> None:
+    loop = Loop()
+    routes = ReplyRoutes(lambda lane, job, reply: None, 3, ToLoop(loop.call_soon_threadsafe))
+    join = FakeJoin()
+    gather = routes.gather(9, [0, 1, 2], join)  # type: ignore[arg-type]
+    first = LaneReply(9, 1, outcome.Value(1), Phases())
+    _from_thread(gather.reply, first)
+    assert routes.release(gather) == [first]  # a deadline: what came so far
+    assert sorted(routes._routes) == [9 * 3 + 0, 9 * 3 + 2]  # its route is used
+    late = [LaneReply(9, lane, outcome.Value(lane), Phases()) for lane in (2, 0)]
+    for reply in late:
+        _from_thread(gather.reply, reply)
+    loop.run()
+    assert join.replies == late and join.batches == []  # one by one, as ungathered
     assert routes._routes == {}

@@ -9,6 +9,8 @@ They meet only here:
 * :class:`ReplyInbox` -- lane threads -> the transport loop: lane replies, coalesced so
   that replies arriving while a wake-up is pending ride along with it (one self-pipe
   write serves several lanes under load);
+* :class:`Gather` -- lane threads -> the transport loop, for one whole-vector job: the
+  lanes' replies are kept on their side, and the last one to answer crosses for all;
 * :class:`Worker` -- the transport loop -> one helper thread and back, for CPU-heavy
   work that must not stall the loop (decoding a huge request);
 * :func:`thread_gone` -- the Trio thread waits for a thread that told it it is done to
@@ -32,7 +34,7 @@ import trio
 
 from ._jobs import LaneReply
 
-__all__ = ["ReplyInbox", "ToLoop", "ToTrio", "Worker", "thread_gone"]
+__all__ = ["Delivery", "Gather", "ReplyInbox", "ToLoop", "ToTrio", "Worker", "thread_gone"]
 
 log = logging.getLogger("rlmesh_trio.bridge")
 
@@ -82,13 +84,17 @@ async def thread_gone(thread: threading.Thread) -> None:
         await trio.to_thread.run_sync(thread.join, abandon_on_cancel=True, limiter=limiter)
 
 
+Delivery = LaneReply | list[LaneReply]
+"""What crosses to the loop: one lane's reply, or a :class:`Gather`'s batch."""
+
+
 class ReplyInbox:
     """Lane replies, handed to ``deliver`` on the transport loop in order.
 
     The server has one: :meth:`put` is the ``reply`` callback it gives the lane engine
     with every job of every Join (``deliver`` routes each reply to its Join by job id).
     It is called once per job, on the lane's thread (or any thread that answers for a
-    lane).
+    lane), or once per :class:`Gather` with the batch of its lanes.
     """
 
     __slots__ = ("_deliver", "_done", "_pending", "_scheduled", "_to_loop")
@@ -96,17 +102,17 @@ class ReplyInbox:
     def __init__(
         self,
         to_loop: ToLoop,
-        deliver: Callable[[LaneReply], None],
+        deliver: Callable[[Delivery], None],
         done: Callable[[], None] | None = None,
     ) -> None:
         """``done()`` runs on the loop after each batch of deliveries (one wake-up's)."""
         self._to_loop = to_loop
         self._deliver = deliver
         self._done = done
-        self._pending: deque[LaneReply] = deque()
+        self._pending: deque[Delivery] = deque()
         self._scheduled = False
 
-    def put(self, reply: LaneReply) -> None:
+    def put(self, reply: Delivery) -> None:
         """Any thread. deque.append is atomic; see :meth:`_drain` for why none strands."""
         self._pending.append(reply)
         if not self._scheduled:
@@ -125,6 +131,52 @@ class ReplyInbox:
         finally:
             if self._done is not None:
                 self._done()
+
+
+class Gather:
+    """The replies of one job posted to several lanes (a whole-vector step or reset): each
+    lane keeps its reply here, and only the last to answer crosses to the loop, with all of
+    them (``put(batch)``, the inbox's), so the loop wakes once per vector op rather than
+    once per lane that finishes while it is awake.
+
+    :meth:`reply` is the ``reply`` callback of each lane's job (lane threads; called once
+    per job). :meth:`release` (loop) ends the gathering early -- a deadline, a refused
+    post: the loop takes the replies that came, and every later one crosses on its own,
+    as an ungathered job's would. Either way each reply reaches the loop exactly once.
+    """
+
+    __slots__ = ("_left", "_lock", "_open", "_put", "replies")
+
+    def __init__(self, count: int, put: Callable[[Delivery], None]) -> None:
+        self._put = put
+        self._lock = threading.Lock()
+        self._left = count
+        self._open = True
+        self.replies: list[LaneReply] = []
+
+    def reply(self, reply: LaneReply) -> None:
+        """Any thread: one lane's answer."""
+        with self._lock:
+            if self._open:
+                self.replies.append(reply)
+                self._left -= 1
+                if self._left:
+                    return
+                self._open = False
+                batch: Delivery = self.replies
+            else:
+                batch = reply
+        self._put(batch)
+
+    def release(self) -> list[LaneReply]:
+        """Loop: stop gathering; the replies that came (each once: none if the batch
+        already crossed)."""
+        with self._lock:
+            if not self._open:
+                return []
+            self._open = False
+            taken, self.replies = self.replies, []
+        return taken
 
 
 class Worker:

@@ -89,9 +89,8 @@ class LaneWork:
         """
         result: outcome.Outcome[Any]
         if isinstance(job, StepJob):
-            split = Split(_DECODE)
-            result = outcome.capture(self._step, env, job, split)
-        elif isinstance(job, ResetJob):
+            return self._timed_step(env, job, queue_ns)
+        if isinstance(job, ResetJob):
             split = Split(_USER)
             result = outcome.capture(self._reset, env, job, split)
         elif isinstance(job, CallJob):
@@ -120,25 +119,43 @@ class LaneWork:
         leaves, candidate = self._encode_observation(observation)
         return ResetResult(observation=leaves, info=to_meta_map(info), obs_warning=candidate)
 
-    def _step(self, env: gym.Env[Any, Any], job: StepJob, split: Split) -> StepResult:
-        action, action_candidate = self._action_codec.step_action(
-            job.leaves, job.n, job.row, validated=job.validated, soft_checks=self._soft
-        )
-        if action_candidate is not None and self._strict:
-            raise PolicyViolation(action_candidate.detail, action_candidate.kind)
-        split.enter(_USER)
-        observation, reward, terminated, truncated, info = env.step(action)
-        split.enter(_ENCODE)
-        leaves, obs_candidate = self._encode_observation(observation)
-        return StepResult(
-            observation=leaves,
-            reward=float(reward),
-            terminated=bool(terminated),
-            truncated=bool(truncated),
-            info=to_meta_map(info),
-            action_warning=action_candidate,
-            obs_warning=obs_candidate,
-        )
+    def _timed_step(
+        self, env: gym.Env[Any, Any], job: StepJob, queue_ns: int
+    ) -> tuple[outcome.Outcome[Any], Phases, bool]:
+        """:meth:`execute` of a step (the hot path), its phases timed inline rather than by
+        a :class:`Split`: decode, the env call (only its exception is a fault), encode."""
+        result: outcome.Outcome[Any]
+        decoded = stepped = 0
+        start = perf_counter_ns()
+        try:
+            action, action_candidate = self._action_codec.step_action(
+                job.leaves, job.n, job.row, validated=job.validated, soft_checks=self._soft
+            )
+            if action_candidate is not None and self._strict:
+                raise PolicyViolation(action_candidate.detail, action_candidate.kind)
+            decoded = perf_counter_ns()
+            observation, reward, terminated, truncated, info = env.step(action)
+            stepped = perf_counter_ns()
+            leaves, obs_candidate = self._encode_observation(observation)
+            result = outcome.Value(
+                StepResult(
+                    observation=leaves,
+                    reward=float(reward),
+                    terminated=bool(terminated),
+                    truncated=bool(truncated),
+                    info=to_meta_map(info),
+                    action_warning=action_candidate,
+                    obs_warning=obs_candidate,
+                )
+            )
+        except BaseException as exc:  # as outcome.capture: the job's answer, whatever it is
+            result = outcome.Error(exc)
+        end = perf_counter_ns()
+        if not decoded:
+            return result, Phases(queue_ns, end - start, 0, 0), False
+        if not stepped:  # the env raised: a fault of the lane
+            return result, Phases(queue_ns, decoded - start, end - decoded, 0), True
+        return result, Phases(queue_ns, decoded - start, stepped - decoded, end - stepped), False
 
     def _render(self, env: gym.Env[Any, Any], split: Split) -> RenderResult:
         frame = env.render()

@@ -6,6 +6,8 @@ events and performs the actions it returns, in order:
 
 - ``session.on_request(request)`` -- a JoinRequest was decoded;
 - ``session.on_lane_reply(reply)`` -- a lane answered a job (``reply.job_id`` names it);
+- ``session.on_lane_replies(replies)`` -- every lane of one job answered (a whole-vector
+  op's replies, gathered; the same as each one's ``on_lane_reply`` in turn);
 - ``session.on_timer(token)`` -- a :class:`StartTimer` expired;
 - ``session.on_half_close()`` -- the client sent its last request (END_STREAM): every
   request read is still answered, then the session ends the stream (:class:`EndStream`);
@@ -82,8 +84,9 @@ class Session:
 
     straight_line = True
     """One lane's step takes the straight line (:meth:`_lane_step`, :meth:`_lane_step_done`)
-    when nothing holds it back; False sends it through the general queue and op machinery
-    (the tests compare the two)."""
+    when nothing holds it back, and so does a whole-vector step (:meth:`_vector_step`,
+    :meth:`_vector_step_done`); False sends them through the general queue and op
+    machinery (the tests compare the two)."""
 
     def __init__(
         self,
@@ -134,8 +137,10 @@ class Session:
             indices = step.env_indices
             if len(indices) == 1 and indices[0] < self._n:
                 return self._lane_step(request.request_id, step, indices[0], serial=False)
-            if not indices and self._n == 1 and not self._outstanding:
-                return self._lane_step(request.request_id, step, 0, serial=True)
+            if not indices and not self._outstanding:
+                if self._n == 1:
+                    return self._lane_step(request.request_id, step, 0, serial=True)
+                return self._vector_step(request.request_id, step)
         timeout_ms = deadline_ms(request)
         entry = Waiting(request, self._clock_ns(), next(self._tokens), timeout_ms)
         self._pending.append(entry)
@@ -174,6 +179,44 @@ class Session:
         actions.extend(self._pump())
         if self._half_closed:
             actions.extend(self._end_if_answered())
+        return actions
+
+    def on_lane_replies(self, replies: Sequence[LaneReply]) -> list[Action]:
+        """Every lane of one job answered (``replies``, one per lane, in any order): a
+        whole-vector step whose lanes all stepped cleanly completes on the straight line;
+        anything else is each reply's :meth:`on_lane_reply` in turn."""
+        op = self._ops.get(replies[0].job_id) if replies else None
+        if (
+            op is not None
+            and op.vector_step
+            and self.straight_line
+            and not op.timed_out
+            and not self._finished
+            and len(replies) == op.unsettled == len(op.lanes)
+        ):
+            results: list[StepResult | None] = [None] * len(op.lanes)
+            for reply in replies:
+                if reply.fault is not None or type(reply.outcome) is not outcome.Value:
+                    break
+                result = reply.outcome.value
+                if (
+                    type(result) is not StepResult
+                    or result.action_warning is not None
+                    or result.obs_warning is not None
+                    or results[reply.lane] is not None
+                ):
+                    break
+                results[reply.lane] = result
+            else:
+                actions = self._vector_step_done(op, replies, results)  # type: ignore[arg-type]
+                if self._pending:
+                    actions.extend(self._pump())
+                if self._half_closed:
+                    actions.extend(self._end_if_answered())
+                return actions
+        actions = []
+        for reply in replies:
+            actions += self.on_lane_reply(reply)
         return actions
 
     def on_half_close(self) -> list[Action]:
@@ -505,6 +548,76 @@ class Session:
         if self._observe:
             total = response.endpoint_total_ns or 0
             actions.append(Done("step", (lane,), total, phases.user_ns))
+        return actions
+
+    def _vector_step(self, rid: str, body: env_v1.StepRequest) -> list[Action]:
+        """A whole-vector step of several lanes, straight to its Posts (what _pump,
+        _start_step and _launch do for it, without the queue): every row validated, then
+        one job per lane under one token, a serial op (a barrier)."""
+        read_ns = self._clock_ns()
+        token = next(self._tokens)
+        self._verb = "step"
+        assert body.action is not None
+        n = self._n
+        leaves = list(body.action.leaves)
+        t0 = self._clock_ns()
+        try:
+            self._endpoint.contract.action_codec.validate_action(leaves, n)
+        except ActionError as exc:
+            return self._reject(rid, read_ns, Code.INVALID_ACTION, str(exc), True)
+        lanes = list(range(n))
+        op = Op(
+            token=token,
+            request_id=rid,
+            verb="step",
+            lanes=lanes,
+            serial=True,
+            started_ns=read_ns,
+            timeout_ms=body.timeout_ms,
+            pre_decode_ns=self._clock_ns() - t0,
+            replies=[None] * n,
+            remaining=n,
+            unsettled=n,
+            vector_step=True,
+        )
+        jobs = [StepJob(leaves=leaves, n=n, row=row, validated=True, id=token) for row in lanes]
+        op.jobs = jobs
+        self._ops[token] = op
+        self._serial = op
+        self._outstanding += n
+        actions: list[Action] = [Post(lane, job) for lane, job in zip(lanes, jobs, strict=True)]
+        if op.timeout_ms:
+            actions.insert(0, StartTimer(token, op.timeout_ms / 1000.0))
+        return actions
+
+    def _vector_step_done(
+        self, op: Op, replies: Sequence[LaneReply], results: list[StepResult]
+    ) -> list[Action]:
+        """A whole-vector step whose lanes all answered with warning-free results (in
+        ``results``, lane order), straight to its Send (what _deliver, _settle and
+        _complete do for it)."""
+        token = op.token
+        self._outstanding -= len(replies)
+        del self._ops[token]
+        self._serial = None
+        ordered = op.replies
+        for reply in replies:
+            ordered[reply.lane] = reply
+        op.unsettled = op.remaining = 0
+        book = self._book
+        completions = op.completions
+        for lane, result in enumerate(results):
+            ended = book.step(lane, result)
+            if ended is not None:
+                completions[lane] = ended
+        phases, skew = fold_phases([reply.phases for reply in ordered if reply is not None])
+        interrupted = book.take_interrupted()
+        response = self._replies.step_response(op, results, phases, skew, interrupted)
+        actions: list[Action] = [CancelTimer(token)] if op.timeout_ms else []
+        actions.append(Send(response))
+        if self._observe:
+            total = response.endpoint_total_ns or 0
+            actions.append(Done("step", tuple(op.lanes), total, phases.user_ns))
         return actions
 
     def _start_step(self, rid: str, body: env_v1.StepRequest, read_ns: int) -> list[Action]:

@@ -50,3 +50,4 @@ class Op:
     # lane position -> the episode this op's step ended on that lane (from the book)
     completions: dict[int, Ended] = field(default_factory=dict)
     lane_step: bool = False  # one lane's step, posted and answered by the straight line
+    vector_step: bool = False  # a whole-vector step, posted by the straight line

@@ -48,6 +48,11 @@ def fold_phases(phases: Sequence[Phases]) -> tuple[Phases, int | None]:
     return folded, skew
 
 
+_TRUE = spaces_v1.MetaValue(bool=True)
+_FALSE = spaces_v1.MetaValue(bool=False)
+"""The done flags of batched infos: shared by every reply (never changed once built)."""
+
+
 def batch_infos(
     infos: Sequence[spaces_v1.MetaMap], done: Sequence[bool] | None
 ) -> spaces_v1.MetaMap:
@@ -65,9 +70,9 @@ def batch_infos(
         return spaces_v1.MetaMap()
     if len(infos) == 1:
         return infos[0]
-    mask = [True] * len(infos) if done is None else [bool(flag) for flag in done]
     maps = spaces_v1.MetaList(items=[spaces_v1.MetaValue(map=info) for info in infos])
-    flags = spaces_v1.MetaList(items=[spaces_v1.MetaValue(bool=flag) for flag in mask])
+    mask = [True] * len(infos) if done is None else done
+    flags = spaces_v1.MetaList(items=[_TRUE if flag else _FALSE for flag in mask])
     return spaces_v1.MetaMap(
         entries={
             "final_info": spaces_v1.MetaValue(list=maps),

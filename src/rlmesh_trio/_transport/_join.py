@@ -9,7 +9,10 @@ queued for the one writer task, which sends in order, so a slow client never blo
 loop. Lane replies come back through the server's one
 :class:`~rlmesh_trio._bridge.ReplyInbox`, routed to their Join by job id
 (:meth:`JoinCall.on_lane_reply`, then :meth:`JoinCall.flush`): the replies of every lane
-handled in one wake-up go to the socket in one write.
+handled in one wake-up go to the socket in one write. A job posted to several lanes
+under one id (a whole-vector op) is posted with one :class:`~rlmesh_trio._bridge.Gather`:
+its replies cross once, when the last lane answers (:meth:`JoinCall.on_lane_replies`); a
+timer releases every gather of the Join before the session hears of it.
 
 A Join knows nothing of its server but the :class:`JoinContext` the server built once.
 
@@ -42,7 +45,7 @@ from grpclib.const import Status
 from grpclib.exceptions import StreamTerminatedError
 from grpclib.server import Stream
 
-from .._bridge import ToLoop, Worker
+from .._bridge import Gather, ToLoop, Worker
 from .._errors import (
     INTERNAL_SERVER_ERROR,
     LaneError,
@@ -50,7 +53,7 @@ from .._errors import (
     WireError,
     grpc_status,
 )
-from .._jobs import Job, LaneReply, Phases
+from .._jobs import Job, LaneReply, Phases, ReplyFn
 from .._logging import RateLimit, report
 from .._proto.rlmesh.env import v1 as env_v1
 from .._session import (
@@ -141,6 +144,13 @@ class JoinContext:
     """After every Join event (busy tracking, the idle timer)."""
     reading: Callable[[], bool]
     """Whether Join streams still read requests (false once the drain is over)."""
+    gather: Callable[[int, list[int], JoinCall], Gather] | None = None
+    """Routes for one job id posted to several lanes for this Join, and the gather whose
+    ``reply`` those posts carry (None: every lane's reply is routed on its own)."""
+    post_to: Callable[[int, Job, ReplyFn], None] | None = None
+    """Post a lane job with a gather's ``reply`` (raises ``LaneError`` on a refusal)."""
+    release: Callable[[Gather], list[LaneReply]] | None = None
+    """End a gather early: the replies it holds, their routes used."""
 
 
 class JoinCall:
@@ -158,6 +168,7 @@ class JoinCall:
         self.outbox_bytes = 0
         self.direct: list[bytes] = []  # replies of this loop callback, for one DATA frame
         self.posts: list[Post] = []  # lane jobs of this loop callback, posted at its flush
+        self.gathers: dict[int, Gather] = {}  # job id -> its lanes' replies, still gathering
         # Three flags that are not the stream's state (each comes and goes in several
         # states, or follows the session, not the stream):
         # inside one read's requests: flush once, at its end (any state; a span of calls);
@@ -183,8 +194,35 @@ class JoinCall:
         No flush per reply: the server calls :meth:`flush` once after its batch."""
         self._drive(self.session.on_lane_reply, reply, flush=False)
 
+    def on_lane_replies(self, batch: list[LaneReply]) -> None:
+        """A gather's replies: every lane of one job answered (one wake-up of the loop for
+        all of them); the session takes them at once, and their actions are performed
+        once."""
+        self.gathers.pop(batch[0].job_id, None)
+        self._drive(self.session.on_lane_replies, batch, flush=False)
+
     def _on_timer(self, token: int) -> None:
+        if self.gathers:
+            # A deadline reads which lanes answered: the replies gathered so far go to the
+            # session first, and the rest cross one by one from now on.
+            self._release_gathers()
         self._drive(self.session.on_timer, token)
+
+    def _release_gathers(self) -> None:
+        release = self.context.release
+        assert release is not None  # set whenever ``gather`` is
+        gathers = list(self.gathers.values())
+        self.gathers.clear()
+        taken = [reply for gather in gathers for reply in release(gather)]
+        if taken:
+            self._drive(self._each_reply, taken, flush=False)
+
+    def _each_reply(self, replies: list[LaneReply]) -> list[Action]:
+        on_lane_reply = self.session.on_lane_reply
+        actions: list[Action] = []
+        for reply in replies:
+            actions += on_lane_reply(reply)
+        return actions
 
     def _drive(self, event: Callable[..., list[Action]], *args: Any, flush: bool = True) -> None:
         try:
@@ -279,14 +317,42 @@ class JoinCall:
         callback, not as each request is read: a lane woken while the loop still holds
         the GIL for the rest of the read would only wait for it."""
         post = self.context.post
+        gathering = self.context.gather is not None
         while self.posts:
             posts, self.posts = self.posts, []
-            for action in posts:
+            i, count = 0, len(posts)
+            while i < count:
+                action = posts[i]
+                job_id = action.job.id
+                j = i + 1
+                if gathering:  # one job id on several lanes: a whole-vector op
+                    while j < count and posts[j].job.id == job_id:
+                        j += 1
+                if j - i > 1:
+                    self._post_gathered(posts[i:j])
+                    i = j
+                    continue
+                i = j
                 try:
                     post(action.lane, action.job, self)
                 except LaneError as exc:  # the lane refuses: that is the job's answer
-                    refusal = LaneReply(action.job.id, action.lane, outcome.Error(exc), Phases())
+                    refusal = LaneReply(job_id, action.lane, outcome.Error(exc), Phases())
                     self._drive(self.session.on_lane_reply, refusal, flush=False)
+
+    def _post_gathered(self, group: list[Post]) -> None:
+        """Post one job's lanes with one gather: their replies cross to the loop once. A
+        lane's refusal is its answer, gathered like the others'."""
+        gather, post_to = self.context.gather, self.context.post_to
+        assert gather is not None and post_to is not None
+        job_id = group[0].job.id
+        collected = gather(job_id, [action.lane for action in group], self)
+        self.gathers[job_id] = collected
+        reply = collected.reply
+        for action in group:
+            try:
+                post_to(action.lane, action.job, reply)
+            except LaneError as exc:
+                reply(LaneReply(job_id, action.lane, outcome.Error(exc), Phases()))
 
     def _queue(self, response: env_v1.JoinResponse) -> None:
         try:

@@ -34,7 +34,7 @@ from grpclib.const import Handler as MethodHandler
 from grpclib.exceptions import GRPCError
 from grpclib.server import Stream
 
-from .._bridge import ReplyInbox, ToLoop, Worker
+from .._bridge import Delivery, Gather, ReplyInbox, ToLoop, Worker
 from .._credentials import protect_credentials
 from .._errors import (
     AlreadyJoinedError,
@@ -177,13 +177,53 @@ class ReplyRoutes:
         # After the post: the reply is delivered on this loop, so never before this runs.
         self._routes[job.id * self._lanes + lane] = call
 
-    def _route(self, reply: LaneReply) -> None:
+    def gather(self, job_id: int, lanes: list[int], call: JoinCall) -> Gather:
+        """Routes for one job posted to ``lanes`` for ``call`` under one id, and the
+        :class:`~rlmesh_trio._bridge.Gather` whose ``reply`` each lane's post is to carry
+        (:meth:`post_to`): the lanes' replies cross to the loop once, as one batch."""
+        routes, width = self._routes, self._lanes
+        for lane in lanes:
+            routes[job_id * width + lane] = call
+        return Gather(len(lanes), self._inbox.put)
+
+    def release(self, gather: Gather) -> list[LaneReply]:
+        """Loop: end ``gather`` early (:meth:`Gather.release`); its replies so far, their
+        routes used (the caller hands them to their Join itself)."""
+        taken = gather.release()
+        routes, width = self._routes, self._lanes
+        for reply in taken:
+            routes.pop(reply.job_id * width + reply.lane, None)
+        return taken
+
+    def post_to(self, lane: int, job: Job, reply: ReplyFn) -> None:
+        """Post ``job`` with ``reply`` (a gather's; its route is set): raises the lane's
+        refusal."""
+        self._post(lane, job, reply)
+
+    def _route(self, delivery: Delivery) -> None:
+        if isinstance(delivery, list):
+            self._route_batch(delivery)
+            return
+        reply = delivery
         call = self._routes.pop(reply.job_id * self._lanes + reply.lane, None)
         if call is None:
             log.debug("lane reply for job %d, which no Join waits for; dropped", reply.job_id)
             return
         call.on_lane_reply(reply)
         if call not in self._touched:  # one or two Joins: a short list
+            self._touched.append(call)
+
+    def _route_batch(self, batch: list[LaneReply]) -> None:
+        """A gather's replies (one job id, several lanes): to their Join at once."""
+        routes, width = self._routes, self._lanes
+        call = None
+        for reply in batch:
+            call = routes.pop(reply.job_id * width + reply.lane, None)
+        if call is None:
+            log.debug("lane replies for job %d, which no Join waits for; dropped", batch[0].job_id)
+            return
+        call.on_lane_replies(batch)
+        if call not in self._touched:
             self._touched.append(call)
 
     def _routed(self) -> None:
@@ -412,6 +452,9 @@ class LoopServer:
             max_message_bytes=self.max_message_bytes,
             protocols=self.protocols,
             post=routes.post,
+            gather=routes.gather,
+            post_to=routes.post_to,
+            release=routes.release,
             wedged=self.lanes.wedged,
             report_limit=self.report_limit,
             metrics=self.metrics,

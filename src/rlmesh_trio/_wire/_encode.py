@@ -106,11 +106,33 @@ def _meta_value(value: spaces_v1.MetaValue) -> bytes:
     if value.bytes is not None:
         return len_prefixed(b"\x2a", value.bytes)
     if value.list is not None:
-        items = b"".join(len_prefixed(b"\x0a", _meta_value(v)) for v in value.list.items)
-        return len_prefixed(b"\x32", items)
+        return len_prefixed(b"\x32", _meta_items(value.list.items))
     if value.map is not None:
         return len_prefixed(b"\x3a", _meta_map(value.map))
     return b""
+
+
+_EMPTY_MAP_ITEM = b"\x0a\x02\x3a\x00"
+_BOOL_ITEMS = (b"\x0a\x02\x20\x00", b"\x0a\x02\x20\x01")
+
+
+def _meta_items(items: list[spaces_v1.MetaValue]) -> bytes:
+    """A MetaList's items. The two kinds a batched reply's infos are made of -- a lane's
+    map, most often empty, and a done flag -- are written without the general walk (a
+    MetaValue is a oneof: one of its fields is set, so the order of the checks does not
+    matter)."""
+    parts = []
+    for item in items:
+        meta = item.map
+        if meta is not None and not meta.entries:
+            parts.append(_EMPTY_MAP_ITEM)
+            continue
+        flag = item.bool
+        if flag is not None:
+            parts.append(_BOOL_ITEMS[flag])
+            continue
+        parts.append(len_prefixed(b"\x0a", _meta_value(item)))
+    return b"".join(parts)
 
 
 def _meta_map(meta: spaces_v1.MetaMap) -> bytes:
