@@ -156,6 +156,49 @@ def test_replies_encoded_by_the_server_decode_back() -> None:
         decode_reply(b"\x12\x05\x00")
 
 
+def _step_reply(infos: dict[str, Any], k: int) -> bytes:
+    return encode_join_response(
+        env_v1.JoinResponse(
+            step=env_v1.StepResponse(
+                observation=spaces_v1.SpaceValue(leaves=[b"\x00" * k]),
+                rewards=[0.0] * k,
+                terminated_mask=b"\x00" * k,
+                truncated_mask=b"\x00" * k,
+                infos=to_meta_map(infos),
+            ),
+            request_id="rt-1",
+        )
+    )
+
+
+@pytest.mark.parametrize("k", [2, 8])
+def test_lanes_empty_infos_decode_the_same_each_time(k: int) -> None:
+    # The second decode of an encoding already seen takes the shortcut: equal infos,
+    # fresh objects (a caller may keep or change them), flagged as nothing to add.
+    for order in (["final_info", "_final_info"], ["_final_info", "final_info"]):
+        empty = {"final_info": [{}] * k, "_final_info": [False] * k}
+        infos = {key: empty[key] for key in order}
+        data = _step_reply(infos, k)
+        first, second = decode_reply(data), decode_reply(data)
+        for reply in (first, second):
+            assert reply.infos == infos and list(reply.infos) == order
+            assert reply.empty_lane_infos
+        assert second.infos["final_info"][0] is not first.infos["final_info"][0]
+        second.infos["final_info"][0]["x"] = 1
+        assert decode_reply(data).infos == infos
+    # Not empty: a lane's info, a set mask, another key, one lane.
+    for infos, lanes in [
+        ({"final_info": [{"x": 1}] + [{}] * (k - 1), "_final_info": [True] + [False] * (k - 1)}, k),
+        ({"final_info": [{}] * k, "_final_info": [True] + [False] * (k - 1)}, k),
+        ({"final_info": [{}] * k, "_final_info": [False] * k, "y": 2}, k),
+        ({"final_info": [{}], "_final_info": [False]}, 1),
+    ]:
+        data = _step_reply(infos, lanes)
+        for _ in range(2):
+            reply = decode_reply(data)
+            assert reply.infos == infos and not reply.empty_lane_infos
+
+
 def handshake(**base: Any) -> bytes:
     space = space_to_spec(spaces.Discrete(2))
     defaults: dict[str, Any] = {

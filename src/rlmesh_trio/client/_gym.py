@@ -328,7 +328,12 @@ class VectorEnv(gym.vector.VectorEnv):
             )
         rows = self._action_rows(actions)
         plan = plan_step(self.autoreset_mode, self._lanes.done)
-        stepped, reset = self._step_request(plan, actions, rows)
+        answers = self._step_request(plan, actions, rows)
+        if not plan.reset_lanes and isinstance(answers[0], Reply):
+            whole = self._fold_whole(answers[0])
+            if whole is not None:
+                return whole
+        stepped, reset = self._step_answers(plan, answers)
         done = same_step_resets(self.autoreset_mode, plan, stepped)
         finished = self._resets(done, [None] * len(done), None) if done else {}
         lanes = self._lanes
@@ -353,14 +358,43 @@ class VectorEnv(gym.vector.VectorEnv):
             raise ValueError(f"expected {n} actions, got {len(rows)}")
         return rows
 
+    def _fold_whole(
+        self, reply: Reply
+    ) -> (
+        tuple[Any, np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any], dict[str, Any]]
+        | None
+    ):
+        """A whole-vector step's reply folded straight from its arrays (what
+        :func:`fold_step` does lane by lane, without a per-lane object where none is
+        needed: nothing at all for lanes' empty infos); the step's result. None (nothing
+        folded) when the observation is not one fixed-width leaf, or when a lane finished
+        under SAME_STEP (it resets before the step returns): the general fold does those."""
+        fast = self._state.codecs.fast_observation
+        if fast is None:
+            return None
+        n = self.num_envs
+        rewards, terminated, truncated = step_arrays(reply, n)
+        done = terminated | truncated
+        if self.autoreset_mode == AutoresetMode.SAME_STEP and done.any():
+            return None
+        observations = fast.decode(reply.leaves, n)
+        infos: dict[str, Any] = {}
+        if not reply.empty_lane_infos:
+            for i, info in enumerate(lane_infos(reply.infos, n)):
+                infos = self._add_info(infos, info, i)
+        lanes = self._lanes
+        lanes.obs[:] = list(observations)
+        lanes.rewards, lanes.terminations, lanes.truncations = rewards, terminated, truncated
+        lanes.done = done
+        return observations.copy(), rewards.copy(), terminated.copy(), truncated.copy(), infos
+
     def _step_request(
         self, plan: StepPlan, actions: Any, rows: list[Any] | None
-    ) -> tuple[dict[int, LaneStep], dict[int, LaneReset]]:
+    ) -> list[Reply | EndpointError]:
         """The step's one round trip: a step of ``plan.step_lanes`` (whole-vector when
         every lane steps: the same on a lane endpoint, and the form every server handles
-        fastest) beside a lane-scoped reset of ``plan.reset_lanes``; each lane's answer.
-        A faulted lane (rlmesh-trio under ``--on-lane-fault rebuild/truncate``) counts as
-        stepped: truncated on its last observation."""
+        fastest) beside a lane-scoped reset of ``plan.reset_lanes``; their answers, in that
+        order. An error other than a lane's crash is raised."""
         step_lanes, reset_lanes = plan.step_lanes, plan.reset_lanes
         codecs = self._state.codecs
         builders: list[Any] = []
@@ -401,6 +435,15 @@ class VectorEnv(gym.vector.VectorEnv):
         for answer in answers:
             if isinstance(answer, EndpointError) and not lane_crash(answer):
                 raise answer
+        return answers
+
+    def _step_answers(
+        self, plan: StepPlan, answers: list[Reply | EndpointError]
+    ) -> tuple[dict[int, LaneStep], dict[int, LaneReset]]:
+        """Each lane's answer to :meth:`_step_request`. A faulted lane (rlmesh-trio under
+        ``--on-lane-fault rebuild/truncate``) counts as stepped: truncated on its last
+        observation."""
+        step_lanes, reset_lanes = plan.step_lanes, plan.reset_lanes
         stepped: dict[int, LaneStep] = {}
         step_answer = answers[0] if step_lanes else None
         if isinstance(step_answer, EnvError):
