@@ -529,8 +529,12 @@ async def test_big_messages_go_through_flow_control() -> None:
                 env = VectorEnv(info.address)
                 try:
                     env.reset()
-                    got = env.step(actions)[0]
-                    assert np.array_equal(got, actions)
+                    # 5 x 3.75 MiB of replies: past the client's 16 MiB receive window,
+                    # which the client's own WINDOW_UPDATEs reopen (DATA read past h2).
+                    for i in range(5):
+                        batch = actions if i % 2 == 0 else actions[::-1].copy()
+                        got = env.step(batch)[0]
+                        assert np.array_equal(got, batch)
                 finally:
                     env.close()
 
