@@ -20,6 +20,7 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
+import h2.stream
 
 from .._wire import MessageReader, decode_grpc_message, frame
 
@@ -216,11 +217,36 @@ class GrpcConnection:
             chunk = view[:window]
             rest = view[len(chunk) :]
             last = not rest
-            h2c.send_data(call.id, chunk.tobytes(), end_stream=end and last)
+            if end and last:
+                h2c.send_data(call.id, chunk.tobytes(), end_stream=True)
+            else:
+                self._send_data(call.id, chunk)
             if last:
                 call._outbound.popleft()
             else:
                 call._outbound[0] = (rest, end)
+
+    def _send_data(self, stream_id: int, chunk: memoryview) -> None:
+        """One DATA frame of ``chunk`` (no flags; within the windows, as :meth:`_pump`
+        cut it), written as h2's ``send_data`` would write it and counted against the
+        same windows, without its per-frame objects and log formatting (~8 us a
+        request). h2 does it when the stream or connection is not plainly open."""
+        h2c = self._h2
+        stream = h2c.streams.get(stream_id)
+        out = getattr(h2c, "_data_to_send", None)
+        if (
+            stream is None
+            or stream.state_machine.state not in _SENDING
+            or h2c.state_machine.state is not h2.connection.ConnectionState.CLIENT_OPEN
+            or not isinstance(out, bytearray)
+        ):
+            h2c.send_data(stream_id, chunk.tobytes())
+            return
+        n = len(chunk)
+        h2c.outbound_flow_control_window -= n
+        stream.outbound_flow_control_window -= n
+        out += n.to_bytes(3, "big") + b"\x00\x00" + stream_id.to_bytes(4, "big")
+        out += chunk
 
     # ---- input -------------------------------------------------------------------------
 
@@ -412,6 +438,10 @@ class GrpcConnection:
             if not call.ended:
                 call.lost = why
                 call.ended = True
+
+
+_SENDING: Final = (h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_REMOTE)
+"""The stream states h2 sends DATA in."""
 
 
 def _window_update(stream_id: int, increment: int) -> bytes:
