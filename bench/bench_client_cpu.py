@@ -10,7 +10,8 @@ steps 200 vector steps to warm up, then ``--steps`` vector steps of actions samp
 beforehand (autoreset NEXT_STEP), and reports, per vector step, its own CPU (user and
 system, ``getrusage``) and wall time. The table has the medians and each tree's CPU as a
 ratio to the first tree's; give one tree twice (``A=src --tree A2=src``) for the noise
-floor. An older tree: ``git archive COMMIT src | tar -x -C /tmp/old``.
+floor (without ``--tree``: this process's own tree twice, an A/A run). An older tree:
+``git archive COMMIT src | tar -x -C /tmp/old``.
 
 The server is the same for every tree, so only the client's code differs; client CPU is
 far less noisy than wall time on a shared machine. Loopback only.
@@ -74,10 +75,23 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("env", nargs="?", default="CartPole-v1")
     parser.add_argument("n", nargs="?", type=int, default=8, metavar="N")
-    parser.add_argument("--tree", action="append", required=True, metavar="NAME=SRC")
+    parser.add_argument(
+        "--tree",
+        action="append",
+        metavar="NAME=SRC",
+        help="a source tree's src folder (repeatable; default: this one's, twice: A/A)",
+    )
     parser.add_argument("--steps", type=int, default=4000, help="vector steps a round")
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--quick", action="store_true", help="3 rounds of 1,000 steps")
     args = parser.parse_args()
+    if args.quick:
+        args.steps, args.rounds = 1000, 3
+    if not args.tree:
+        import rlmesh_trio
+
+        here = str(Path(rlmesh_trio.__file__).resolve().parents[1])
+        args.tree = [f"this={here}", f"this-again={here}"]
     trees = dict(t.split("=", 1) for t in args.tree)
     for name, src in trees.items():
         if not (Path(src) / "rlmesh_trio").is_dir():
