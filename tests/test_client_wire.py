@@ -643,3 +643,52 @@ def test_a_reply_to_a_request_never_sent_is_a_protocol_error() -> None:
     assert state.failure is not None and state.failure.code == ErrorCode.INTERNAL
     assert "a reply to request_id 'rt-99', never sent" in str(state.failure)
     assert isinstance(waiting.error, EndpointError) and conn.cancelled == [join]
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 100, 1 << 20])
+def test_data_frames_read_past_h2_in_any_chunking(chunk: int) -> None:
+    # Response headers, DATA (read by GrpcConnection itself once the headers came) and
+    # trailers, fed in pieces of ``chunk`` bytes: the same messages and ending, and the
+    # frames h2 must judge (headers, trailers, END_STREAM) still reach it.
+    client = GrpcConnection("localhost", [])
+    server = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+    server.initiate_connection()
+    client.receive(server.data_to_send())
+    call = client.open(JOIN_PATH)
+    client.send(call, b"hello")
+    server.receive_data(client.data_to_send())
+    server.send_headers(call.id, [(":status", "200"), ("content-type", "application/grpc")])
+    messages = [bytes([i]) * (i * 997 % 40000) for i in range(1, 12)]
+    for message in messages:
+        server.send_data(call.id, frame(message))
+    server.send_data(call.id, frame(b"last"), end_stream=False)
+    server.send_headers(call.id, [("grpc-status", "0")], end_stream=True)
+    data = server.data_to_send()
+    for i in range(0, len(data), chunk):
+        client.receive(data[i : i + chunk])
+    assert client.lost is None
+    assert list(call.messages) == [*messages, b"last"]
+    assert call.ended and call.status == 0
+
+
+def test_data_read_past_h2_gives_its_window_back() -> None:
+    # 20 MiB on one stream through a 16 MiB receive window: the client's own
+    # WINDOW_UPDATEs (connection and stream) let the server send all of it.
+    client = GrpcConnection("localhost", [])
+    server = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+    server.initiate_connection()
+    client.receive(server.data_to_send())
+    call = client.open(JOIN_PATH)
+    server.receive_data(client.data_to_send())
+    server.send_headers(call.id, [(":status", "200"), ("content-type", "application/grpc")])
+    message = frame(b"\x01" * (1 << 20))
+    sent = 0
+    while sent < 20:
+        window = server.local_flow_control_window(call.id)
+        assert window >= len(message), f"the window was not given back after {sent} MiB"
+        for i in range(0, len(message), server.max_outbound_frame_size):
+            server.send_data(call.id, message[i : i + server.max_outbound_frame_size])
+        client.receive(server.data_to_send())
+        server.receive_data(client.data_to_send())  # the client's WINDOW_UPDATEs
+        sent += 1
+    assert client.lost is None and len(call.messages) == 20

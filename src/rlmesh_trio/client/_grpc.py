@@ -330,8 +330,10 @@ class GrpcConnection:
                         self._h2_frames(bytes(inbox[slow:pos]))
                         if self.lost is not None:
                             return
-                    if not call.ended:  # (the frames before may have ended it)
+                    if not call.ended:
                         self._take(call, bytes(inbox[pos + 9 : end]))
+                    else:  # the frames before ended it: dropped, its window given back
+                        self._take_window(None, length)
                     slow = pos = end
                     continue
             elif kind in (1, 5, 9):  # HEADERS, PUSH_PROMISE, CONTINUATION
@@ -345,15 +347,20 @@ class GrpcConnection:
     def _take(self, call: Call, payload: bytes) -> None:
         """A DATA frame's payload read past h2: its messages, and the window it used."""
         self._split(call, payload)
-        if not payload:
+        self._take_window(call, len(payload))
+
+    def _take_window(self, call: Call | None, n: int) -> None:
+        """``n`` bytes of DATA read past h2, on ``call``'s stream (None: one that ended):
+        WINDOW_UPDATEs for them once they reach half the window."""
+        if not n:
             return
-        n = len(payload)
-        self._taken += n
-        taken = self._taken_by[call.id] = self._taken_by.get(call.id, 0) + n
         half = _WINDOW // 2
-        if taken >= half and not call.ended:
-            self._updates += _window_update(call.id, taken)
-            self._taken_by[call.id] = 0
+        self._taken += n
+        if call is not None:
+            taken = self._taken_by[call.id] = self._taken_by.get(call.id, 0) + n
+            if taken >= half and not call.ended:
+                self._updates += _window_update(call.id, taken)
+                self._taken_by[call.id] = 0
         if self._taken >= half:
             self._updates += _window_update(0, self._taken)
             self._taken = 0
