@@ -692,3 +692,28 @@ def test_data_read_past_h2_gives_its_window_back() -> None:
         server.receive_data(client.data_to_send())  # the client's WINDOW_UPDATEs
         sent += 1
     assert client.lost is None and len(call.messages) == 20
+
+
+def test_data_frames_written_past_h2_as_h2_writes_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The same requests through GrpcConnection's own DATA frames and through
+    # h2.send_data: the same bytes on the wire and the same flow-control windows after.
+    def run() -> tuple[bytes, int, int]:
+        client = GrpcConnection("localhost", [])
+        server = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+        server.initiate_connection()
+        client.receive(server.data_to_send())
+        call = client.open(JOIN_PATH)
+        for size in (5, 300, 40000, 70000):
+            client.send(call, bytes([size % 251]) * size)
+        client.send(call, b"end", end=True)
+        wire = client.data_to_send()
+        conn = client._h2
+        return wire, conn.outbound_flow_control_window, conn.local_flow_control_window(call.id)
+
+    fast = run()
+    monkeypatch.setattr(
+        GrpcConnection,
+        "_send_data",
+        lambda self, stream_id, chunk: self._h2.send_data(stream_id, chunk.tobytes()),
+    )
+    assert run() == fast
