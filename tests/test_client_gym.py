@@ -16,6 +16,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import trio
+from gymnasium.envs.toy_text.frozen_lake import FrozenLakeEnv
 from gymnasium.utils.env_checker import check_env
 from gymnasium.utils.passive_env_checker import env_render_passive_checker
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
@@ -114,7 +115,20 @@ CASES: dict[str, tuple[str, Callable[[], gym.Env[Any, Any]], int, int]] = {
     # name: (entrypoint, factory, lanes, steps)
     "cartpole": ("support.envs:make_cartpole", envs.make_cartpole, 3, 80),
     "nested": ("support.envs:make_nested", envs.make_nested, 3, 30),
+    # One fixed-width leaf (the whole-step fold) with a lane's info every step.
+    "frozenlake": (
+        f"{FrozenLakeEnv.__module__}:FrozenLakeEnv",
+        lambda: _int64_obs(FrozenLakeEnv()),
+        3,
+        60,
+    ),
 }
+
+
+def _int64_obs(env: gym.Env[Any, Any]) -> gym.Env[Any, Any]:
+    """FrozenLake's observations as the wire's Discrete leaf reads back (a Python
+    ``int`` becomes ``np.int64``: SAME_STEP's ``final_obs`` shows the type)."""
+    return gym.wrappers.TransformObservation(env, np.int64, env.observation_space)
 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)

@@ -156,6 +156,49 @@ def test_replies_encoded_by_the_server_decode_back() -> None:
         decode_reply(b"\x12\x05\x00")
 
 
+def _step_reply(infos: dict[str, Any], k: int) -> bytes:
+    return encode_join_response(
+        env_v1.JoinResponse(
+            step=env_v1.StepResponse(
+                observation=spaces_v1.SpaceValue(leaves=[b"\x00" * k]),
+                rewards=[0.0] * k,
+                terminated_mask=b"\x00" * k,
+                truncated_mask=b"\x00" * k,
+                infos=to_meta_map(infos),
+            ),
+            request_id="rt-1",
+        )
+    )
+
+
+@pytest.mark.parametrize("k", [2, 8])
+def test_lanes_empty_infos_decode_the_same_each_time(k: int) -> None:
+    # The second decode of an encoding already seen takes the shortcut: equal infos,
+    # fresh objects (a caller may keep or change them), flagged as nothing to add.
+    for order in (["final_info", "_final_info"], ["_final_info", "final_info"]):
+        empty = {"final_info": [{}] * k, "_final_info": [False] * k}
+        infos = {key: empty[key] for key in order}
+        data = _step_reply(infos, k)
+        first, second = decode_reply(data), decode_reply(data)
+        for reply in (first, second):
+            assert reply.infos == infos and list(reply.infos) == order
+            assert reply.empty_lane_infos
+        assert second.infos["final_info"][0] is not first.infos["final_info"][0]
+        second.infos["final_info"][0]["x"] = 1
+        assert decode_reply(data).infos == infos
+    # Not empty: a lane's info, a set mask, another key, one lane.
+    for infos, lanes in [
+        ({"final_info": [{"x": 1}] + [{}] * (k - 1), "_final_info": [True] + [False] * (k - 1)}, k),
+        ({"final_info": [{}] * k, "_final_info": [True] + [False] * (k - 1)}, k),
+        ({"final_info": [{}] * k, "_final_info": [False] * k, "y": 2}, k),
+        ({"final_info": [{}], "_final_info": [False]}, 1),
+    ]:
+        data = _step_reply(infos, lanes)
+        for _ in range(2):
+            reply = decode_reply(data)
+            assert reply.infos == infos and not reply.empty_lane_infos
+
+
 def handshake(**base: Any) -> bytes:
     space = space_to_spec(spaces.Discrete(2))
     defaults: dict[str, Any] = {
@@ -486,8 +529,12 @@ async def test_big_messages_go_through_flow_control() -> None:
                 env = VectorEnv(info.address)
                 try:
                     env.reset()
-                    got = env.step(actions)[0]
-                    assert np.array_equal(got, actions)
+                    # 5 x 3.75 MiB of replies: past the client's 16 MiB receive window,
+                    # which the client's own WINDOW_UPDATEs reopen (DATA read past h2).
+                    for i in range(5):
+                        batch = actions if i % 2 == 0 else actions[::-1].copy()
+                        got = env.step(batch)[0]
+                        assert np.array_equal(got, batch)
                 finally:
                     env.close()
 
@@ -596,3 +643,77 @@ def test_a_reply_to_a_request_never_sent_is_a_protocol_error() -> None:
     assert state.failure is not None and state.failure.code == ErrorCode.INTERNAL
     assert "a reply to request_id 'rt-99', never sent" in str(state.failure)
     assert isinstance(waiting.error, EndpointError) and conn.cancelled == [join]
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 100, 1 << 20])
+def test_data_frames_read_past_h2_in_any_chunking(chunk: int) -> None:
+    # Response headers, DATA (read by GrpcConnection itself once the headers came) and
+    # trailers, fed in pieces of ``chunk`` bytes: the same messages and ending, and the
+    # frames h2 must judge (headers, trailers, END_STREAM) still reach it.
+    client = GrpcConnection("localhost", [])
+    server = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+    server.initiate_connection()
+    client.receive(server.data_to_send())
+    call = client.open(JOIN_PATH)
+    client.send(call, b"hello")
+    server.receive_data(client.data_to_send())
+    server.send_headers(call.id, [(":status", "200"), ("content-type", "application/grpc")])
+    messages = [bytes([i]) * (i * 997 % 40000) for i in range(1, 12)]
+    for message in messages:
+        server.send_data(call.id, frame(message))
+    server.send_data(call.id, frame(b"last"), end_stream=False)
+    server.send_headers(call.id, [("grpc-status", "0")], end_stream=True)
+    data = server.data_to_send()
+    for i in range(0, len(data), chunk):
+        client.receive(data[i : i + chunk])
+    assert client.lost is None
+    assert list(call.messages) == [*messages, b"last"]
+    assert call.ended and call.status == 0
+
+
+def test_data_read_past_h2_gives_its_window_back() -> None:
+    # 20 MiB on one stream through a 16 MiB receive window: the client's own
+    # WINDOW_UPDATEs (connection and stream) let the server send all of it.
+    client = GrpcConnection("localhost", [])
+    server = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+    server.initiate_connection()
+    client.receive(server.data_to_send())
+    call = client.open(JOIN_PATH)
+    server.receive_data(client.data_to_send())
+    server.send_headers(call.id, [(":status", "200"), ("content-type", "application/grpc")])
+    message = frame(b"\x01" * (1 << 20))
+    sent = 0
+    while sent < 20:
+        window = server.local_flow_control_window(call.id)
+        assert window >= len(message), f"the window was not given back after {sent} MiB"
+        for i in range(0, len(message), server.max_outbound_frame_size):
+            server.send_data(call.id, message[i : i + server.max_outbound_frame_size])
+        client.receive(server.data_to_send())
+        server.receive_data(client.data_to_send())  # the client's WINDOW_UPDATEs
+        sent += 1
+    assert client.lost is None and len(call.messages) == 20
+
+
+def test_data_frames_written_past_h2_as_h2_writes_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The same requests through GrpcConnection's own DATA frames and through
+    # h2.send_data: the same bytes on the wire and the same flow-control windows after.
+    def run() -> tuple[bytes, int, int]:
+        client = GrpcConnection("localhost", [])
+        server = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+        server.initiate_connection()
+        client.receive(server.data_to_send())
+        call = client.open(JOIN_PATH)
+        for size in (5, 300, 40000, 70000):
+            client.send(call, bytes([size % 251]) * size)
+        client.send(call, b"end", end=True)
+        wire = client.data_to_send()
+        conn = client._h2
+        return wire, conn.outbound_flow_control_window, conn.local_flow_control_window(call.id)
+
+    fast = run()
+    monkeypatch.setattr(
+        GrpcConnection,
+        "_send_data",
+        lambda self, stream_id, chunk: self._h2.send_data(stream_id, chunk.tobytes()),
+    )
+    assert run() == fast

@@ -83,6 +83,8 @@ def plan_step(mode: AutoresetMode, done: np.ndarray[Any, Any]) -> StepPlan:
     Raises ``ValueError`` under DISABLED when a lane finished and was not reset (where
     ``SyncVectorEnv`` asserts)."""
     n = len(done)
+    if not done.any():
+        return StepPlan(list(range(n)), [])  # every mode: all lanes step
     if mode == AutoresetMode.NEXT_STEP:
         reset_lanes = [i for i in range(n) if done[i]]
         if not reset_lanes:

@@ -328,7 +328,11 @@ class VectorEnv(gym.vector.VectorEnv):
             )
         rows = self._action_rows(actions)
         plan = plan_step(self.autoreset_mode, self._lanes.done)
-        stepped, reset = self._step_request(plan, actions, rows)
+        answers = self._step_request(plan, actions, rows)
+        folded = self._fold_arrays(plan, answers)
+        if folded is not None:
+            return folded
+        stepped, reset = self._step_answers(plan, answers)
         done = same_step_resets(self.autoreset_mode, plan, stepped)
         finished = self._resets(done, [None] * len(done), None) if done else {}
         lanes = self._lanes
@@ -353,14 +357,68 @@ class VectorEnv(gym.vector.VectorEnv):
             raise ValueError(f"expected {n} actions, got {len(rows)}")
         return rows
 
+    def _fold_arrays(
+        self, plan: StepPlan, answers: list[Reply | EndpointError]
+    ) -> (
+        tuple[Any, np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any], dict[str, Any]]
+        | None
+    ):
+        """A step's replies folded straight from their arrays (what :func:`fold_step`
+        does lane by lane, without a per-lane object where none is needed: nothing at
+        all for lanes' empty infos); the step's result. None (nothing folded) when the
+        observation is not one fixed-width leaf, when a lane crashed, or when a lane
+        finished under SAME_STEP (it resets before the step returns): the general fold
+        does those."""
+        fast = self._state.codecs.fast_observation
+        if fast is None:
+            return None
+        step_lanes, reset_lanes = plan.step_lanes, plan.reset_lanes
+        step = answers[0] if step_lanes else None
+        reset = answers[-1] if reset_lanes else None
+        if isinstance(step, EndpointError) or isinstance(reset, EndpointError):
+            return None
+        n = self.num_envs
+        if reset is None:
+            assert step is not None
+            rewards, terminated, truncated = step_arrays(step, n)
+            done = terminated | truncated
+            if self.autoreset_mode == AutoresetMode.SAME_STEP and done.any():
+                return None
+            observations = fast.decode(step.leaves, n)
+        else:  # NEXT_STEP: the finished lanes reset in place of their step
+            observations = np.empty((n, *fast.shape), dtype=fast.out)
+            rewards = np.zeros((n,), dtype=np.float64)
+            terminated = np.zeros((n,), dtype=np.bool_)
+            truncated = np.zeros((n,), dtype=np.bool_)
+            if step is not None:
+                k = len(step_lanes)
+                rows = step_arrays(step, k)
+                observations[step_lanes] = fast.decode(step.leaves, k)
+                rewards[step_lanes], terminated[step_lanes], truncated[step_lanes] = rows
+            observations[reset_lanes] = fast.decode(reset.leaves, len(reset_lanes))
+            done = terminated | truncated
+        infos: dict[str, Any] = {}
+        step_infos = _infos_of(step, len(step_lanes))
+        reset_infos = _infos_of(reset, len(reset_lanes))
+        if step_infos or reset_infos:
+            by_lane: dict[int, dict[str, Any]] = {}
+            by_lane.update(zip(step_lanes, step_infos or (), strict=False))
+            by_lane.update(zip(reset_lanes, reset_infos or (), strict=False))
+            for i in sorted(by_lane):
+                infos = self._add_info(infos, by_lane[i], i)
+        lanes = self._lanes
+        lanes.obs[:] = list(observations)
+        lanes.rewards, lanes.terminations, lanes.truncations = rewards, terminated, truncated
+        lanes.done = done
+        return observations.copy(), rewards.copy(), terminated.copy(), truncated.copy(), infos
+
     def _step_request(
         self, plan: StepPlan, actions: Any, rows: list[Any] | None
-    ) -> tuple[dict[int, LaneStep], dict[int, LaneReset]]:
+    ) -> list[Reply | EndpointError]:
         """The step's one round trip: a step of ``plan.step_lanes`` (whole-vector when
         every lane steps: the same on a lane endpoint, and the form every server handles
-        fastest) beside a lane-scoped reset of ``plan.reset_lanes``; each lane's answer.
-        A faulted lane (rlmesh-trio under ``--on-lane-fault rebuild/truncate``) counts as
-        stepped: truncated on its last observation."""
+        fastest) beside a lane-scoped reset of ``plan.reset_lanes``; their answers, in that
+        order. An error other than a lane's crash is raised."""
         step_lanes, reset_lanes = plan.step_lanes, plan.reset_lanes
         codecs = self._state.codecs
         builders: list[Any] = []
@@ -401,6 +459,15 @@ class VectorEnv(gym.vector.VectorEnv):
         for answer in answers:
             if isinstance(answer, EndpointError) and not lane_crash(answer):
                 raise answer
+        return answers
+
+    def _step_answers(
+        self, plan: StepPlan, answers: list[Reply | EndpointError]
+    ) -> tuple[dict[int, LaneStep], dict[int, LaneReset]]:
+        """Each lane's answer to :meth:`_step_request`. A faulted lane (rlmesh-trio under
+        ``--on-lane-fault rebuild/truncate``) counts as stepped: truncated on its last
+        observation."""
+        step_lanes, reset_lanes = plan.step_lanes, plan.reset_lanes
         stepped: dict[int, LaneStep] = {}
         step_answer = answers[0] if step_lanes else None
         if isinstance(step_answer, EnvError):
@@ -481,6 +548,14 @@ class VectorEnv(gym.vector.VectorEnv):
         # close_timeout_seconds, from the collector on any thread): the endpoint's own
         # finalizer drops the connection without a request and without waiting.
         pass
+
+
+def _infos_of(reply: Reply | None, k: int) -> list[dict[str, Any]] | None:
+    """Each of the ``k`` lanes' infos of ``reply``; None when there is none or every
+    lane's is empty (nothing to add)."""
+    if reply is None or reply.empty_lane_infos or (k == 1 and not reply.infos):
+        return None
+    return lane_infos(reply.infos, k)
 
 
 class Env(gym.Env):

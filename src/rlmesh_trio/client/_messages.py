@@ -220,6 +220,10 @@ class Reply:
     error_recoverable: bool = False
     error_debug: str = ""
     timings: dict[str, int] = field(default_factory=dict)
+    empty_lane_infos: bool = False
+    """The infos are ``k`` lanes' empty maps and an all-false ``_final_info`` mask
+    (``infos["final_info"]`` is the list of them): a vector client has no lane's info
+    to add."""
 
 
 _TIMINGS: Final = {
@@ -352,6 +356,43 @@ def _doubles(data: Any, wire: int, s: int, e: int, out: list[Any]) -> None:
     out.extend(np.frombuffer(data, dtype="<f8", count=(e - s) // 8, offset=s).tolist())
 
 
+_EMPTY_LANE_INFOS: dict[bytes, tuple[tuple[str, str], int]] = {}
+"""Infos encodings seen to carry nothing but ``k`` empty lane maps and an all-false mask:
+the bytes, the order of the two keys in them and ``k``. A server encodes a step's empty
+infos the same way every step, so after the first one they are recognised by one
+comparison and built without decoding (CartPole: every step)."""
+
+_MAX_EMPTY_LANE_INFOS = 64
+"""Encodings :data:`_EMPTY_LANE_INFOS` keeps (one per lane count and key order seen)."""
+
+
+def _infos(reply: Reply, data: Any, start: int, end: int) -> None:
+    """The infos map into ``reply``; lanes' empty infos seen before without decoding."""
+    blob = bytes(data[start:end])
+    known = _EMPTY_LANE_INFOS.get(blob)
+    if known is not None:
+        (first, second), k = known
+        masks: dict[str, Any] = {"final_info": [{} for _ in range(k)], "_final_info": [False] * k}
+        reply.infos = {first: masks[first], second: masks[second]}
+        reply.empty_lane_infos = True
+        return
+    infos = reply.infos = _meta_map(blob, 0, len(blob))
+    lanes, mask = infos.get("final_info"), infos.get("_final_info")
+    if (
+        len(infos) == 2
+        and isinstance(lanes, list)
+        and isinstance(mask, list)
+        and len(lanes) == len(mask) > 1
+        and all(lane == {} for lane in lanes)
+        and all(flag is False for flag in mask)
+    ):
+        if len(_EMPTY_LANE_INFOS) >= _MAX_EMPTY_LANE_INFOS:
+            _EMPTY_LANE_INFOS.clear()
+        first, second = infos
+        _EMPTY_LANE_INFOS[blob] = ((first, second), len(lanes))
+        reply.empty_lane_infos = True
+
+
 def _body(reply: Reply, kind: int, data: Any, start: int, end: int) -> None:
     if kind == 1 or kind == 2:  # reset / step share observation (1); infos are 2 / 5
         rewards: list[float] = []
@@ -362,7 +403,7 @@ def _body(reply: Reply, kind: int, data: Any, start: int, end: int) -> None:
                 reply.leaves = _leaves(data, s, e)
             elif (number == 2 and kind == 1) or (number == 5 and kind == 2):
                 _need(wire, 2)
-                reply.infos = _meta_map(data, s, e)
+                _infos(reply, data, s, e)
             elif kind == 2 and number == 2:
                 _doubles(data, wire, s, e, rewards)
             elif kind == 2 and number == 3:

@@ -172,6 +172,8 @@ class PoolCore:
 
     def check_idle(self, env_indices: Sequence[int] | None, what: str) -> None:
         """Refuse ``what`` on lanes the pool holds (None: any lane)."""
+        if not self.flights and not self.ready:
+            return  # the pool holds no lane (every whole-vector step() asks)
         held = set(self.busy())
         lanes = range(self.num_envs) if env_indices is None else env_indices
         clash = sorted(held.intersection(int(i) for i in lanes))
