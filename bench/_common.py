@@ -192,11 +192,14 @@ class Served:
         self.stop()
 
 
-def _start(name: str, command: list[str]) -> Served:
+def _start(name: str, command: list[str], src: str | None = None) -> Served:
     """Run ``command`` (which takes ``--ready-fd FD`` last) and return once it has written
-    its bound address; ``RuntimeError`` with its log if it does not."""
+    its bound address; ``RuntimeError`` with its log if it does not. ``src``: a source tree
+    to import ``rlmesh_trio`` from (first on ``PYTHONPATH``), for a same-run A/B."""
     workdir = Path(tempfile.mkdtemp(prefix="rlt-bench-"))
     env = dict(os.environ)
+    if src is not None:
+        env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
     env.setdefault("RLMESH_WORKFLOW_EDITION", WORKFLOW_EDITION)
     read_fd, write_fd = os.pipe()
     try:
@@ -244,12 +247,13 @@ def _read_line(fd: int, proc: subprocess.Popen[bytes]) -> str:
     return line.decode().strip()
 
 
-def serve_ours(env_id: str, num_envs: int, *extra: str) -> Served:
+def serve_ours(env_id: str, num_envs: int, *extra: str, src: str | None = None) -> Served:
     """``rlmesh-trio serve --env ENV --num-envs N`` on an ephemeral loopback port; ``extra``
-    options after them (e.g. ``--lane-isolation process``)."""
+    options after them (e.g. ``--lane-isolation process``); ``src``: serve the
+    ``rlmesh_trio`` of that source tree (``.../src``) instead of the installed one."""
     command = [sys.executable, "-m", "rlmesh_trio", "serve", "--env", env_id]
     command += ["--num-envs", str(num_envs), "--address", "tcp://127.0.0.1:0", *extra]
-    return _start(f"rlmesh-trio serve {' '.join(command[4:])}", command)
+    return _start(f"rlmesh-trio serve {' '.join(command[4:])}", command, src)
 
 
 def serve_reference(env_id: str, num_envs: int) -> Served:

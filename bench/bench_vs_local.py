@@ -16,6 +16,9 @@ enough):
   of ours (``RemoteEnv`` at N = 1, where ``RemoteVectorEnv`` refuses the endpoint). It
   has no autoreset and no lane-scoped reset: its lanes step on past the end of their
   episodes, as in bench_client.py (the server still runs one env step per lane);
+* ``--base-src DIR`` adds ``thread-base`` and ``process-base``: the same two against a
+  server importing ``rlmesh_trio`` from the source tree ``DIR`` (e.g. an export of main's
+  ``src``), for a same-run A/B of a change; ``DIR`` = this tree's ``src`` is the A/A;
 * ``--ref`` adds ``ref-vector`` and ``ref-rlmesh``: ``VectorEnv`` and ``RemoteVectorEnv``
   against rlmesh 0.1.0's own server (``rlmesh.EnvServer``, in a subprocess).
 
@@ -79,13 +82,16 @@ CONTENDERS = {
     "async": "AsyncVectorEnv",
     "thread": "VectorEnv, thread lanes",
     "process": "VectorEnv, process lanes",
+    "thread-base": "VectorEnv, thread lanes, --base-src",
+    "process-base": "VectorEnv, process lanes, --base-src",
     "rlmesh": "rlmesh RemoteVectorEnv -> ours",
     "ref-vector": "VectorEnv -> reference",
     "ref-rlmesh": "rlmesh RemoteVectorEnv -> reference",
 }
 DEFAULT_CONTENDERS = ("sync", "async", "thread", "process", "rlmesh")
 REFERENCE_CONTENDERS = ("ref-vector", "ref-rlmesh")
-OURS = ("thread", "process", "rlmesh")
+BASE_CONTENDERS = ("thread-base", "process-base")
+OURS = ("thread", "process", "thread-base", "process-base", "rlmesh")
 """The contenders served by rlmesh-trio: the ones ``--profile`` samples."""
 
 ACTION_CYCLE = 1024
@@ -130,8 +136,16 @@ class Contender:
                 self.server.stop()
 
 
-def build(key: str, env_id: str, n: int, seed: int, ours_args: tuple[str, ...]) -> Contender:
-    """The contender ``key`` over ``n`` copies of ``env_id``, reset with ``seed``."""
+def build(
+    key: str,
+    env_id: str,
+    n: int,
+    seed: int,
+    ours_args: tuple[str, ...],
+    base_src: str | None = None,
+) -> Contender:
+    """The contender ``key`` over ``n`` copies of ``env_id``, reset with ``seed`` (the
+    ``-base`` ones served from the source tree ``base_src``)."""
     import gymnasium as gym
     from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv
 
@@ -145,10 +159,10 @@ def build(key: str, env_id: str, n: int, seed: int, ours_args: tuple[str, ...]) 
     else:
         if key.startswith("ref-"):
             server = serve_reference(env_id, n)
-        elif key == "process":
-            server = serve_ours(env_id, n, "--lane-isolation", "process", *ours_args)
         else:
-            server = serve_ours(env_id, n, *ours_args)
+            src = base_src if key.endswith("-base") else None
+            process = ("--lane-isolation", "process") if key.startswith("process") else ()
+            server = serve_ours(env_id, n, *process, *ours_args, src=src)
         try:
             c = _client(key, label, server, n)
         except BaseException:
@@ -163,7 +177,7 @@ def build(key: str, env_id: str, n: int, seed: int, ours_args: tuple[str, ...]) 
 
 
 def _client(key: str, label: str, server: Served, n: int) -> Contender:
-    if key in ("thread", "process", "ref-vector"):
+    if key in ("thread", "process", "ref-vector", *BASE_CONTENDERS):
         from rlmesh_trio.client import VectorEnv
 
         return Contender(key, label, VectorEnv(server.address), server)
@@ -449,7 +463,8 @@ def bench(args: argparse.Namespace, keys: list[str]) -> dict[str, Any]:
         # AsyncVectorEnv forks: build the local ones first, before any client thread.
         for key in keys:
             _progress(f"starting {CONTENDERS[key]}")
-            contenders[key] = build(key, args.env, n, args.seed, tuple(args.ours_args.split()))
+            ours_args = tuple(args.ours_args.split())
+            contenders[key] = build(key, args.env, n, args.seed, ours_args, args.base_src)
         for c in contenders.values():
             run(c, actions, warmup, n)
         spied = [k for k in OURS if k in contenders] if spy_exe is not None else []
@@ -468,7 +483,7 @@ def bench(args: argparse.Namespace, keys: list[str]) -> dict[str, Any]:
                         c.server.pid,
                         args.profile_mode,
                         args.profile_rate,
-                        subprocesses=key == "process",
+                        subprocesses=key.startswith("process"),
                     )
                 try:
                     c.samples.append(run(c, actions, vector_steps, n))
@@ -578,6 +593,12 @@ def main(argv: list[str] | None = None) -> int:
         "--ref", action="store_true", help="also ref-vector,ref-rlmesh: rlmesh 0.1.0's server"
     )
     parser.add_argument(
+        "--base-src",
+        default=None,
+        metavar="DIR",
+        help="also thread-base,process-base: servers importing rlmesh_trio from DIR",
+    )
+    parser.add_argument(
         "--seed",
         type=int,
         default=0,
@@ -610,6 +631,9 @@ def main(argv: list[str] | None = None) -> int:
     keys = [k.strip() for k in args.contenders.split(",") if k.strip()]
     if args.ref:
         keys += [k for k in REFERENCE_CONTENDERS if k not in keys]
+    if args.base_src is not None:
+        args.base_src = str(Path(args.base_src).resolve())
+        keys += [k for k in BASE_CONTENDERS if k not in keys]
     unknown = [k for k in keys if k not in CONTENDERS]
     if unknown:
         parser.error(f"unknown contender(s): {', '.join(unknown)}")
