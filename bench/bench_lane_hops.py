@@ -15,7 +15,8 @@ time:
 
 Per vector step, medians of ``--rounds`` alternating rounds: the wall time, this process's
 CPU (all its threads) and the children's CPU (``/proc/<pid>/stat``). An episode's end is
-reset synchronously by whoever saw it, in every shape. Resolution: clock ticks; keep
+reset by whoever saw it (the proxy thread; in ``direct``, all the vector step's resets are
+sent, then received). Resolution: clock ticks; keep
 rounds of a second or more.
 
 This is a measuring harness, not a server: it reaches into ``ChildLane``'s pipe for the
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     probe.close()
     packed = pack_job(job, 0)
+    packed_reset = pack_job(ResetJob(seed=None, options=None), 0)
 
     def reset_if_done(kid: ChildLane, result: Any) -> None:
         if result.terminated or result.truncated:
@@ -104,8 +106,15 @@ def main(argv: list[str] | None = None) -> int:
     def direct() -> None:
         for kid in kids:
             kid._conn.send(packed)
+        ended = []
         for kid in kids:
-            reset_if_done(kid, unpack_result(kid._conn.recv())[0].unwrap())
+            result = unpack_result(kid._conn.recv())[0].unwrap()
+            if result.terminated or result.truncated:
+                ended.append(kid)
+        for kid in ended:  # the episodes' resets, also all sent before any is received
+            kid._conn.send(packed_reset)
+        for kid in ended:
+            kid._conn.recv()
 
     def post_send() -> None:
         for kid, box in zip(kids, boxes, strict=True):
