@@ -1,0 +1,183 @@
+"""Benchmark: what the hops of a process lane cost, without the server around them.
+
+``python bench/bench_lane_hops.py ENV N`` (default ``CartPole-v1 8``) starts N process-lane
+children (:class:`rlmesh_trio._lanes._process.ChildLane`, as ``--lane-isolation process``
+does) and steps them in three shapes, one vector step (one step of every child) at a
+time:
+
+* ``proxy``: what the server does today -- a thread per child, fed by a queue (the lane
+  thread and its mailbox), sends the job and waits for the answer; the stepping thread
+  (standing in for the transport) posts N jobs and waits for N answers;
+* ``direct``: no proxy thread -- the stepping thread sends to every child, then receives
+  from every child (the shape of gymnasium's ``AsyncVectorEnv``);
+* ``post-send``: the stepping thread writes each job to its child as it posts it, and the
+  child's thread only waits for the answer (the mailbox hop gone, the lane thread kept).
+
+Per vector step, medians of ``--rounds`` alternating rounds: the wall time, this process's
+CPU (all its threads) and the children's CPU (``/proc/<pid>/stat``). An episode's end is
+reset by whoever saw it (the proxy thread; in ``direct``, all the vector step's resets are
+sent, then received). Resolution: clock ticks; keep
+rounds of a second or more.
+
+This is a measuring harness, not a server: it reaches into ``ChildLane``'s pipe for the
+shapes the server does not have.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import queue
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("RLMESH_WORKFLOW_EDITION", "2026.06")
+
+SHAPES = ("proxy", "direct", "post-send")
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("env", nargs="?", default="CartPole-v1")
+    parser.add_argument("num_envs", nargs="?", type=int, default=8, metavar="N")
+    parser.add_argument("--vector-steps", type=int, default=1500, help="per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args(argv)
+
+    import gymnasium as gym
+
+    from rlmesh_trio._codec import SpaceCodec
+    from rlmesh_trio._jobs import ResetJob, StepJob
+    from rlmesh_trio._lanes._process import ChildLane, pack_job, unpack_result
+
+    n = args.num_envs
+    kids = [ChildLane(functools.partial(gym.make, args.env), "warn", i, 0) for i in range(n)]
+    for kid in kids:
+        kid.build()
+        kid.execute(ResetJob(seed=0, options=None), 0)
+    probe = gym.make(args.env)
+    job = StepJob(
+        leaves=SpaceCodec(probe.action_space).encode(probe.action_space.sample()),
+        n=1,
+        row=0,
+        validated=False,
+    )
+    probe.close()
+    packed = pack_job(job, 0)
+    packed_reset = pack_job(ResetJob(seed=None, options=None), 0)
+
+    def reset_if_done(kid: ChildLane, result: Any) -> None:
+        if result.terminated or result.truncated:
+            kid.execute(ResetJob(seed=None, options=None), 0)
+
+    done: queue.SimpleQueue[int] = queue.SimpleQueue()
+    boxes: list[queue.SimpleQueue[int]] = [queue.SimpleQueue() for _ in kids]
+
+    def proxy_lane(kid: ChildLane, box: queue.SimpleQueue[int], count: int) -> None:
+        for _ in range(count):  # the lane thread: wait on the mailbox, then the child
+            box.get()
+            reset_if_done(kid, kid.execute(job, 0)[0].unwrap())
+            done.put(1)
+
+    def post_send_lane(kid: ChildLane, box: queue.SimpleQueue[int], count: int) -> None:
+        for _ in range(count):  # the job is in the pipe already: wait on the child only
+            result = unpack_result(kid._conn.recv())[0].unwrap()
+            box.get_nowait()
+            reset_if_done(kid, result)
+            done.put(1)
+
+    def proxy() -> None:
+        for box in boxes:
+            box.put(1)
+        for _ in boxes:
+            done.get()
+
+    def direct() -> None:
+        for kid in kids:
+            kid._conn.send(packed)
+        ended = []
+        for kid in kids:
+            result = unpack_result(kid._conn.recv())[0].unwrap()
+            if result.terminated or result.truncated:
+                ended.append(kid)
+        for kid in ended:  # the episodes' resets, also all sent before any is received
+            kid._conn.send(packed_reset)
+        for kid in ended:
+            kid._conn.recv()
+
+    def post_send() -> None:
+        for kid, box in zip(kids, boxes, strict=True):
+            box.put(1)
+            kid._conn.send(packed)
+        for _ in boxes:
+            done.get()
+
+    steps: dict[str, Callable[[], None]] = {
+        "proxy": proxy,
+        "direct": direct,
+        "post-send": post_send,
+    }
+    lanes: dict[str, Callable[[ChildLane, queue.SimpleQueue[int], int], None] | None] = {
+        "proxy": proxy_lane,
+        "direct": None,
+        "post-send": post_send_lane,
+    }
+    warmup = 50
+    rows: dict[str, list[tuple[float, float, float]]] = {shape: [] for shape in SHAPES}
+    try:
+        for r in range(args.rounds):
+            for shape in SHAPES if r % 2 == 0 else SHAPES[::-1]:
+                step = steps[shape]
+                target = lanes[shape]
+                threads = [
+                    threading.Thread(
+                        target=target, args=(k, b, warmup + args.vector_steps), daemon=True
+                    )
+                    for k, b in zip(kids, boxes, strict=True)
+                    if target is not None
+                ]
+                for thread in threads:
+                    thread.start()
+                for _ in range(warmup):
+                    step()
+                children0 = sum(cpu_seconds(k.pid or 0) for k in kids)
+                cpu0 = time.process_time()
+                started = time.perf_counter()
+                for _ in range(args.vector_steps):
+                    step()
+                wall = time.perf_counter() - started
+                parent = time.process_time() - cpu0
+                children = sum(cpu_seconds(k.pid or 0) for k in kids) - children0
+                per = 1e6 / args.vector_steps
+                rows[shape].append((wall * per, parent * per, children * per))
+                for thread in threads:
+                    thread.join()
+            print(f"  round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    finally:
+        for kid in kids:
+            kid.close()
+    load = os.getloadavg()[0]
+    print(
+        f"\n{args.env}, N = {n}: {args.vector_steps} vector steps per round, median of "
+        f"{args.rounds}; load (1 min) after: {load:.2f} on {os.cpu_count()} CPUs"
+    )
+    print("µs per vector step      wall   parent CPU   children CPU   env-steps/s")
+    for shape in SHAPES:
+        wall, parent, children = (statistics.median(c) for c in zip(*rows[shape], strict=True))
+        print(f"{shape:18s} {wall:9.0f} {parent:12.0f} {children:14.0f} {n * 1e6 / wall:13,.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
