@@ -139,7 +139,8 @@ class DatasetWriter:
 
     ``put`` is the sink for an :class:`~rlmesh_trio._record._episode.EpisodeAccumulator`;
     it blocks while ``capacity`` episodes wait. ``close`` writes what is queued and
-    raises the writer's error, if any. Made on any thread; never touches an env."""
+    raises the writer's error, if any. ``prepare`` turns each queued episode into the one
+    written, on the writer's thread (the server queues wire forms and decodes them there). Made on any thread; never touches an env."""
 
     def __init__(
         self,
@@ -152,6 +153,7 @@ class DatasetWriter:
         capacity: int = 64,
         description: str | None = None,
         on_batch: Callable[[int, int], None] | None = None,
+        prepare: Callable[[Episode], Episode] | None = None,
     ) -> None:
         minari = _import_minari()
         from minari.dataset.minari_dataset import parse_dataset_id
@@ -192,6 +194,7 @@ class DatasetWriter:
             }
         )
         self._data = data
+        self._prepare = prepare
         self._size = _tree_size(data)
         self._next_id = 0
         self.episodes_written = 0
@@ -234,6 +237,8 @@ class DatasetWriter:
 
         buffers = []
         metadatas: list[dict[str, Any]] = []
+        if self._prepare is not None:
+            batch = [self._prepare(episode) for episode in batch]
         for episode in batch:
             metadata: dict[str, Any] = {"lane": episode.lane, "lane_episode": episode.index}
             infos = self._infos(episode, metadata)
