@@ -311,3 +311,85 @@ def test_options_are_validated() -> None:
         resolve(ServeOptions(record_infos=True))
     plan = resolve(ServeOptions(record_dataset="a/b-v0", record_video="d")).record
     assert plan is not None and plan.dataset == "a/b-v0" and plan.video_lanes is None
+
+
+def test_the_cli_records_a_dataset_and_video_with_process_lanes(
+    tmp_path: Path, minari_root: Path
+) -> None:
+    """``rlmesh-trio serve --record-dataset ... --record-video ...`` in a subprocess, with
+    process lanes (the frames are rendered in each lane's child), driven by rlmesh.run;
+    SIGINT stops it and every episode is on disk."""
+    import os
+    import select
+    import signal
+    import subprocess
+    import sys
+
+    directory = tmp_path / "video"
+    read_fd, write_fd = os.pipe()
+    env = {**os.environ, "MINARI_DATASETS_PATH": str(minari_root)}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rlmesh_trio",
+            "serve",
+            "--env",
+            "CartPole-v1",
+            "--num-envs",
+            "2",
+            "--lane-isolation",
+            "process",
+            "--kwargs-json",
+            '{"render_mode": "rgb_array"}',
+            "--record-dataset",
+            "rlmesh/cli-v0",
+            "--record-video",
+            str(directory),
+            "--record-video-lanes",
+            "1",
+            "--ready-fd",
+            str(write_fd),
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        pass_fds=(write_fd,),
+    )
+    os.close(write_fd)
+    try:
+        with os.fdopen(read_fd, "rb", buffering=0) as ready:
+            readable, _, _ = select.select([ready], [], [], 60)
+            assert readable, "no address on the ready fd"
+            address = ready.read(4096).decode().strip()
+        seeds = [0, 1, 2, 3]
+        played = scripts.run_session(address, "cartpole", seeds)
+        proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode()
+    dataset = minari.load_dataset("rlmesh/cli-v0")
+    metadata = metadata_of(dataset)
+    returns = {e["seed"]: e["reward"] for e in played}
+    finished = [m for m in metadata if "cut" not in m]
+    assert sorted(m["seed"] for m in finished) == seeds
+    for episode, meta in zip(dataset, metadata, strict=True):
+        if "cut" not in meta:
+            assert float(np.sum(episode.rewards)) == returns[meta["seed"]]
+            assert replays(meta["seed"], episode.actions, episode.observations)
+    lane1 = [i for i, m in enumerate(metadata) if m["lane"] == 1]
+    videos = sorted(directory.iterdir())
+    assert len(videos) == len(lane1) > 0
+    for path in videos:
+        meta = next(
+            m
+            for m in metadata
+            if m["lane"] == 1 and path.name.endswith(f"episode-{m['lane_episode']:06d}.mp4")
+        )
+        length = len(dataset[metadata.index(meta)].actions)
+        with av.open(str(path)) as container:
+            assert sum(1 for _ in container.decode(video=0)) == length + 1

@@ -61,6 +61,11 @@ logger = logging.getLogger("rlmesh_trio.record")
 Execute = Callable[[Job, int], "tuple[outcome.Outcome[Any], Phases, bool]"]
 
 
+DATASET_LINGER = 0.5
+"""Seconds the dataset writer waits for a batch of episodes (16) before it writes fewer:
+a crash loses at most what finished in the last half second (and the queue)."""
+
+
 def render_frame(env: gym.Env[Any, Any]) -> Any:
     """``env.render()``: a video frame, run as a lane job (module level, so it pickles
     for a process lane's child)."""
@@ -300,6 +305,7 @@ def served_recording(
                 env_spec=spec,
                 record_infos=plan.infos,
                 prepare=decode,
+                linger=DATASET_LINGER,
             )
 
     directory = plan.video
