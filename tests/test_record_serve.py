@@ -393,3 +393,8 @@ def test_the_cli_records_a_dataset_and_video_with_process_lanes(
         length = len(dataset[metadata.index(meta)].actions)
         with av.open(str(path)) as container:
             assert sum(1 for _ in container.decode(video=0)) == length + 1
+
+
+async def test_a_malformed_dataset_id_is_a_startup_error() -> None:
+    error = await start_fails("CartPole-v1", record_dataset="a/b-v0")
+    assert isinstance(error, ValueError) and "Malformed dataset ID" in str(error)

@@ -283,6 +283,9 @@ def served_recording(
         from ._dataset import DatasetWriter, dataset_path, env_spec_for
 
         root = dataset_path(dataset_id)  # ImportError naming the extra
+        from minari.dataset.minari_dataset import parse_dataset_id
+
+        parse_dataset_id(dataset_id)  # ValueError naming the form, before any env is built
         if root.exists():
             raise FileExistsError(
                 f"a Minari dataset {dataset_id!r} already exists at {root}: choose another "

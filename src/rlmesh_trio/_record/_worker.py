@@ -104,8 +104,10 @@ class BoundedWorker(Generic[T]):
             self._raise_if_stopped()
             self._items.append(item)
             self.items_put += 1
-            self.high_water = max(self.high_water, len(self._items))
-            self._not_empty.notify()
+            depth = len(self._items)
+            self.high_water = max(self.high_water, depth)
+            if depth == 1 or depth >= self.batch:  # a lingering writer waits for a batch
+                self._not_empty.notify()
 
     def close(self, timeout: float | None = None) -> None:
         """Write everything queued, stop the thread, and raise the writer's error if it
