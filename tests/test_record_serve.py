@@ -398,3 +398,23 @@ def test_the_cli_records_a_dataset_and_video_with_process_lanes(
 async def test_a_malformed_dataset_id_is_a_startup_error() -> None:
     error = await start_fails("CartPole-v1", record_dataset="a/b-v0")
     assert isinstance(error, ValueError) and "Malformed dataset ID" in str(error)
+
+
+def test_the_recorders_metrics() -> None:
+    from rlmesh_trio._metrics import ServerMetrics
+
+    metrics = ServerMetrics(2, "CartPole-v1")
+    assert b"rlmesh_trio_record" not in metrics.exposition()  # nothing recorded: no series
+    metrics.watch_recording(lambda: [("dataset", 3, 40, 5000, 2_500_000_000)])
+    text = metrics.exposition().decode()
+    assert 'rlmesh_trio_record_queue_depth{recorder="dataset"} 3.0' in text
+    assert 'rlmesh_trio_record_items_written_total{recorder="dataset"} 40.0' in text
+    assert 'rlmesh_trio_record_written_bytes_total{recorder="dataset"} 5000.0' in text
+    assert 'rlmesh_trio_record_put_wait_seconds_total{recorder="dataset"} 2.5' in text
+
+
+async def test_a_video_lane_beyond_the_lanes_served_is_a_startup_error(tmp_path: Path) -> None:
+    error = await start_fails(
+        "CartPole-v1", record_video=str(tmp_path / "v"), record_video_lanes=(0, 3)
+    )
+    assert isinstance(error, ValueError) and "beyond the 1 served" in str(error)

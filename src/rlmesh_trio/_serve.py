@@ -102,7 +102,7 @@ async def serve_env(
     factory = LaneEngine.factory(make_env, **dict(env_kwargs or {}))
     recording = None
     if resolved.record is not None:
-        recording = served_recording(resolved.record, make_env, env_kwargs)
+        recording = served_recording(resolved.record, make_env, env_kwargs, num_envs)
     engine = LaneEngine(factory, num_envs, resolved, recording=recording)
     listener = bind(parsed)
     try:

@@ -44,7 +44,6 @@ import outcome
 from .._codec import from_meta_map
 from .._jobs import CallJob, Job, Phases, ResetJob, ResetResult, StepJob, StepResult
 from ._episode import CutReason, Episode, EpisodeAccumulator
-from ._worker import RecordingError
 
 if TYPE_CHECKING:
     import gymnasium as gym
@@ -105,7 +104,7 @@ class LaneRecorder:
                     self._step(job, value, execute)
                 elif isinstance(job, ResetJob) and isinstance(value, ResetResult):
                     self._reset(number, job, value, execute)
-        except RecordingError as exc:
+        except Exception as exc:  # never the lane's problem: it goes on serving
             self._give_up(exc)
 
     def _reset(self, number: int, job: ResetJob, value: ResetResult, execute: Execute) -> None:
@@ -132,12 +131,15 @@ class LaneRecorder:
 
     def _frame(self, video: LaneVideo, execute: Execute) -> None:
         frame, _phases, _faulted = execute(CallJob(render_frame), 0)
-        if isinstance(frame, outcome.Value) and frame.value is not None:
+        try:
+            if not isinstance(frame, outcome.Value) or frame.value is None:
+                raise ValueError(f"env.render() gave no frame ({frame!r})")
             video.frame(frame.value)
-        else:
-            # A render that fails ends this video (the env goes on; its dataset too).
-            logger.warning("lane %d: render for the video failed (%r)", self.lane, frame)
+        except ValueError as exc:
+            # This lane records no more video (the env goes on; its dataset too).
+            logger.error("lane %d: video recording stopped: %s", self.lane, exc)
             video.end()
+            self._video = None
 
     def cut(self, number: int, reason: CutReason) -> None:
         """Incarnation ``number`` ended (``lane_fault``) or the lane stopped
@@ -151,12 +153,12 @@ class LaneRecorder:
                     self._video.end()
                 if self._acc is not None:
                     self._acc.cut(reason)
-        except RecordingError as exc:
+        except Exception as exc:
             self._give_up(exc)
 
-    def _give_up(self, exc: RecordingError) -> None:
-        """The writer failed: stop recording this lane (the env and its client go on;
-        the failure is raised when the server stops)."""
+    def _give_up(self, exc: Exception) -> None:
+        """A writer failed (or recording this lane did): stop recording this lane (the
+        env and its client go on; a writer's failure is raised when the server stops)."""
         self._acc = None
         self._video = None
         if not self._failed:
@@ -273,11 +275,17 @@ class ServedRecording:
 
 
 def served_recording(
-    plan: Recording, make_env: object, env_kwargs: Mapping[str, Any] | None
+    plan: Recording, make_env: object, env_kwargs: Mapping[str, Any] | None, num_envs: int
 ) -> ServedRecording:
     """The recorders ``plan`` asks for, checked as far as they can be before any env is
-    built: the ``record`` extra is installed, the dataset id is free."""
+    built: the ``record`` extra is installed, the dataset id is well formed and free, the
+    video lanes exist."""
     make_writer = make_video = None
+    if plan.video_lanes is not None and max(plan.video_lanes) >= num_envs:
+        raise ValueError(
+            f"record_video_lanes {sorted(plan.video_lanes)} names a lane beyond the "
+            f"{num_envs} served (lanes 0 to {num_envs - 1})"
+        )
     dataset_id = plan.dataset
     if dataset_id is not None:
         from ._dataset import DatasetWriter, dataset_path, env_spec_for
