@@ -418,3 +418,32 @@ async def test_a_video_lane_beyond_the_lanes_served_is_a_startup_error(tmp_path:
         "CartPole-v1", record_video=str(tmp_path / "v"), record_video_lanes=(0, 3)
     )
     assert isinstance(error, ValueError) and "beyond the 1 served" in str(error)
+
+
+async def test_record_infos_keeps_steady_infos_and_drops_varying_ones_not_the_data() -> None:
+    """Taxi's infos keep one structure (stored, stacked per key); FrozenLake's ``prob`` is
+    an int at the reset and a float after (Minari needs one structure: the episode keeps
+    its data, not its infos, and says why)."""
+    async with (
+        served("Taxi-v4", num_envs=1, record_dataset="rlmesh/taxi-v0", record_infos=True) as a,
+        open_endpoint(a) as ep,
+    ):
+        await ep.reset(seeds=[0])
+        for action in (1, 1, 0):
+            await ep.step(np.array([action]))
+    (episode,) = minari.load_dataset("rlmesh/taxi-v0")
+    assert episode.infos["action_mask"].shape == (4, 6)  # as the wire carried it
+    assert episode.infos["action_mask"][0].tolist() == [1, 1, 0, 0, 0, 0]
+    assert episode.infos["prob"].tolist() == [1.0] * 4
+    async with (
+        served(
+            "FrozenLake-v1", num_envs=1, record_dataset="rlmesh/lake-v0", record_infos=True
+        ) as a,
+        open_endpoint(a) as ep,
+    ):
+        await ep.reset(seeds=[0])
+        await ep.step(np.array([1]))
+    dataset = minari.load_dataset("rlmesh/lake-v0")
+    (meta,) = metadata_of(dataset)
+    assert "another structure" in meta["infos_dropped"] and meta["cut"] == "server_stop"
+    assert len(dataset[0].actions) == 1 and "prob" not in dataset[0].infos
