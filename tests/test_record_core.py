@@ -251,3 +251,17 @@ def test_close_writes_everything_queued_and_put_after_close_is_refused() -> None
         worker.put(50)
     with pytest.raises(ValueError, match="capacity"):
         BoundedWorker("bad", lambda b: 0, capacity=0)
+
+
+def test_a_lingering_writer_batches_and_a_close_does_not_wait_for_it() -> None:
+    batches: list[list[int]] = []
+    worker = BoundedWorker(
+        "lingering", lambda b: batches.append(list(b)) or 0, capacity=8, linger=60.0, batch=3
+    )
+    for item in range(4):
+        worker.put(item)
+    worker.put(4)  # the writer took 3 or 4 at once; what is left only the close writes
+    worker.close(30)  # the writer stops lingering when closed (not after 60 s)
+    assert len(batches[0]) >= 3 and [i for b in batches for i in b] == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="linger"):
+        BoundedWorker("bad", lambda b: 0, linger=-1.0)

@@ -148,12 +148,18 @@ class ServerMetrics:
         self._faults = [self.faults.labels(n) for n in names]
         self._lanes = _LaneCollector(num_envs)
         registry.register(self._lanes)
+        self._recording = _RecordCollector()
+        registry.register(self._recording)
         self._admitted = self.sessions.labels("admitted")
         self._refused = self.sessions.labels("refused")
 
     def watch_lanes(self, status: Callable[[], Sequence[LaneStatus]]) -> None:
         """Read the lanes' supervision state and counters from ``status`` at each scrape."""
         self._lanes.status = status
+
+    def watch_recording(self, counters: Callable[[], Sequence[RecorderCounters]]) -> None:
+        """Read the recorders' queues and counters from ``counters`` at each scrape."""
+        self._recording.counters = counters
 
     # -- fed by the transport
 
@@ -201,6 +207,50 @@ class ServerMetrics:
         """The Prometheus text format of everything above."""
         data: bytes = _prometheus().generate_latest(self.registry)
         return data
+
+
+RecorderCounters = tuple[str, int, int, int, int]
+"""One recorder (``dataset`` or ``video``): its name, queue depth, items written, bytes
+written, and nanoseconds the lanes spent waiting for room in its queue."""
+
+
+class _RecordCollector:
+    """The recorders' queues and counters (issue 33), read at scrape time."""
+
+    def __init__(self) -> None:
+        self.counters: Callable[[], Sequence[RecorderCounters]] | None = None
+
+    def collect(self) -> Iterator[Any]:
+        if self.counters is None:
+            return
+        core = _prometheus_core()
+        label = ["recorder"]
+        depth = core.GaugeMetricFamily(
+            "rlmesh_trio_record_queue_depth",
+            "Items (episodes, or video frames) queued for the recorder's writer",
+            labels=label,
+        )
+        items = core.CounterMetricFamily(
+            "rlmesh_trio_record_items_written",
+            "Items the recorder's writer has written (episodes, or video frames and ends)",
+            labels=label,
+        )
+        size = core.CounterMetricFamily(
+            "rlmesh_trio_record_written_bytes",
+            "Bytes the recorder's files grew by",
+            labels=label,
+        )
+        waited = core.CounterMetricFamily(
+            "rlmesh_trio_record_put_wait_seconds",
+            "Time the lanes waited for room in the recorder's queue (backpressure)",
+            labels=label,
+        )
+        for name, queued, written, nbytes, wait_ns in self.counters():
+            depth.add_metric([name], queued)
+            items.add_metric([name], written)
+            size.add_metric([name], nbytes)
+            waited.add_metric([name], wait_ns / 1e9)
+        yield from (depth, items, size, waited)
 
 
 class _LaneCollector:

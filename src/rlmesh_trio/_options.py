@@ -108,6 +108,15 @@ class ServeOptions:
     ``reflection``: serve gRPC server reflection (``grpc.reflection.v1`` and ``v1alpha``),
     so that tools like grpcurl can list and describe the services; needs the
     ``reflection`` extra (protobuf). Off by default; under a token it needs the token.
+    ``record_dataset``: write every episode of every lane into the Minari dataset of this
+    id (under ``MINARI_DATASETS_PATH``, else Minari's default root; it must not exist
+    yet); needs the ``record`` extra. ``record_drop_faulted``: drop the episodes the
+    server cut (a lane fault, a reset mid-episode, the server's stop) instead of recording
+    them truncated. ``record_infos``: record the infos too (an episode whose info
+    structure varies keeps its data, not its infos). ``record_video``: a directory for one
+    video per recorded episode of ``record_video_lanes`` (None: every lane), every
+    ``record_video_every``-th episode of each; the env must render ``rgb_array``
+    frames. See docs/recording.md.
     """
 
     allow_remote_shutdown: bool = False
@@ -130,6 +139,12 @@ class ServeOptions:
     tls_client_ca_file: str | os.PathLike[str] | None = None
     reflection: bool = False
     max_given_up_lanes: int = DEFAULT_MAX_GIVEN_UP_LANES
+    record_dataset: str | None = None
+    record_drop_faulted: bool = False
+    record_infos: bool = False
+    record_video: str | os.PathLike[str] | None = None
+    record_video_lanes: tuple[int, ...] | None = None
+    record_video_every: int = 1
 
     def remote_shutdown_allowed(self, environ: Mapping[str, str] = os.environ) -> bool:
         """The option, or the environment variable (which can only enable it)."""
@@ -162,6 +177,48 @@ def policy_from_env(environ: Mapping[str, str] = os.environ) -> Policy:
 
 
 @dataclass(frozen=True)
+class Recording:
+    """The recording options, validated (see :class:`ServeOptions`)."""
+
+    dataset: str | None = None
+    drop_faulted: bool = False
+    infos: bool = False
+    video: str | None = None
+    video_lanes: frozenset[int] | None = None
+    """The lanes recorded to video (None: all)."""
+    video_every: int = 1
+
+
+def _recording(options: ServeOptions) -> Recording | None:
+    dataset, video = options.record_dataset, options.record_video
+    if dataset is not None and (not isinstance(dataset, str) or not dataset):
+        raise ValueError(f"record_dataset must be a Minari dataset id or None, got {dataset!r}")
+    every = options.record_video_every
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"record_video_every must be an int >= 1, got {every!r}")
+    lanes = options.record_video_lanes
+    if lanes is not None:
+        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in lanes):
+            raise ValueError(f"record_video_lanes must be lane indices >= 0, got {lanes!r}")
+        if not lanes:
+            raise ValueError("record_video_lanes must name at least one lane (None: all)")
+    if video is None and (lanes is not None or every != 1):
+        raise ValueError("record_video_lanes and record_video_every need record_video (a DIR)")
+    if dataset is None and (options.record_drop_faulted or options.record_infos):
+        raise ValueError("record_drop_faulted and record_infos need record_dataset (an id)")
+    if dataset is None and video is None:
+        return None
+    return Recording(
+        dataset=dataset,
+        drop_faulted=bool(options.record_drop_faulted),
+        infos=bool(options.record_infos),
+        video=None if video is None else os.fspath(video),
+        video_lanes=None if lanes is None else frozenset(lanes),
+        video_every=every,
+    )
+
+
+@dataclass(frozen=True)
 class Resolved:
     """:class:`ServeOptions` validated, with every default and environment variable applied.
 
@@ -188,6 +245,8 @@ class Resolved:
     tls: TlsFiles | None = None
     """The server's certificate, key and (mTLS) client CA; None: plaintext."""
     max_given_up_lanes: int = DEFAULT_MAX_GIVEN_UP_LANES
+    record: Recording | None = None
+    """What the server records (None: nothing)."""
 
     @property
     def mtls(self) -> bool:
@@ -353,6 +412,7 @@ def resolve(options: ServeOptions, environ: Mapping[str, str] = os.environ) -> R
         lane_isolation=options.lane_isolation,
         tls=tls,
         reflection=bool(options.reflection),
+        record=_recording(options),
     )
 
 

@@ -21,6 +21,7 @@ from ._address import DEFAULT_ADDRESS, Listener, UnixAddress, bind, is_loopback,
 from ._lanes import LaneEngine
 from ._metrics import ServerMetrics, start_http
 from ._options import STOP_SLACK, Resolved, ServeOptions, resolve
+from ._record._served import ServedRecording, served_recording
 from ._session import Endpoint, Session
 from ._transport import TransportService
 from ._transport._server import Wiring
@@ -99,12 +100,43 @@ async def serve_env(
             "guarded by its file permissions (serve it without TLS, or TLS on tcp://)"
         )
     factory = LaneEngine.factory(make_env, **dict(env_kwargs or {}))
-    engine = LaneEngine(factory, num_envs, resolved)
+    recording = None
+    if resolved.record is not None:
+        recording = served_recording(resolved.record, make_env, env_kwargs, num_envs)
+    engine = LaneEngine(factory, num_envs, resolved, recording=recording)
     listener = bind(parsed)
     try:
-        return await _serve(engine, listener, resolved, task_status)
-    finally:
+        reason = await _serve(engine, listener, resolved, task_status)
+    except BaseException:
         listener.cleanup()
+        if recording is not None:
+            await _close_recording(recording, failed=True)
+        raise
+    listener.cleanup()
+    if recording is not None:
+        await _close_recording(recording, failed=False)
+    return reason
+
+
+RECORD_CLOSE_TIMEOUT = 120.0
+"""Seconds the recorders get, after the lanes stopped, to write what is queued (at most
+the queues' capacity: 64 episodes, 256 frames). Not part of the stop bound: a normal stop
+loses no episode, and that takes as long as writing them takes."""
+
+
+async def _close_recording(recording: ServedRecording, *, failed: bool) -> None:
+    """After the lanes stopped (their open episodes cut and queued): flush and close the
+    recorders on a worker thread. Their error is raised, unless the server already
+    failed (then it is logged)."""
+    with trio.CancelScope(shield=True):
+        try:
+            await trio.to_thread.run_sync(
+                recording.close, RECORD_CLOSE_TIMEOUT, limiter=trio.CapacityLimiter(1)
+            )
+        except Exception:
+            if not failed:
+                raise
+            log.exception("recording failed")
 
 
 def compose(engine: LaneEngine, options: Resolved) -> Wiring:
@@ -120,6 +152,8 @@ def compose(engine: LaneEngine, options: Resolved) -> Wiring:
     if options.metrics_address is not None:
         metrics = ServerMetrics(engine.num_envs, engine.contract.env_id)
         metrics.watch_lanes(engine.status)
+        if engine.recording is not None:
+            metrics.watch_recording(engine.recording.counters)
     endpoint = Endpoint(
         engine.contract,
         engine.num_envs,

@@ -97,6 +97,21 @@ def int_at_least(minimum: int, flag: str = "") -> Callable[[str], int]:
     return parse
 
 
+def lane_list(value: str) -> tuple[int, ...]:
+    """An argparse type: lane indices separated by commas (``0,3``), or ``all``."""
+    if value.strip().lower() == "all":
+        return ()
+    try:
+        lanes = tuple(int(part) for part in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"lanes must be indices separated by commas (0,3) or 'all', got {value!r}"
+        ) from None
+    if any(lane < 0 for lane in lanes):
+        raise argparse.ArgumentTypeError(f"lane indices must be >= 0, got {value!r}")
+    return lanes
+
+
 def json_object(value: str) -> dict[str, Any]:
     """An argparse type: a JSON object (``--kwargs-json``)."""
     try:

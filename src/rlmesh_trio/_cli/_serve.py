@@ -49,6 +49,7 @@ from ._args import (
     check_fd,
     fd,
     int_at_least,
+    lane_list,
     load_env,
     seconds,
     write_ready_fd,
@@ -132,6 +133,44 @@ def add_serve_parser(commands: Any) -> None:
         help="when an env raises or wedges: error (as rlmesh: the env stays as the "
         "exception left it), rebuild (a fresh env from the factory on a fresh thread), "
         "truncate (rebuild, and a failed step answers as a truncation); default error",
+    )
+    recording = serve.add_argument_group("recording (docs/recording.md; needs the record extra)")
+    recording.add_argument(
+        "--record-dataset",
+        metavar="DATASET_ID",
+        help="write every episode of every lane into this Minari dataset (under "
+        "MINARI_DATASETS_PATH, else Minari's default root; it must not exist yet)",
+    )
+    recording.add_argument(
+        "--record-drop-faulted",
+        action="store_true",
+        help="drop the episodes the server cut (lane fault, reset mid-episode, stop) "
+        "instead of recording them truncated",
+    )
+    recording.add_argument(
+        "--record-infos",
+        action="store_true",
+        help="record the infos too (an episode whose info structure varies keeps its "
+        "data, not its infos)",
+    )
+    recording.add_argument(
+        "--record-video",
+        metavar="DIR",
+        help="write one video per recorded episode into DIR (the env must render "
+        'rgb_array: --kwargs-json \'{"render_mode": "rgb_array"}\')',
+    )
+    recording.add_argument(
+        "--record-video-lanes",
+        type=lane_list,
+        metavar="LANES",
+        help="the lanes recorded to video, e.g. 0,3 (default: all)",
+    )
+    recording.add_argument(
+        "--record-video-every",
+        type=int_at_least(1, "--record-video-every"),
+        default=1,
+        metavar="K",
+        help="record every K-th episode of each video lane (default: 1, every one)",
     )
     serve.add_argument(
         "--lane-isolation",
@@ -357,6 +396,12 @@ def _configure(args: argparse.Namespace, address: str) -> _Config:
         tls_key_file=args.tls_key_file,
         tls_client_ca_file=args.tls_client_ca_file,
         reflection=args.reflection,
+        record_dataset=args.record_dataset,
+        record_drop_faulted=args.record_drop_faulted,
+        record_infos=args.record_infos,
+        record_video=args.record_video,
+        record_video_lanes=args.record_video_lanes or None,
+        record_video_every=args.record_video_every,
     )
     return _Config(
         make_env=make_env,

@@ -35,7 +35,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from time import perf_counter_ns
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gymnasium as gym
 import outcome
@@ -53,6 +53,9 @@ from ._supervisor import REBUILD_BACKOFF, AbandonedLedger, GivenUpLanes, Supervi
 from ._thread import LaneThreads
 from ._watchdog import Wedges
 from ._work import LaneWork
+
+if TYPE_CHECKING:
+    from .._record._served import ServedRecording
 
 __all__ = [
     "LANE_TEARDOWN_TIMEOUT",
@@ -117,6 +120,7 @@ class LaneEngine:
         options: Resolved | None = None,
         *,
         rebuild_backoff: tuple[float, float] = REBUILD_BACKOFF,
+        recording: ServedRecording | None = None,
     ) -> None:
         if not callable(make_env):
             raise TypeError(f"make_env must be callable, got {type(make_env).__name__}")
@@ -167,6 +171,7 @@ class LaneEngine:
             rebuild_failed=self._threads.rebuild_failed,
         )
         self._contract: EnvContract | None = None
+        self._recording = recording
         # Startup handshake between the lane threads and run():
         self._facts: list[outcome.Outcome[EnvFacts] | None] = [None] * num_envs
         self._startup_done = trio.Event()
@@ -207,6 +212,11 @@ class LaneEngine:
         if self._contract is None:
             raise RuntimeError("the lane engine has not started: no env contract yet")
         return self._contract
+
+    @property
+    def recording(self) -> ServedRecording | None:
+        """The recorders the lanes feed (issue 33), or None."""
+        return self._recording
 
     @property
     def policy(self) -> Policy:
@@ -349,6 +359,11 @@ class LaneEngine:
             contract.action_codec, contract.observation_codec, self._policy
         )
         self._threads.facts0 = facts[0]
+        if self._recording is not None:
+            try:  # the dataset's and the video's startup errors (an id taken, no rgb_array)
+                self._threads.recorders = self._recording.start(contract, self.num_envs)
+            except Exception as exc:
+                return exc
         self._facts = []  # lanes 1.. keep no space objects alive through the engine
         for lane in self._lanes:
             # Every lane thread is alive (waiting for ``_go``): up from now on, so that

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from time import perf_counter_ns
+from typing import TYPE_CHECKING
 
 import outcome
 
@@ -35,6 +36,9 @@ from ._lane import (
 )
 from ._state import LaneState
 from ._work import LaneWork, verb_of
+
+if TYPE_CHECKING:
+    from .._record._served import LaneRecorder
 
 __all__ = ["LaneThreads"]
 
@@ -82,6 +86,8 @@ class LaneThreads:
         self.go = threading.Event()
         self.work: LaneWork | None = None
         self.facts0: EnvFacts | None = None
+        self.recorders: Sequence[LaneRecorder | None] = ()
+        """Each lane's recorder (issue 33; set with ``work``, or left empty: none)."""
 
     def start(self, lane: Lane, inc: Incarnation) -> None:
         """Trio thread: start ``inc``'s thread (a fresh ``threading.Thread``, never a
@@ -144,6 +150,8 @@ class LaneThreads:
                 self._gave_up(lane)
             if mine and not dead:
                 lane.fail_pending()
+            if self.recorders and (recorder := self.recorders[lane.index]) is not None:
+                recorder.cut(inc.number, "server_stop" if lane.stopping else "lane_fault")
             inc.close(self._close_timeout)
             self._to_trio(self._exited, lane, inc)
 
@@ -189,6 +197,7 @@ class LaneThreads:
         index = lane.index
         rebuilds = self._rebuilds
         fresh = inc.number > 0  # a rebuilt env: the client has not reset it yet
+        recorder = self.recorders[index] if self.recorders else None
         unproven = fresh  # ... nor has it answered a step (the supervisor's storm check)
         while True:
             retried = 0
@@ -214,6 +223,11 @@ class LaneThreads:
                 self._refuse_unreset(lane, item)
                 continue
             result, phases, faulted = execute(job, picked - posted)
+            if recorder is not None:  # issue 33: references kept; put may wait (backpressure)
+                if faulted:
+                    recorder.cut(inc.number, "lane_fault")
+                else:
+                    recorder.saw(inc.number, job, result, execute)
             detach = False
             with lock:
                 taken = not end_job(item)

@@ -13,34 +13,27 @@ PyAV are imported when a writer is made):
 * :class:`BoundedWorker` (``_worker``): the queue and thread both use; its counters
   (``depth``, ``bytes_written``, ``put_wait_ns``, ...) are what the metrics module reads.
 
-Where the hooks go (nothing here imports the lanes or the session, nor they this yet):
+How the server uses them (:mod:`._served`; nothing here imports the lanes or the
+session):
 
-* **Server start** (``_serve``, with ``ServeOptions.record_dataset`` / ``record_video``):
-  one ``DatasetWriter(ID, contract observation/action spaces,
-  env_spec=env_spec_for(env_id, env_kwargs), record_infos=...)``; one
-  ``VideoRecorder(DIR, lanes=..., every=K, fps=env.metadata["render_fps"])`` after
-  ``require_rgb_array(env.render_mode, env_id)`` on the first lane's env. Per lane, at the
-  lane's start: ``EpisodeAccumulator(lane, spaces, writer.put, record_infos=...,
-  drop_faulted=...)`` and ``recorder.lane(lane)`` (None: not recorded).
-* **Lane thread** (``_lanes/_work.LaneWork._reset`` / ``_step``, where the env runs): after
-  ``env.reset(seed=s)``: ``acc.reset(obs, s, info)`` with the seed the client sent (None
-  when it sent none: never one we invent), then ``if video.begin():
-  video.frame(env.render())``; after ``env.step(a)``: ``acc.step(a, obs, r, term, trunc,
-  info)`` with the action exactly as the env received it (after decoding, before any
-  clipping of ours: we do none), then ``if video.recording: video.frame(env.render())``
-  and, when the episode ended, ``video.end()``. Rendering stays on the lane thread (GL
-  contexts live there); encoding and writing do not. ``put`` may block: that is the
-  backpressure, and it blocks only that lane.
-* **NEXT_STEP autoreset**: where a step request on a finished lane is served as a reset
-  (the client's action discarded), the hook calls ``acc.reset`` (and ``video.begin``),
-  never ``acc.step``: the discarded action is not recorded.
-* **Session / lanes, cuts**: a lane fault calls ``acc.cut("lane_fault")`` (on the lane's
-  thread, or on the supervisor's once the lane's thread is gone) and ``video.end()``; a
-  session's close ``acc.cut("session_close")`` for each of its lanes; the server's stop
-  ``acc.cut("server_stop")`` for every lane, then ``writer.close()`` and
-  ``recorder.close()`` after the lanes stopped (a normal stop loses nothing).
-* **Metrics**: gauges from ``writer.depth`` / ``recorder.depth``, counters from
-  ``bytes_written`` and ``worker.put_wait_ns`` (or the ``on_batch`` callbacks).
+* **Server start** (``_serve.serve_env``, with ``ServeOptions.record_dataset`` /
+  ``record_video``): :func:`~._served.served_recording` checks what it can before any env
+  is built (the extra installed, the dataset id well formed and free, the video lanes
+  served); the lane engine calls :meth:`~._served.ServedRecording.start` once the
+  contract is agreed, which makes the ``DatasetWriter`` (contract spaces,
+  ``env_spec_for(id, kwargs)``) and the ``VideoRecorder`` (after ``require_rgb_array``)
+  and one :class:`~._served.LaneRecorder` per lane.
+* **Lane thread** (``_lanes/_thread.LaneThreads._serve``, the parent-side lane thread,
+  for thread and process lanes alike): after each job, ``recorder.saw(incarnation, job,
+  result, execute)`` -- an ``EpisodeAccumulator(copy=False)`` keeps the wire forms (the
+  ``StepJob``, the observation leaves, the info ``MetaMap``) and the writer's thread
+  decodes them (``DatasetWriter(prepare=...)``); video frames are ``env.render()`` run
+  through the lane's own executor. A faulted job, and the end of an incarnation, call
+  ``recorder.cut`` (``lane_fault``, or ``server_stop`` when the lane stops).
+* **Stop**: after the lanes stopped (their open episodes cut and queued),
+  ``ServedRecording.close`` writes what is queued and raises a writer's failure.
+* **Metrics**: ``ServedRecording.counters`` (queue depth, items and bytes written, put
+  wait), read at each scrape.
 """
 
 from __future__ import annotations

@@ -139,7 +139,11 @@ class DatasetWriter:
 
     ``put`` is the sink for an :class:`~rlmesh_trio._record._episode.EpisodeAccumulator`;
     it blocks while ``capacity`` episodes wait. ``close`` writes what is queued and
-    raises the writer's error, if any. Made on any thread; never touches an env."""
+    raises the writer's error, if any. ``linger``: how long the writer waits for a
+    quarter of ``capacity`` episodes before it writes what it has (Minari's HDF5 storage
+    costs about 1.7 ms of CPU per episode written alone, 0.6 ms in batches of 16).
+    ``prepare`` turns each queued episode into the one
+    written, on the writer's thread (the server queues wire forms and decodes them there). Made on any thread; never touches an env."""
 
     def __init__(
         self,
@@ -150,8 +154,10 @@ class DatasetWriter:
         env_spec: EnvSpec | None = None,
         record_infos: bool = False,
         capacity: int = 64,
+        linger: float = 0.0,
         description: str | None = None,
         on_batch: Callable[[int, int], None] | None = None,
+        prepare: Callable[[Episode], Episode] | None = None,
     ) -> None:
         minari = _import_minari()
         from minari.dataset.minari_dataset import parse_dataset_id
@@ -192,6 +198,7 @@ class DatasetWriter:
             }
         )
         self._data = data
+        self._prepare = prepare
         self._size = _tree_size(data)
         self._next_id = 0
         self.episodes_written = 0
@@ -199,7 +206,12 @@ class DatasetWriter:
         self.infos_dropped = 0
         """Episodes whose infos were dropped (their structure varied)."""
         self._worker: BoundedWorker[Episode] = BoundedWorker(
-            f"rlmesh-trio-dataset[{dataset_id}]", self._write, capacity=capacity, on_batch=on_batch
+            f"rlmesh-trio-dataset[{dataset_id}]",
+            self._write,
+            capacity=capacity,
+            on_batch=on_batch,
+            linger=linger,
+            batch=max(1, capacity // 4),
         )
 
     # -- the lane's side ------------------------------------------------------------
@@ -234,6 +246,8 @@ class DatasetWriter:
 
         buffers = []
         metadatas: list[dict[str, Any]] = []
+        if self._prepare is not None:
+            batch = [self._prepare(episode) for episode in batch]
         for episode in batch:
             metadata: dict[str, Any] = {"lane": episode.lane, "lane_episode": episode.index}
             infos = self._infos(episode, metadata)

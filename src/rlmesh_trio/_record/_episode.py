@@ -98,6 +98,14 @@ def _copier(space: spaces.Space[Any]) -> Callable[[Any], Any]:
     return np.array  # Box, MultiDiscrete, MultiBinary: np.array copies
 
 
+def _same(value: Any) -> Any:
+    return value
+
+
+def _info_dict(info: Any) -> dict[str, Any]:
+    return dict(info or {})
+
+
 def stack(space: spaces.Space[Any], values: list[Any]) -> Any:
     """``values`` (each one of ``space``) as one batch the way Minari's storage takes it:
     an array per leaf along a first axis of ``len(values)``, a dict for a Dict space, a
@@ -139,7 +147,8 @@ class Episode:
     rewards: list[float] = field(default_factory=list)
     terminations: list[bool] = field(default_factory=list)
     truncations: list[bool] = field(default_factory=list)
-    infos: list[dict[str, Any]] | None = None
+    infos: list[Any] | None = None
+    """Dicts (the wire's ``MetaMap`` while a served episode is queued)."""
     cut: str | None = None
 
     def __len__(self) -> int:
@@ -155,7 +164,9 @@ class EpisodeAccumulator:
 
     ``sink`` receives each finished episode (a dataset writer's ``put``, which may block:
     that is the backpressure). ``record_infos`` keeps the reset's and each step's info.
-    ``drop_faulted`` drops cut episodes instead of recording them truncated."""
+    ``drop_faulted`` drops cut episodes instead of recording them truncated. ``copy=False``
+    keeps what it is given as it is (values that cannot change: the lanes pass the wire
+    forms, immutable bytes, and the writer decodes them)."""
 
     def __init__(
         self,
@@ -166,13 +177,15 @@ class EpisodeAccumulator:
         *,
         record_infos: bool = False,
         drop_faulted: bool = False,
+        copy: bool = True,
     ) -> None:
         check_space(observation_space, "observation_space")
         check_space(action_space, "action_space")
         self.lane = lane
         self._sink = sink
-        self._copy_obs = _copier(observation_space)
-        self._copy_action = _copier(action_space)
+        self._copy_obs = _copier(observation_space) if copy else _same
+        self._copy_action = _copier(action_space) if copy else _same
+        self._copy_info: Callable[[Any], Any] = _info_dict if copy else _same
         self._record_infos = record_infos
         self._drop_faulted = drop_faulted
         self._episode: Episode | None = None
@@ -188,7 +201,7 @@ class EpisodeAccumulator:
     def in_episode(self) -> bool:
         return self._episode is not None
 
-    def reset(self, observation: Any, seed: int | None, info: dict[str, Any] | None = None) -> None:
+    def reset(self, observation: Any, seed: int | None, info: Any = None) -> None:
         """The env was reset with ``seed`` (None when the client sent none) and returned
         ``observation`` (and ``info``). An episode still open is cut first (``"reset"``)."""
         if self._episode is not None:
@@ -198,7 +211,7 @@ class EpisodeAccumulator:
             index=self.episodes_started,
             seed=seed,
             observations=[self._copy_obs(observation)],
-            infos=[dict(info or {})] if self._record_infos else None,
+            infos=[self._copy_info(info)] if self._record_infos else None,
         )
         self.episodes_started += 1
 
@@ -209,7 +222,7 @@ class EpisodeAccumulator:
         reward: float,
         terminated: bool,
         truncated: bool,
-        info: dict[str, Any] | None = None,
+        info: Any = None,
     ) -> Episode | None:
         """The env took ``action`` and returned the rest. Returns the episode when this
         step ended it (after handing it to the sink), else None."""
@@ -229,7 +242,7 @@ class EpisodeAccumulator:
         episode.terminations.append(bool(terminated))
         episode.truncations.append(bool(truncated))
         if episode.infos is not None:
-            episode.infos.append(dict(info or {}))
+            episode.infos.append(self._copy_info(info))
         if terminated or truncated:
             self._episode = None
             self._sink(episode)

@@ -48,8 +48,9 @@ def require_rgb_array(render_mode: str | None, env_id: str = "the env") -> None:
     if render_mode != "rgb_array":
         raise ValueError(
             f"video recording renders {env_id} as rgb_array frames, but its render_mode is "
-            f"{render_mode!r}: make it with render_mode='rgb_array' (pass it in the env's "
-            "kwargs), or record no video"
+            f"{render_mode!r}: make it with render_mode='rgb_array' (rlmesh-trio serve: "
+            '--kwargs-json \'{"render_mode": "rgb_array"}\'; serve_env: '
+            "env_kwargs={'render_mode': 'rgb_array'}), or record no video"
         )
 
 

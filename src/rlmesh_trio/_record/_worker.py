@@ -10,6 +10,9 @@ episodes when the writer is behind, and one when it is not). Its rules:
 * The writer's first error stops it; every later ``put`` and :meth:`~BoundedWorker.close`
   raise :class:`RecordingError` from it, saying how many items were not written.
 * ``close`` lets the writer finish every queued item, then joins it.
+* ``linger`` (seconds, default 0): once an item is queued, the writer waits up to that
+  long for ``batch`` items before it writes (a file opened once for many episodes costs
+  far less per episode); it never waits past a close, nor for more than the queue holds.
 * Counters are plain attributes (read without a lock: each is written by one thread), and
   ``on_batch`` is called on the writer's thread after each batch, for metrics.
 
@@ -44,11 +47,17 @@ class BoundedWorker(Generic[T]):
         *,
         capacity: int = 64,
         on_batch: Callable[[int, int], None] | None = None,
+        linger: float = 0.0,
+        batch: int = 1,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be at least 1, not {capacity}")
+        if linger < 0 or batch < 1:
+            raise ValueError(f"linger must be >= 0 and batch >= 1, not {linger}, {batch}")
         self.name = name
         self.capacity = capacity
+        self.linger = linger
+        self.batch = min(batch, capacity)
         self._write = write
         self._on_batch = on_batch
         self._items: deque[T] = deque()
@@ -95,8 +104,10 @@ class BoundedWorker(Generic[T]):
             self._raise_if_stopped()
             self._items.append(item)
             self.items_put += 1
-            self.high_water = max(self.high_water, len(self._items))
-            self._not_empty.notify()
+            depth = len(self._items)
+            self.high_water = max(self.high_water, depth)
+            if depth == 1 or depth >= self.batch:  # a lingering writer waits for a batch
+                self._not_empty.notify()
 
     def close(self, timeout: float | None = None) -> None:
         """Write everything queued, stop the thread, and raise the writer's error if it
@@ -131,6 +142,13 @@ class BoundedWorker(Generic[T]):
                     self._not_empty.wait()
                 if not self._items:
                     return  # closing, and everything is written
+                if self.linger > 0 and len(self._items) < self.batch:
+                    deadline = time.monotonic() + self.linger
+                    while len(self._items) < self.batch and not self._closing:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            break
+                        self._not_empty.wait(left)
                 batch = list(self._items)
                 self._items.clear()
                 self._not_full.notify_all()

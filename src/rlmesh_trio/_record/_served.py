@@ -1,0 +1,344 @@
+"""Recording a served endpoint: the lanes' side of the recorders, and the server's.
+
+The lane engine hands every reset and step job, with its result, to the lane's
+:class:`LaneRecorder` on the lane's own thread (the parent-side lane thread, so thread and
+process lanes alike), right where the job and its result meet. What is kept there is
+references, in their wire form: the step job the env's action was decoded from (its
+leaves are the step request's, shared by every lane it stepped), the observation
+leaves the env's observation was encoded into, the info ``MetaMap`` (with ``record_infos``
+only), reward and flags. No decoding, no copy, no encoding on the step path: the
+:class:`~rlmesh_trio._record._dataset.DatasetWriter`'s thread decodes a finished episode
+with the endpoint's codecs (:meth:`ServedRecording.decode`), which give back the values
+the env saw and produced, bit for bit (the codec is lossless; the action is decoded the
+way the lane decoded it).
+
+Episode boundaries, as the lane sees them:
+
+* a reset job answered starts an episode (one still open is cut: ``reset``), with the
+  seed the client sent (None when it sent none);
+* a step answered terminated or truncated ends it (the writer's queue gets it: ``put``
+  blocks the lane while the queue is full, which is the backpressure);
+* the env faulting in a job, or its incarnation ending while the lane goes on (rebuilt),
+  cuts it (``lane_fault``); the lane's stop cuts it (``server_stop``);
+* a job the env never ran (refused, a bad action) changes nothing.
+
+Under NEXT_STEP autoreset rlmesh's client resets a finished lane with a Reset request
+(this server declares no autoreset of its own): the client's discarded action never
+reaches the lane and is never recorded.
+
+Video: for a lane chosen for it, at each reset and step of a recorded episode the lane
+runs ``env.render()`` through its own executor (a :class:`~rlmesh_trio._jobs.CallJob`, so
+on the env's own thread, or in the child of a process lane) and hands the frame to its
+:class:`~rlmesh_trio._record._video.LaneVideo`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import outcome
+
+from .._codec import from_meta_map
+from .._jobs import CallJob, Job, Phases, ResetJob, ResetResult, StepJob, StepResult
+from ._episode import CutReason, Episode, EpisodeAccumulator
+
+if TYPE_CHECKING:
+    import gymnasium as gym
+
+    from .._jobs import EnvContract
+    from .._options import Recording
+    from ._dataset import DatasetWriter
+    from ._video import LaneVideo, VideoRecorder
+
+__all__ = ["LaneRecorder", "ServedRecording", "render_frame", "served_recording"]
+
+logger = logging.getLogger("rlmesh_trio.record")
+
+Execute = Callable[[Job, int], "tuple[outcome.Outcome[Any], Phases, bool]"]
+
+
+DATASET_LINGER = 0.5
+"""Seconds the dataset writer waits for a batch of episodes (16) before it writes fewer:
+a crash loses at most what finished in the last half second (and the queue)."""
+
+
+def render_frame(env: gym.Env[Any, Any]) -> Any:
+    """``env.render()``: a video frame, run as a lane job (module level, so it pickles
+    for a process lane's child)."""
+    return env.render()
+
+
+class LaneRecorder:
+    """One lane's recording: its episode under way and, if chosen, its video.
+
+    Called on the lane's thread; a lock makes a late call from an abandoned incarnation's
+    thread harmless (an episode belongs to the incarnation that reset it: another one's
+    cut does not touch it)."""
+
+    __slots__ = ("_acc", "_failed", "_lock", "_number", "_video", "lane")
+
+    def __init__(
+        self, lane: int, accumulator: EpisodeAccumulator | None, video: LaneVideo | None
+    ) -> None:
+        self.lane = lane
+        self._acc = accumulator
+        self._video = video
+        self._lock = threading.Lock()
+        self._number = -1
+        """The incarnation whose episode is open (-1: none)."""
+        self._failed = False
+
+    def saw(self, number: int, job: Job, result: outcome.Outcome[Any], execute: Execute) -> None:
+        """Incarnation ``number`` answered ``job`` with ``result`` (not faulted)."""
+        if not isinstance(result, outcome.Value):
+            return
+        value = result.value
+        try:
+            with self._lock:
+                if isinstance(job, StepJob) and isinstance(value, StepResult):
+                    if self._number != number:
+                        return  # no episode of this incarnation open
+                    self._step(job, value, execute)
+                elif isinstance(job, ResetJob) and isinstance(value, ResetResult):
+                    self._reset(number, job, value, execute)
+        except Exception as exc:  # never the lane's problem: it goes on serving
+            self._give_up(exc)
+
+    def _reset(self, number: int, job: ResetJob, value: ResetResult, execute: Execute) -> None:
+        self._number = number
+        if self._acc is not None:
+            self._acc.reset(value.observation, job.seed, value.info)
+        video = self._video
+        if video is not None and video.begin():
+            self._frame(video, execute)
+
+    def _step(self, job: StepJob, value: StepResult, execute: Execute) -> None:
+        ended = value.terminated or value.truncated
+        video = self._video
+        if video is not None and video.recording:
+            self._frame(video, execute)
+            if ended:
+                video.end()
+        if ended:
+            self._number = -1
+        if self._acc is not None:
+            self._acc.step(
+                job, value.observation, value.reward, value.terminated, value.truncated, value.info
+            )
+
+    def _frame(self, video: LaneVideo, execute: Execute) -> None:
+        frame, _phases, _faulted = execute(CallJob(render_frame), 0)
+        try:
+            if not isinstance(frame, outcome.Value) or frame.value is None:
+                raise ValueError(f"env.render() gave no frame ({frame!r})")
+            video.frame(frame.value)
+        except ValueError as exc:
+            # This lane records no more video (the env goes on; its dataset too).
+            logger.error("lane %d: video recording stopped: %s", self.lane, exc)
+            video.end()
+            self._video = None
+
+    def cut(self, number: int, reason: CutReason) -> None:
+        """Incarnation ``number`` ended (``lane_fault``) or the lane stopped
+        (``server_stop``): cut its episode, if one is open."""
+        try:
+            with self._lock:
+                if self._number != number:
+                    return
+                self._number = -1
+                if self._video is not None:
+                    self._video.end()
+                if self._acc is not None:
+                    self._acc.cut(reason)
+        except Exception as exc:
+            self._give_up(exc)
+
+    def _give_up(self, exc: Exception) -> None:
+        """A writer failed (or recording this lane did): stop recording this lane (the
+        env and its client go on; a writer's failure is raised when the server stops)."""
+        self._acc = None
+        self._video = None
+        if not self._failed:
+            self._failed = True
+            logger.error("lane %d: recording stopped: %s", self.lane, exc)
+
+
+class ServedRecording:
+    """The server's recorders, made once the contract is agreed (:meth:`start`), closed
+    after the lanes stopped (:meth:`close`).
+
+    ``make_writer(observation_space, action_space, decode)`` makes the dataset writer
+    (None: no dataset); ``make_video(contract)`` the video recorder (None: no video)."""
+
+    def __init__(
+        self,
+        *,
+        make_writer: Callable[[EnvContract, Callable[[Episode], Episode]], DatasetWriter]
+        | None = None,
+        make_video: Callable[[EnvContract], VideoRecorder] | None = None,
+        record_infos: bool = False,
+        drop_faulted: bool = False,
+    ) -> None:
+        self._make_writer = make_writer
+        self._make_video = make_video
+        self._record_infos = record_infos
+        self._drop_faulted = drop_faulted
+        self.writer: DatasetWriter | None = None
+        self.video: VideoRecorder | None = None
+        self._contract: EnvContract | None = None
+
+    def start(self, contract: EnvContract, num_envs: int) -> list[LaneRecorder | None]:
+        """Make the writers (a startup error raises here) and one recorder per lane."""
+        self._contract = contract
+        if self._make_video is not None:
+            self.video = self._make_video(contract)
+        try:
+            if self._make_writer is not None:
+                self.writer = self._make_writer(contract, self.decode)
+        except BaseException:
+            if self.video is not None:
+                self.video.close()
+            raise
+        recorders: list[LaneRecorder | None] = []
+        for lane in range(num_envs):
+            acc = None
+            if self.writer is not None:
+                acc = EpisodeAccumulator(
+                    lane,
+                    contract.observation_space,
+                    contract.action_space,
+                    self.writer.put,
+                    record_infos=self._record_infos,
+                    drop_faulted=self._drop_faulted,
+                    copy=False,
+                )
+            video = self.video.lane(lane) if self.video is not None else None
+            recorders.append(
+                None if acc is None and video is None else LaneRecorder(lane, acc, video)
+            )
+        return recorders
+
+    def decode(self, episode: Episode) -> Episode:
+        """The writer's thread: ``episode`` in wire form, as the env's values."""
+        contract = self._contract
+        assert contract is not None
+        obs_codec, action_codec = contract.observation_codec, contract.action_codec
+        observations = [obs_codec.decode(leaves, 1)[0] for leaves in episode.observations]
+        actions = []
+        for job in episode.actions:  # each the StepJob, decoded as the lane decoded it
+            action, _ = action_codec.step_action(
+                job.leaves, job.n, job.row, validated=job.validated, soft_checks=False
+            )
+            actions.append(action)
+        infos = None
+        if episode.infos is not None:
+            infos = [from_meta_map(meta) for meta in episode.infos]
+        return Episode(
+            lane=episode.lane,
+            index=episode.index,
+            seed=episode.seed,
+            observations=observations,
+            actions=actions,
+            rewards=episode.rewards,
+            terminations=episode.terminations,
+            truncations=episode.truncations,
+            infos=infos,
+            cut=episode.cut,
+        )
+
+    def close(self, timeout: float | None = None) -> None:
+        """After the lanes stopped: write what is queued, close the files; raise the
+        first writer's error."""
+        errors: list[BaseException] = []
+        for closer in (self.video, self.writer):
+            if closer is None:
+                continue
+            try:
+                closer.close(timeout)
+            except BaseException as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def counters(self) -> list[tuple[str, int, int, int, int]]:
+        """Each recorder's name, queue depth, items and bytes written, and put wait (ns),
+        for the metrics."""
+        out = []
+        for name, recorder in (("dataset", self.writer), ("video", self.video)):
+            if recorder is not None:
+                w = recorder.worker
+                out.append((name, w.depth, w.items_written, w.bytes_written, w.put_wait_ns))
+        return out
+
+
+def served_recording(
+    plan: Recording, make_env: object, env_kwargs: Mapping[str, Any] | None, num_envs: int
+) -> ServedRecording:
+    """The recorders ``plan`` asks for, checked as far as they can be before any env is
+    built: the ``record`` extra is installed, the dataset id is well formed and free, the
+    video lanes exist."""
+    make_writer = make_video = None
+    if plan.video_lanes is not None and max(plan.video_lanes) >= num_envs:
+        raise ValueError(
+            f"record_video_lanes {sorted(plan.video_lanes)} names a lane beyond the "
+            f"{num_envs} served (lanes 0 to {num_envs - 1})"
+        )
+    dataset_id = plan.dataset
+    if dataset_id is not None:
+        from ._dataset import DatasetWriter, dataset_path, env_spec_for
+
+        root = dataset_path(dataset_id)  # ImportError naming the extra
+        from minari.dataset.minari_dataset import parse_dataset_id
+
+        parse_dataset_id(dataset_id)  # ValueError naming the form, before any env is built
+        if root.exists():
+            raise FileExistsError(
+                f"a Minari dataset {dataset_id!r} already exists at {root}: choose another "
+                f"id (e.g. bump its -vN) or delete it (`minari delete {dataset_id}`)"
+            )
+        kwargs = dict(env_kwargs or {})
+
+        def make_writer(
+            contract: EnvContract, decode: Callable[[Episode], Episode]
+        ) -> DatasetWriter:
+            name = make_env if isinstance(make_env, str) else contract.env_id
+            try:
+                spec = env_spec_for(name, kwargs)
+            except Exception:  # not a registered id: the dataset has no env spec
+                spec = None
+            return DatasetWriter(
+                dataset_id,
+                contract.observation_space,
+                contract.action_space,
+                env_spec=spec,
+                record_infos=plan.infos,
+                prepare=decode,
+                linger=DATASET_LINGER,
+            )
+
+    directory = plan.video
+    if directory is not None:
+        from ._video import VideoRecorder, _import_av, require_rgb_array
+
+        _import_av()
+
+        def make_video(contract: EnvContract) -> VideoRecorder:
+            require_rgb_array(contract.render_mode or None, contract.env_id)
+            metadata = from_meta_map(contract.metadata)
+            fps = metadata.get("render_fps")
+            return VideoRecorder(
+                directory,
+                lanes=plan.video_lanes,
+                every=plan.video_every,
+                fps=float(fps) if isinstance(fps, int | float) and fps > 0 else 30.0,
+            )
+
+    return ServedRecording(
+        make_writer=make_writer,
+        make_video=make_video,
+        record_infos=plan.infos,
+        drop_faulted=plan.drop_faulted,
+    )

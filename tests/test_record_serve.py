@@ -1,0 +1,449 @@
+"""Recording what is served (issue 33), end to end with the real minari and PyAV.
+
+``serve_env`` with ``ServeOptions(record_dataset=..., record_video=...)``, driven by rlmesh
+0.1.0's ``rlmesh.run`` and by our own client: the dataset's episodes, returns, seeds and
+lanes; a bit-for-bit replay of the recorded actions on a local env; episodes cut by a
+fault and by the server's stop (recorded truncated and marked, or dropped); a slow writer
+(the lanes wait, nothing is lost); video files of chosen lanes that decode to episode
+length + 1 frames of the env's render size; the startup errors.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import trio
+from support import scripts
+from support.faulty import RAISE, Controller, Factory
+
+from rlmesh_trio import ServeOptions, serve_env
+from rlmesh_trio._record import CUT_INFO_KEY
+from rlmesh_trio._record._dataset import DatasetWriter
+from rlmesh_trio.client import open_endpoint
+
+minari = pytest.importorskip("minari")
+av = pytest.importorskip("av")
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(autouse=True)
+def minari_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    root = tmp_path / "minari"
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(root))
+    return root
+
+
+@asynccontextmanager
+async def served(
+    make_env: Any, num_envs: int = 2, env_kwargs: dict[str, Any] | None = None, **options: Any
+) -> AsyncIterator[str]:
+    """``serve_env`` under a nursery; leaving the block stops the server (the recorders
+    are closed before ``serve_env`` returns)."""
+    async with trio.open_nursery() as nursery:
+        info = await nursery.start(
+            functools.partial(
+                serve_env,
+                make_env,
+                num_envs=num_envs,
+                env_kwargs=env_kwargs,
+                options=ServeOptions(**{"close_timeout_seconds": 2.0, **options}),
+            )
+        )
+        try:
+            yield info.address
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+def metadata_of(dataset: Any) -> list[dict[str, Any]]:
+    return list(dataset.storage.get_episode_metadata(range(dataset.total_episodes)))
+
+
+def replays(seed: int | None, actions: Any, observations: Any) -> bool:
+    """A local CartPole reset with ``seed`` and stepped with ``actions`` produces
+    ``observations``, bit for bit."""
+    env = gym.make("CartPole-v1")
+    try:
+        obs, _ = env.reset(seed=seed)
+        if obs.tobytes() != observations[0].tobytes():
+            return False
+        for i, action in enumerate(actions):
+            obs, *_ = env.step(action)
+            if obs.dtype != observations.dtype or obs.tobytes() != observations[i + 1].tobytes():
+                return False
+        return True
+    finally:
+        env.close()
+
+
+async def test_a_served_evaluation_is_a_dataset_that_replays_bit_for_bit() -> None:
+    seeds = list(range(8))
+    async with served("CartPole-v1", num_envs=3, record_dataset="rlmesh/eval-v0") as address:
+        played = await trio.to_thread.run_sync(scripts.run_session, address, "cartpole", seeds)
+    dataset = minari.load_dataset("rlmesh/eval-v0")
+    metadata = metadata_of(dataset)
+    assert dataset.total_episodes == len(seeds)
+    returns = {e["seed"]: e["reward"] for e in played}
+    by_seed = {}
+    for episode, meta in zip(dataset, metadata, strict=True):
+        assert "cut" not in meta and 0 <= meta["lane"] < 3
+        by_seed[meta["seed"]] = episode
+        assert float(np.sum(episode.rewards)) == returns[meta["seed"]]
+        assert episode.terminations[-1] or episode.truncations[-1]
+        assert replays(meta["seed"], episode.actions, episode.observations)
+    assert sorted(by_seed) == seeds
+    assert dataset.total_steps == sum(e["steps"] for e in played)
+    env = dataset.recover_environment()  # the served id and kwargs
+    assert env.spec is not None and env.spec.id == "CartPole-v1"
+    env.close()
+
+
+async def test_a_stop_mid_episode_records_it_truncated_and_marked() -> None:
+    async with (
+        served("CartPole-v1", num_envs=2, record_dataset="rlmesh/stop-v0") as address,
+        open_endpoint(address) as ep,
+    ):
+        await ep.reset(seeds=[7], env_indices=[0])
+        await ep.reset(env_indices=[1])
+        for _ in range(3):
+            await ep.step(np.array([0, 1]))
+    dataset = minari.load_dataset("rlmesh/stop-v0")
+    metadata = metadata_of(dataset)
+    assert sorted(m["lane"] for m in metadata) == [0, 1]
+    for episode, meta in zip(dataset, metadata, strict=True):
+        assert meta["cut"] == "server_stop"
+        assert len(episode.actions) == 3 and episode.truncations.tolist() == [False, False, True]
+        marks = [m.decode() if isinstance(m, bytes) else m for m in episode.infos[CUT_INFO_KEY]]
+        assert marks == ["", "", "", "server_stop"]  # HDF5 gives the strings back as bytes
+        assert meta.get("seed") == (7 if meta["lane"] == 0 else None)  # never invented
+    lane0 = metadata.index(next(m for m in metadata if m["lane"] == 0))
+    episode = dataset[lane0]
+    assert replays(7, episode.actions, episode.observations)
+
+
+async def test_drop_faulted_drops_the_cut_episodes_and_keeps_the_finished() -> None:
+    async with (
+        served(
+            "CartPole-v1", num_envs=1, record_dataset="rlmesh/drop-v0", record_drop_faulted=True
+        ) as address,
+        open_endpoint(address) as ep,
+    ):
+        obs, _ = await ep.reset(seeds=[3])
+        done = False
+        while not done:  # one whole episode, then one cut by the stop
+            obs, _r, term, trunc, _i = await ep.step(np.array([scripts.cartpole_policy(obs[0])]))
+            done = bool(term[0] or trunc[0])
+        await ep.reset(seeds=[4])
+        await ep.step(np.array([0]))
+    dataset = minari.load_dataset("rlmesh/drop-v0")
+    assert dataset.total_episodes == 1
+    assert metadata_of(dataset)[0]["seed"] == 3
+
+
+async def test_a_lane_fault_cuts_the_episode_and_the_lane_records_on() -> None:
+    ctl = Controller()
+    async with (
+        served(
+            Factory(ctl), num_envs=2, record_dataset="rlmesh/fault-v0", on_lane_fault="rebuild"
+        ) as address,
+        open_endpoint(address) as ep,
+    ):
+        await ep.reset(seeds=[1, 2])
+        await ep.step(np.array([0, 0]))
+        with pytest.raises(Exception, match="boom"):
+            await ep.step(np.array([RAISE, 0]), env_indices=None)
+        await ep.reset(seeds=[5], env_indices=[0])
+        for _ in range(ctl.episode_steps):
+            await ep.step(np.array([1]), env_indices=[0])
+    assert not ctl.violations
+    dataset = minari.load_dataset("rlmesh/fault-v0")
+    metadata = metadata_of(dataset)
+    cuts = {(m["lane"], m.get("seed")): m.get("cut") for m in metadata}
+    # lane 0: seed 1 cut by the fault (one step recorded), seed 5 whole; lane 1's
+    # episode was cut by the server's stop
+    assert cuts[(0, 1)] == "lane_fault"
+    assert cuts[(0, 5)] is None
+    assert cuts[(1, 2)] == "server_stop"
+    faulted = dataset[next(i for i, m in enumerate(metadata) if m.get("seed") == 1)]
+    assert len(faulted.actions) == 1 and bool(faulted.truncations[-1])
+
+
+class _Signalling(threading.Condition):
+    """A condition that says when someone waits on it."""
+
+    def __init__(self, lock: Any) -> None:
+        super().__init__(lock)
+        self.waiting = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waiting.set()
+        return super().wait(timeout)
+
+
+async def test_a_slow_writer_makes_the_lanes_wait_and_loses_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gate = threading.Event()
+    real_write: Callable[..., int] = DatasetWriter._write
+    writers: list[DatasetWriter] = []
+
+    def slow_write(self: DatasetWriter, batch: list[Any]) -> int:
+        gate.wait(30)  # the writer is stuck until the test lets it go
+        return real_write(self, batch)
+
+    real_init = DatasetWriter.__init__
+
+    def small_queue(self: DatasetWriter, *args: Any, **kwargs: Any) -> None:
+        real_init(self, *args, **{**kwargs, "capacity": 2})
+        worker = self.worker
+        worker._not_full = _Signalling(worker._lock)  # type: ignore[assignment]
+        writers.append(self)
+
+    monkeypatch.setattr(DatasetWriter, "_write", slow_write)
+    monkeypatch.setattr(DatasetWriter, "__init__", small_queue)
+    ctl = Controller(episode_steps=1)  # every step ends an episode
+    episodes = 6
+    async with (
+        served(Factory(ctl), num_envs=1, record_dataset="rlmesh/slow-v0") as address,
+        open_endpoint(address) as ep,
+    ):
+
+        async def play() -> None:
+            for seed in range(episodes):
+                await ep.reset(seeds=[seed])
+                await ep.step(np.array([0]))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(play)
+            # the writer holds one episode, the queue two: the lane waits on the 4th
+            (writer,) = writers
+            condition = writer.worker._not_full
+            assert isinstance(condition, _Signalling)
+            assert await trio.to_thread.run_sync(condition.waiting.wait, 30)
+            assert writer.worker.depth == 2
+            gate.set()
+    assert writer.worker.put_waits >= 1
+    dataset = minari.load_dataset("rlmesh/slow-v0")
+    assert dataset.total_episodes == episodes
+    assert [m["seed"] for m in metadata_of(dataset)] == list(range(episodes))
+
+
+async def test_video_of_chosen_lanes_decodes_to_length_plus_one_frames(tmp_path: Path) -> None:
+    directory = tmp_path / "video"
+    async with (
+        served(
+            "CartPole-v1",
+            num_envs=2,
+            env_kwargs={"render_mode": "rgb_array"},
+            record_video=str(directory),
+            record_video_lanes=(1,),
+            record_video_every=2,
+        ) as address,
+        open_endpoint(address) as ep,
+    ):
+        lengths = []
+        for seed in range(3):  # lane 1's episodes 0 and 2 are recorded; lane 0 idles
+            obs, _ = await ep.reset(seeds=[seed], env_indices=[1])
+            steps = 0
+            done = False
+            while not done:
+                action = np.array([scripts.cartpole_policy(obs[0])])
+                obs, _r, term, trunc, _i = await ep.step(action, env_indices=[1])
+                steps += 1
+                done = bool(term[0] or trunc[0])
+            lengths.append(steps)
+    files = sorted(p.name for p in directory.iterdir())
+    assert files == ["lane-001-episode-000000.mp4", "lane-001-episode-000002.mp4"]
+    for name, length in (files[0], lengths[0]), (files[1], lengths[2]):
+        with av.open(str(directory / name)) as container:
+            frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+        assert len(frames) == length + 1
+        assert frames[0].shape == (400, 600, 3)
+
+
+async def start_fails(make_env: Any, **options: Any) -> BaseException:
+    """What ``nursery.start(serve_env, ...)`` raises."""
+    async with trio.open_nursery() as nursery:
+        with pytest.raises(Exception) as caught:
+            await nursery.start(
+                functools.partial(serve_env, make_env, options=ServeOptions(**options))
+            )
+    return caught.value
+
+
+async def test_video_needs_rgb_array_rendering(tmp_path: Path) -> None:
+    error = await start_fails("CartPole-v1", record_video=str(tmp_path / "v"))
+    assert isinstance(error, ValueError)
+    assert """--kwargs-json '{"render_mode": "rgb_array"}'""" in str(error)
+
+
+async def test_an_existing_dataset_is_a_startup_error_before_any_env_is_built() -> None:
+    async with served("CartPole-v1", num_envs=1, record_dataset="rlmesh/twice-v0"):
+        pass
+    built: list[int] = []
+
+    def make() -> gym.Env[Any, Any]:
+        built.append(1)
+        return gym.make("CartPole-v1")
+
+    error = await start_fails(make, record_dataset="rlmesh/twice-v0")
+    assert isinstance(error, FileExistsError) and "twice-v0" in str(error)
+    assert built == []
+
+
+def test_options_are_validated() -> None:
+    from rlmesh_trio._options import resolve
+
+    with pytest.raises(ValueError, match="record_video_every"):
+        resolve(ServeOptions(record_video="d", record_video_every=0))
+    with pytest.raises(ValueError, match="need record_video"):
+        resolve(ServeOptions(record_video_lanes=(0,)))
+    with pytest.raises(ValueError, match="need record_dataset"):
+        resolve(ServeOptions(record_infos=True))
+    plan = resolve(ServeOptions(record_dataset="a/b-v0", record_video="d")).record
+    assert plan is not None and plan.dataset == "a/b-v0" and plan.video_lanes is None
+
+
+def test_the_cli_records_a_dataset_and_video_with_process_lanes(
+    tmp_path: Path, minari_root: Path
+) -> None:
+    """``rlmesh-trio serve --record-dataset ... --record-video ...`` in a subprocess, with
+    process lanes (the frames are rendered in each lane's child), driven by rlmesh.run;
+    SIGINT stops it and every episode is on disk."""
+    import os
+    import select
+    import signal
+    import subprocess
+    import sys
+
+    directory = tmp_path / "video"
+    read_fd, write_fd = os.pipe()
+    env = {**os.environ, "MINARI_DATASETS_PATH": str(minari_root)}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rlmesh_trio",
+            "serve",
+            "--env",
+            "CartPole-v1",
+            "--num-envs",
+            "2",
+            "--lane-isolation",
+            "process",
+            "--kwargs-json",
+            '{"render_mode": "rgb_array"}',
+            "--record-dataset",
+            "rlmesh/cli-v0",
+            "--record-video",
+            str(directory),
+            "--record-video-lanes",
+            "1",
+            "--ready-fd",
+            str(write_fd),
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        pass_fds=(write_fd,),
+    )
+    os.close(write_fd)
+    try:
+        with os.fdopen(read_fd, "rb", buffering=0) as ready:
+            readable, _, _ = select.select([ready], [], [], 60)
+            assert readable, "no address on the ready fd"
+            address = ready.read(4096).decode().strip()
+        seeds = [0, 1, 2, 3]
+        played = scripts.run_session(address, "cartpole", seeds)
+        proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode()
+    dataset = minari.load_dataset("rlmesh/cli-v0")
+    metadata = metadata_of(dataset)
+    returns = {e["seed"]: e["reward"] for e in played}
+    finished = [m for m in metadata if "cut" not in m]
+    assert sorted(m["seed"] for m in finished) == seeds
+    for episode, meta in zip(dataset, metadata, strict=True):
+        if "cut" not in meta:
+            assert float(np.sum(episode.rewards)) == returns[meta["seed"]]
+            assert replays(meta["seed"], episode.actions, episode.observations)
+    lane1 = [i for i, m in enumerate(metadata) if m["lane"] == 1]
+    videos = sorted(directory.iterdir())
+    assert len(videos) == len(lane1) > 0
+    for path in videos:
+        meta = next(
+            m
+            for m in metadata
+            if m["lane"] == 1 and path.name.endswith(f"episode-{m['lane_episode']:06d}.mp4")
+        )
+        length = len(dataset[metadata.index(meta)].actions)
+        with av.open(str(path)) as container:
+            assert sum(1 for _ in container.decode(video=0)) == length + 1
+
+
+async def test_a_malformed_dataset_id_is_a_startup_error() -> None:
+    error = await start_fails("CartPole-v1", record_dataset="a/b-v0")
+    assert isinstance(error, ValueError) and "Malformed dataset ID" in str(error)
+
+
+def test_the_recorders_metrics() -> None:
+    from rlmesh_trio._metrics import ServerMetrics
+
+    metrics = ServerMetrics(2, "CartPole-v1")
+    assert b"rlmesh_trio_record" not in metrics.exposition()  # nothing recorded: no series
+    metrics.watch_recording(lambda: [("dataset", 3, 40, 5000, 2_500_000_000)])
+    text = metrics.exposition().decode()
+    assert 'rlmesh_trio_record_queue_depth{recorder="dataset"} 3.0' in text
+    assert 'rlmesh_trio_record_items_written_total{recorder="dataset"} 40.0' in text
+    assert 'rlmesh_trio_record_written_bytes_total{recorder="dataset"} 5000.0' in text
+    assert 'rlmesh_trio_record_put_wait_seconds_total{recorder="dataset"} 2.5' in text
+
+
+async def test_a_video_lane_beyond_the_lanes_served_is_a_startup_error(tmp_path: Path) -> None:
+    error = await start_fails(
+        "CartPole-v1", record_video=str(tmp_path / "v"), record_video_lanes=(0, 3)
+    )
+    assert isinstance(error, ValueError) and "beyond the 1 served" in str(error)
+
+
+async def test_record_infos_keeps_steady_infos_and_drops_varying_ones_not_the_data() -> None:
+    """Taxi's infos keep one structure (stored, stacked per key); FrozenLake's ``prob`` is
+    an int at the reset and a float after (Minari needs one structure: the episode keeps
+    its data, not its infos, and says why)."""
+    async with (
+        served("Taxi-v4", num_envs=1, record_dataset="rlmesh/taxi-v0", record_infos=True) as a,
+        open_endpoint(a) as ep,
+    ):
+        await ep.reset(seeds=[0])
+        for action in (1, 1, 0):
+            await ep.step(np.array([action]))
+    (episode,) = minari.load_dataset("rlmesh/taxi-v0")
+    assert episode.infos["action_mask"].shape == (4, 6)  # as the wire carried it
+    assert episode.infos["action_mask"][0].tolist() == [1, 1, 0, 0, 0, 0]
+    assert episode.infos["prob"].tolist() == [1.0] * 4
+    async with (
+        served(
+            "FrozenLake-v1", num_envs=1, record_dataset="rlmesh/lake-v0", record_infos=True
+        ) as a,
+        open_endpoint(a) as ep,
+    ):
+        await ep.reset(seeds=[0])
+        await ep.step(np.array([1]))
+    dataset = minari.load_dataset("rlmesh/lake-v0")
+    (meta,) = metadata_of(dataset)
+    assert "another structure" in meta["infos_dropped"] and meta["cut"] == "server_stop"
+    assert len(dataset[0].actions) == 1 and "prob" not in dataset[0].infos
