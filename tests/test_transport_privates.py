@@ -25,6 +25,8 @@ from rlmesh_trio.client import open_endpoint
 pytestmark = pytest.mark.timeout(60)
 
 TRANSPORT = Path(_privates.__file__).parent
+ALSO_SCANNED: tuple[Path, ...] = (TRANSPORT.parent / "client" / "_grpc.py",)
+"""Outside ``_transport/``, the one other module that drives h2 (the client's framing)."""
 LIBRARIES = ("h2", "grpclib", "hyperframe", "hpack")
 H2_HAS_OUR_PRIVATES = Version(_privates.library_version("h2")) >= Version("4.3")
 PYTHON_DUNDERS = {*dir(object), *dir(type), "__dispatch__"}
@@ -102,12 +104,13 @@ def _our_names() -> set[str]:
 
 
 def _private_uses() -> list[tuple[str, int, str]]:
-    """(file, line, name) of every private of another library used in ``_transport/``:
+    """(file, line, name) of every private of another library used in ``_transport/``
+    and the client's ``_grpc.py``:
     an underscored attribute of anything but ``self``/``cls`` that the package does not
     define itself, and every underscored name imported from the libraries."""
     ours = _our_names()
     uses: list[tuple[str, int, str]] = []
-    for path in sorted(TRANSPORT.glob("*.py")):
+    for path in [*sorted(TRANSPORT.glob("*.py")), *ALSO_SCANNED]:
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module:
@@ -169,6 +172,7 @@ def test_the_scan_sees_a_private_use(tmp_path: Path, monkeypatch: pytest.MonkeyP
         "    return conn._connection_internals, getattr(conn, '_hidden_thing')\n"
     )
     monkeypatch.setattr(f"{__name__}.TRANSPORT", tmp_path)  # only the probe is scanned
+    monkeypatch.setattr(f"{__name__}.ALSO_SCANNED", ())
     names = {name for _, _, name in _private_uses()}
     assert names == {"_Secret", "_connection_internals", "_hidden_thing"}
 

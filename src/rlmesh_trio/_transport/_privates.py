@@ -4,8 +4,9 @@ A library's private name can change in any release. Each one used in this packag
 :class:`Reach` in :data:`REACHES`: where it lives, whether we read, write, call or import
 it, why, and what the transport does when it is not what the code expects. Nothing else
 of the two libraries is private to us: ``tests/test_transport_privates.py`` resolves every
-entry against real objects of the installed versions, and scans ``_transport/`` so that a
-private use missing from this list fails the suite.
+entry against real objects of the installed versions, and scans ``_transport/`` and the
+client's ``_grpc.py`` (the one other module that drives h2) so that a private use missing
+from this list fails the suite.
 
 The one path that needs h2's privates, the Join's direct DATA path (:mod:`._h2frames`),
 is checked once per process before the first connection (:func:`direct_data_path`):
@@ -101,8 +102,10 @@ REACHES: tuple[Reach, ...] = (
         "h2.connection:H2Connection",
         "_data_to_send",
         "write",
-        "a reply's DATA frame queued on h2's output without a frame object (put_plain_data)",
-        _PUBLIC_DATA,
+        "a reply's DATA frame queued on h2's output without a frame object (put_plain_data); "
+        "the client's request DATA frames likewise (client/_grpc.py: GrpcConnection._send_data)",
+        _PUBLIC_DATA + "; the client: h2.send_data when it is not a bytearray or when "
+        "RLMESH_TRIO_DIRECT_DATA=0",
     ),
     Reach(
         "h2",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -235,7 +236,8 @@ class GrpcConnection:
         stream = h2c.streams.get(stream_id)
         out = getattr(h2c, "_data_to_send", None)
         if (
-            stream is None
+            not _DIRECT_DATA
+            or stream is None
             or stream.state_machine.state not in _SENDING
             or h2c.state_machine.state is not h2.connection.ConnectionState.CLIENT_OPEN
             or not isinstance(out, bytearray)
@@ -448,6 +450,11 @@ class GrpcConnection:
 
 
 _SENDING: Final = (h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_REMOTE)
+
+_DIRECT_DATA: Final = os.environ.get("RLMESH_TRIO_DIRECT_DATA", "1") != "0"
+"""Whether a request's DATA frames may be written past h2 (h2's private ``_data_to_send``,
+listed with the transport's in ``_transport/_privates.py``). ``RLMESH_TRIO_DIRECT_DATA=0``
+makes every frame go through ``h2.send_data``, as it does the server's."""
 """The stream states h2 sends DATA in."""
 
 
