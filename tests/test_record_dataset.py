@@ -5,6 +5,7 @@ space Minari stores, images lossless, cut episodes, infos, backpressure, errors,
 from __future__ import annotations
 
 import importlib.abc
+import importlib.util
 import logging
 import sys
 import threading
@@ -21,6 +22,10 @@ from gymnasium.wrappers import AddRenderObservation
 
 minari = pytest.importorskip("minari")
 pytest.importorskip("h5py")
+NEEDS_PYGAME = pytest.mark.skipif(
+    importlib.util.find_spec("pygame") is None,
+    reason="rgb_array rendering of classic-control envs needs pygame (not installed)",
+)
 
 from rlmesh_trio._record import (  # noqa: E402
     CUT_INFO_KEY,
@@ -125,6 +130,7 @@ def test_cartpole_episodes_load_with_minari_and_replay_bit_for_bit() -> None:
     recovered.close()
 
 
+@NEEDS_PYGAME
 def test_a_dict_observation_with_an_image_is_stored_losslessly() -> None:
     env = AddRenderObservation(gym.make("CartPole-v1", render_mode="rgb_array"), render_only=False)
     assert isinstance(env.observation_space, spaces.Dict)

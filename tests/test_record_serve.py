@@ -11,6 +11,7 @@ length + 1 frames of the env's render size; the startup errors.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -31,6 +32,10 @@ from rlmesh_trio.client import open_endpoint
 
 minari = pytest.importorskip("minari")
 av = pytest.importorskip("av")
+NEEDS_PYGAME = pytest.mark.skipif(
+    importlib.util.find_spec("pygame") is None,
+    reason="rgb_array rendering of classic-control envs needs pygame (not installed)",
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -237,6 +242,7 @@ async def test_a_slow_writer_makes_the_lanes_wait_and_loses_nothing(
     assert [m["seed"] for m in metadata_of(dataset)] == list(range(episodes))
 
 
+@NEEDS_PYGAME
 async def test_video_of_chosen_lanes_decodes_to_length_plus_one_frames(tmp_path: Path) -> None:
     directory = tmp_path / "video"
     async with (
@@ -313,6 +319,7 @@ def test_options_are_validated() -> None:
     assert plan is not None and plan.dataset == "a/b-v0" and plan.video_lanes is None
 
 
+@NEEDS_PYGAME
 def test_the_cli_records_a_dataset_and_video_with_process_lanes(
     tmp_path: Path, minari_root: Path
 ) -> None:

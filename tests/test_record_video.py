@@ -3,6 +3,7 @@ render a real env; the files decode to episode length + 1 frames of the render's
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,10 @@ import numpy as np
 import pytest
 
 av = pytest.importorskip("av")
+NEEDS_PYGAME = pytest.mark.skipif(
+    importlib.util.find_spec("pygame") is None,
+    reason="rgb_array rendering of classic-control envs needs pygame (not installed)",
+)
 
 from rlmesh_trio._record import (  # noqa: E402
     LaneVideo,
@@ -53,6 +58,7 @@ def run_lane(
     env.close()
 
 
+@NEEDS_PYGAME
 def test_chosen_lanes_every_kth_episode_decode_to_length_plus_one_frames(tmp_path: Path) -> None:
     env = gym.make("CartPole-v1", render_mode="rgb_array")
     require_rgb_array(env.render_mode, "CartPole-v1")
