@@ -24,9 +24,9 @@ from gymnasium.vector.utils import batch_space, concatenate, create_empty_array,
 
 from .._deprecation import Rename, renamed_kwargs
 from .._tls import TlsSetting
+from ._answers import StepResult, fold_arrays, per_lane_reset, step_answers
 from ._autoreset import (
     LaneReset,
-    LaneStep,
     StepPlan,
     VectorLanes,
     fold_reset,
@@ -37,9 +37,9 @@ from ._autoreset import (
     take_reset_mask,
 )
 from ._blocking import BlockingEndpoint
-from ._codecs import decode_frame, lane_infos, step_arrays, timeout_of
+from ._codecs import decode_frame, step_arrays, timeout_of
 from ._core import JoinStream, check_options
-from ._errors import LANE_FAULT_KEY, EndpointError, EnvError, lane_crash
+from ._errors import EndpointError, EnvError, lane_crash
 from ._messages import Episode, Reply, render_builder, reset_builder, step_builder
 from ._pool import Batch, BlockingPool
 from ._settings import (
@@ -243,14 +243,8 @@ class VectorEnv(gym.vector.VectorEnv):
         )
         out: dict[int, LaneReset] = {}
         for (group, _), reply in zip(groups, replies, strict=True):
-            out.update(self._per_lane_reset(group, reply))
+            out.update(per_lane_reset(self._state.codecs, group, reply))
         return out
-
-    def _per_lane_reset(self, lanes: list[int], reply: Reply) -> dict[int, LaneReset]:
-        k = len(lanes)
-        observations = self._state.codecs.observations(reply.leaves, k)
-        infos = lane_infos(reply.infos, k)
-        return {lane: (observations[j], infos[j]) for j, lane in enumerate(lanes)}
 
     # ---- EnvPool API (docs/client.md) -----------------------------------------------------
 
@@ -314,11 +308,7 @@ class VectorEnv(gym.vector.VectorEnv):
         infos = fold_reset(self._lanes, results, mask, self._add_info)
         return self._observations(), infos
 
-    def step(
-        self, actions: Any
-    ) -> tuple[
-        Any, np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any], dict[str, Any]
-    ]:
+    def step(self, actions: Any) -> StepResult:
         self._pool.core.check_whole_step()
         never = self._lanes.never_reset()
         if never:
@@ -329,13 +319,13 @@ class VectorEnv(gym.vector.VectorEnv):
         rows = self._action_rows(actions)
         plan = plan_step(self.autoreset_mode, self._lanes.done)
         answers = self._step_request(plan, actions, rows)
-        folded = self._fold_arrays(plan, answers)
+        lanes, codecs = self._lanes, self._state.codecs
+        folded = fold_arrays(lanes, codecs, self.autoreset_mode, plan, answers, self._add_info)
         if folded is not None:
             return folded
-        stepped, reset = self._step_answers(plan, answers)
+        stepped, reset = step_answers(lanes, codecs, plan, answers)
         done = same_step_resets(self.autoreset_mode, plan, stepped)
         finished = self._resets(done, [None] * len(done), None) if done else {}
-        lanes = self._lanes
         infos = fold_step(lanes, stepped, reset, finished, self._add_info)
         return (
             self._observations(),
@@ -356,61 +346,6 @@ class VectorEnv(gym.vector.VectorEnv):
         if len(rows) != n:
             raise ValueError(f"expected {n} actions, got {len(rows)}")
         return rows
-
-    def _fold_arrays(
-        self, plan: StepPlan, answers: list[Reply | EndpointError]
-    ) -> (
-        tuple[Any, np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any], dict[str, Any]]
-        | None
-    ):
-        """A step's replies folded straight from their arrays (what :func:`fold_step`
-        does lane by lane, without a per-lane object where none is needed: nothing at
-        all for lanes' empty infos); the step's result. None (nothing folded) when the
-        observation is not one fixed-width leaf, when a lane crashed, or when a lane
-        finished under SAME_STEP (it resets before the step returns): the general fold
-        does those."""
-        fast = self._state.codecs.fast_observation
-        if fast is None:
-            return None
-        step_lanes, reset_lanes = plan.step_lanes, plan.reset_lanes
-        step = answers[0] if step_lanes else None
-        reset = answers[-1] if reset_lanes else None
-        if isinstance(step, EndpointError) or isinstance(reset, EndpointError):
-            return None
-        n = self.num_envs
-        if reset is None:
-            assert step is not None
-            rewards, terminated, truncated = step_arrays(step, n)
-            done = terminated | truncated
-            if self.autoreset_mode == AutoresetMode.SAME_STEP and done.any():
-                return None
-            observations = fast.decode(step.leaves, n)
-        else:  # NEXT_STEP: the finished lanes reset in place of their step
-            observations = np.empty((n, *fast.shape), dtype=fast.out)
-            rewards = np.zeros((n,), dtype=np.float64)
-            terminated = np.zeros((n,), dtype=np.bool_)
-            truncated = np.zeros((n,), dtype=np.bool_)
-            if step is not None:
-                k = len(step_lanes)
-                rows = step_arrays(step, k)
-                observations[step_lanes] = fast.decode(step.leaves, k)
-                rewards[step_lanes], terminated[step_lanes], truncated[step_lanes] = rows
-            observations[reset_lanes] = fast.decode(reset.leaves, len(reset_lanes))
-            done = terminated | truncated
-        infos: dict[str, Any] = {}
-        step_infos = _infos_of(step, len(step_lanes))
-        reset_infos = _infos_of(reset, len(reset_lanes))
-        if step_infos or reset_infos:
-            by_lane: dict[int, dict[str, Any]] = {}
-            by_lane.update(zip(step_lanes, step_infos or (), strict=False))
-            by_lane.update(zip(reset_lanes, reset_infos or (), strict=False))
-            for i in sorted(by_lane):
-                infos = self._add_info(infos, by_lane[i], i)
-        lanes = self._lanes
-        lanes.obs[:] = list(observations)
-        lanes.rewards, lanes.terminations, lanes.truncations = rewards, terminated, truncated
-        lanes.done = done
-        return observations.copy(), rewards.copy(), terminated.copy(), truncated.copy(), infos
 
     def _step_request(
         self, plan: StepPlan, actions: Any, rows: list[Any] | None
@@ -461,59 +396,6 @@ class VectorEnv(gym.vector.VectorEnv):
                 raise answer
         return answers
 
-    def _step_answers(
-        self, plan: StepPlan, answers: list[Reply | EndpointError]
-    ) -> tuple[dict[int, LaneStep], dict[int, LaneReset]]:
-        """Each lane's answer to :meth:`_step_request`. A faulted lane (rlmesh-trio under
-        ``--on-lane-fault rebuild/truncate``) counts as stepped: truncated on its last
-        observation."""
-        step_lanes, reset_lanes = plan.step_lanes, plan.reset_lanes
-        stepped: dict[int, LaneStep] = {}
-        step_answer = answers[0] if step_lanes else None
-        if isinstance(step_answer, EnvError):
-            # Every lane of the request ends its episode truncated on its last
-            # observation (the others' results were dropped with the request); the next
-            # step resets them.
-            stepped.update(self._crashed(step_lanes, step_answer))
-        elif isinstance(step_answer, Reply):
-            stepped.update(self._per_lane_step(step_lanes, step_answer))
-        reset: dict[int, LaneReset] = {}
-        reset_answer = answers[-1] if reset_lanes else None
-        if isinstance(reset_answer, EnvError):
-            # The autoreset of a lane that faulted: still done, tried again next step.
-            stepped.update(self._crashed(reset_lanes, reset_answer))
-        elif isinstance(reset_answer, Reply):
-            reset = self._per_lane_reset(reset_lanes, reset_answer)
-        return stepped, reset
-
-    def _per_lane_step(self, lanes: list[int], reply: Reply) -> dict[int, LaneStep]:
-        k = len(lanes)
-        rewards, terminated, truncated = step_arrays(reply, k)
-        observations = self._state.codecs.observations(reply.leaves, k)
-        infos = lane_infos(reply.infos, k)
-        return {
-            lane: (
-                observations[j],
-                float(rewards[j]),
-                bool(terminated[j]),
-                bool(truncated[j]),
-                infos[j],
-            )
-            for j, lane in enumerate(lanes)
-        }
-
-    def _crashed(self, lanes: Sequence[int], error: EnvError) -> dict[int, LaneStep]:
-        """A request for ``lanes`` answered CRASHED: each lane truncated on its last
-        observation, reward 0; the faulted lanes' info carries ``rlmesh_trio.lane_fault``."""
-        faults = {fault["lane"]: fault for fault in error.lane_faults}
-        out: dict[int, LaneStep] = {}
-        for lane in lanes:
-            info: dict[str, Any] = {}
-            if lane in faults:
-                info[LANE_FAULT_KEY] = faults[lane]
-            out[lane] = (self._lanes.obs[lane], 0.0, False, True, info)
-        return out
-
     def _observations(self) -> Any:
         if self._state.codecs.fast_observation is not None:
             return np.stack(self._lanes.obs)
@@ -548,14 +430,6 @@ class VectorEnv(gym.vector.VectorEnv):
         # close_timeout_seconds, from the collector on any thread): the endpoint's own
         # finalizer drops the connection without a request and without waiting.
         pass
-
-
-def _infos_of(reply: Reply | None, k: int) -> list[dict[str, Any]] | None:
-    """Each of the ``k`` lanes' infos of ``reply``; None when there is none or every
-    lane's is empty (nothing to add)."""
-    if reply is None or reply.empty_lane_infos or (k == 1 and not reply.infos):
-        return None
-    return lane_infos(reply.infos, k)
 
 
 class Env(gym.Env):

@@ -46,8 +46,9 @@ except ImportError as exc:  # pragma: no cover - exercised without the extra
 
 from .._errors import RlmeshTrioError
 from .._tls import TlsSetting
+from ._answers import per_lane_reset, per_lane_step
 from ._blocking import BlockingEndpoint
-from ._codecs import decode_frame, lane_infos, step_arrays
+from ._codecs import decode_frame
 from ._contract import Contract
 from ._errors import LANE_FAULT_KEY, EndpointError, EnvError, ErrorCode, lane_crash
 from ._messages import Episode, Reply, render_builder, reset_builder, step_builder
@@ -197,7 +198,7 @@ class RemoteVecEnv(VecEnv):
             builders, ["reset"] * len(groups), timeout_ms=self._timeout_ms, lanes=groups
         )
         for group, reply in zip(groups, replies, strict=True):
-            for lane, (obs, info) in self._per_lane_reset(group, reply).items():
+            for lane, (obs, info) in per_lane_reset(self._codecs, group, reply).items():
                 self.reset_infos[lane] = info
                 self._save_obs(lane, obs)
         self._unreset.clear()
@@ -399,20 +400,7 @@ class RemoteVecEnv(VecEnv):
                 for lane in lanes
             }
         assert isinstance(answer, Reply)
-        k = len(lanes)
-        rewards, terminated, truncated = step_arrays(answer, k)
-        observations = self._codecs.observations(answer.leaves, k)
-        infos = lane_infos(answer.infos, k)
-        return {
-            lane: (
-                observations[j],
-                float(rewards[j]),
-                bool(terminated[j]),
-                bool(truncated[j]),
-                infos[j],
-            )
-            for j, lane in enumerate(lanes)
-        }
+        return per_lane_step(self._codecs, lanes, answer)
 
     def _autoreset_builder(self, lane: int) -> Any:
         """The unseeded reset of one finished lane (SB3 seeds only at ``reset()``)."""
@@ -437,7 +425,7 @@ class RemoteVecEnv(VecEnv):
         for lane, answer in zip(lanes, answers, strict=True):
             if isinstance(answer, Reply):
                 self._unreset.discard(lane)
-                fresh.update(self._per_lane_reset([lane], answer))
+                fresh.update(per_lane_reset(self._codecs, [lane], answer))
                 continue
             self._unreset.add(lane)
             assert isinstance(answer, EnvError)
@@ -445,14 +433,6 @@ class RemoteVecEnv(VecEnv):
                 if fault["lane"] == lane:
                     results[lane][4].setdefault(LANE_FAULT_KEY, fault)
         return fresh
-
-    def _per_lane_reset(
-        self, lanes: list[int], reply: Reply
-    ) -> dict[int, tuple[Any, dict[str, Any]]]:
-        k = len(lanes)
-        observations = self._codecs.observations(reply.leaves, k)
-        infos = lane_infos(reply.infos, k)
-        return {lane: (observations[j], infos[j]) for j, lane in enumerate(lanes)}
 
     def _frames(self, lanes: list[int]) -> list[np.ndarray[Any, Any] | None]:
         """The lanes' frames, one render request each, sent together; None for a lane
