@@ -68,6 +68,7 @@ from ._ops import Op, Waiting
 from ._plan import Refusal, deadline_ms, plan_configure, plan_render, plan_reset, plan_step
 from ._replies import Replies
 from ._results import fold_phases
+from ._straight import clean_step, clean_steps, lane_step_op, vector_step_op
 
 _UNRECOGNIZED = (
     "empty or unrecognized Join request (a newer-edition arm this build does not implement?)"
@@ -154,32 +155,11 @@ class Session:
 
     def on_lane_reply(self, reply: LaneReply) -> list[Action]:
         op = self._ops.get(reply.job_id)
-        if (
-            op is not None
-            and op.lane_step
-            and self.straight_line
-            and reply.fault is None
-            and not op.timed_out
-            and not self._finished
-            and type(reply.outcome) is outcome.Value
-        ):
-            result = reply.outcome.value
-            if (
-                type(result) is StepResult
-                and result.action_warning is None
-                and result.obs_warning is None
-            ):
-                actions = self._lane_step_done(op, reply, result)
-                if self._pending:
-                    actions.extend(self._pump())
-                if self._half_closed:
-                    actions.extend(self._end_if_answered())
-                return actions
-        actions = self._deliver(reply.job_id, reply)
-        actions.extend(self._pump())
-        if self._half_closed:
-            actions.extend(self._end_if_answered())
-        return actions
+        if op is not None and op.lane_step and self._straight(op):
+            result = clean_step(reply)
+            if result is not None:
+                return self._then(self._lane_step_done(op, reply, result))
+        return self._then(self._deliver(reply.job_id, reply))
 
     def on_lane_replies(self, replies: Sequence[LaneReply]) -> list[Action]:
         """Every lane of one job answered (``replies``, one per lane, in any order): a
@@ -189,34 +169,27 @@ class Session:
         if (
             op is not None
             and op.vector_step
-            and self.straight_line
-            and not op.timed_out
-            and not self._finished
+            and self._straight(op)
             and len(replies) == op.unsettled == len(op.lanes)
         ):
-            results: list[StepResult | None] = [None] * len(op.lanes)
-            for reply in replies:
-                if reply.fault is not None or type(reply.outcome) is not outcome.Value:
-                    break
-                result = reply.outcome.value
-                if (
-                    type(result) is not StepResult
-                    or result.action_warning is not None
-                    or result.obs_warning is not None
-                    or results[reply.lane] is not None
-                ):
-                    break
-                results[reply.lane] = result
-            else:
-                actions = self._vector_step_done(op, replies, results)  # type: ignore[arg-type]
-                if self._pending:
-                    actions.extend(self._pump())
-                if self._half_closed:
-                    actions.extend(self._end_if_answered())
-                return actions
+            results = clean_steps(replies, len(op.lanes))
+            if results is not None:
+                return self._then(self._vector_step_done(op, replies, results))
         actions = []
         for reply in replies:
             actions += self.on_lane_reply(reply)
+        return actions
+
+    def _straight(self, op: Op) -> bool:
+        """Whether ``op``'s answer may take the straight line (its results permitting)."""
+        return self.straight_line and not op.timed_out and not self._finished
+
+    def _then(self, actions: list[Action]) -> list[Action]:
+        """After a lane's answer: what waited behind it, and the end once all is answered."""
+        if self._pending:
+            actions.extend(self._pump())
+        if self._half_closed:
+            actions.extend(self._end_if_answered())
         return actions
 
     def on_half_close(self) -> list[Action]:
@@ -493,117 +466,56 @@ class Session:
     def _lane_step(
         self, rid: str, body: env_v1.StepRequest, lane: int, *, serial: bool
     ) -> list[Action]:
-        """One lane's step, straight to its Post (what _pump, _start_step and _launch do
-        for it, without the queue; the lane validates the action, SPEC §3.6). ``serial``:
-        a whole-vector step of a one-lane endpoint (no lanes echoed; a barrier)."""
-        read_ns = self._clock_ns()
-        token = next(self._tokens)
+        """One lane's step, straight to its Post (:func:`~._straight.lane_step_op`)."""
         self._verb = "step"
-        assert body.action is not None
-        op = Op(
-            token=token,
-            request_id=rid,
-            verb="step",
-            lanes=[lane],
-            serial=serial,
-            started_ns=read_ns,
-            echo_indices=None if serial else [lane],
-            timeout_ms=body.timeout_ms,
-            replies=[None],
-            remaining=1,
-            unsettled=1,
-            lane_step=True,
-        )
-        job = StepJob(leaves=list(body.action.leaves), n=1, row=0, validated=False, id=token)
-        op.jobs = (job,)
-        self._ops[token] = op
-        if serial:
-            self._serial = op
-        self._outstanding += 1
-        if op.timeout_ms:
-            return [StartTimer(token, op.timeout_ms / 1000.0), Post(lane, job)]
-        return [Post(lane, job)]
+        op, jobs = lane_step_op(next(self._tokens), rid, body, lane, serial, self._clock_ns())
+        return self._launch(op, jobs)
 
     def _lane_step_done(self, op: Op, reply: LaneReply, result: StepResult) -> list[Action]:
-        """A lane step's successful, warning-free result, straight to its Send (what
-        _deliver and _complete do for it); its episode accounts in the book, as _account
-        keeps the general path's."""
-        token = op.token
-        self._outstanding -= 1
-        del self._ops[token]
-        if op.serial:
-            self._serial = None
+        """A lane step's clean result, straight to its Send (what _deliver and _complete
+        do for it); its episode accounts in the book, as _account keeps the general
+        path's."""
+        self._retire(op, 1)
         op.replies[0] = reply
-        op.unsettled = op.remaining = 0
-        lane = op.lanes[0]
         book = self._book
-        ended = book.step(lane, result)
+        ended = book.step(op.lanes[0], result)
         completed = book.take_interrupted()
         if ended is not None:
             completed.append(ended.record(result.info))
         phases = reply.phases
-        response = self._replies.lane_step_response(op, result, phases, completed)
-        actions: list[Action] = [CancelTimer(token)] if op.timeout_ms else []
-        actions.append(Send(response))
-        if self._observe:
-            total = response.endpoint_total_ns or 0
-            actions.append(Done("step", (lane,), total, phases.user_ns))
-        return actions
+        return self._sent(
+            op, self._replies.lane_step_response(op, result, phases, completed), phases
+        )
 
     def _vector_step(self, rid: str, body: env_v1.StepRequest) -> list[Action]:
-        """A whole-vector step of several lanes, straight to its Posts (what _pump,
-        _start_step and _launch do for it, without the queue): every row validated, then
-        one job per lane under one token, a serial op (a barrier)."""
+        """A whole-vector step of several lanes, straight to its Posts (what _pump and
+        _start_step do for it, without the queue): every row validated, then one job per
+        lane under one token (:func:`~._straight.vector_step_op`)."""
         read_ns = self._clock_ns()
-        token = next(self._tokens)
+        token = next(self._tokens)  # taken before the check, as the general path does
         self._verb = "step"
         assert body.action is not None
-        n = self._n
         leaves = list(body.action.leaves)
         t0 = self._clock_ns()
         try:
-            self._endpoint.contract.action_codec.validate_action(leaves, n)
+            self._endpoint.contract.action_codec.validate_action(leaves, self._n)
         except ActionError as exc:
             return self._reject(rid, read_ns, Code.INVALID_ACTION, str(exc), True)
-        lanes = list(range(n))
-        op = Op(
-            token=token,
-            request_id=rid,
-            verb="step",
-            lanes=lanes,
-            serial=True,
-            started_ns=read_ns,
-            timeout_ms=body.timeout_ms,
-            pre_decode_ns=self._clock_ns() - t0,
-            replies=[None] * n,
-            remaining=n,
-            unsettled=n,
-            vector_step=True,
+        pre_decode_ns = self._clock_ns() - t0
+        op, jobs = vector_step_op(
+            token, rid, leaves, body.timeout_ms, self._n, read_ns, pre_decode_ns
         )
-        jobs = [StepJob(leaves=leaves, n=n, row=row, validated=True, id=token) for row in lanes]
-        op.jobs = jobs
-        self._ops[token] = op
-        self._serial = op
-        self._outstanding += n
-        actions: list[Action] = [Post(lane, job) for lane, job in zip(lanes, jobs, strict=True)]
-        if op.timeout_ms:
-            actions.insert(0, StartTimer(token, op.timeout_ms / 1000.0))
-        return actions
+        return self._launch(op, jobs)
 
     def _vector_step_done(
         self, op: Op, replies: Sequence[LaneReply], results: list[StepResult]
     ) -> list[Action]:
-        """A whole-vector step whose lanes all answered with warning-free results (in
-        ``results``, lane order), straight to its Send (what _deliver, _settle and
-        _complete do for it)."""
-        token = op.token
-        self._outstanding -= len(replies)
-        del self._ops[token]
-        self._serial = None
+        """A whole-vector step whose lanes all answered cleanly (``results``, lane
+        order), straight to its Send (what _deliver, _settle and _complete do for it)."""
+        self._retire(op, len(replies))
         ordered = op.replies
         for reply in replies:
             ordered[reply.lane] = reply
-        op.unsettled = op.remaining = 0
         book = self._book
         completions = op.completions
         for lane, result in enumerate(results):
@@ -613,11 +525,23 @@ class Session:
         phases, skew = fold_phases([reply.phases for reply in ordered if reply is not None])
         interrupted = book.take_interrupted()
         response = self._replies.step_response(op, results, phases, skew, interrupted)
-        actions: list[Action] = [CancelTimer(token)] if op.timeout_ms else []
+        return self._sent(op, response, phases)
+
+    def _retire(self, op: Op, answered: int) -> None:
+        """A straight line's op is answered: off the books, its barrier lifted."""
+        self._outstanding -= answered
+        del self._ops[op.token]
+        if op.serial:
+            self._serial = None
+        op.unsettled = op.remaining = 0
+
+    def _sent(self, op: Op, response: env_v1.JoinResponse, phases: Phases) -> list[Action]:
+        """A straight line's answer: its timer cancelled, the Send, the metrics' Done."""
+        actions: list[Action] = [CancelTimer(op.token)] if op.timeout_ms else []
         actions.append(Send(response))
         if self._observe:
             total = response.endpoint_total_ns or 0
-            actions.append(Done("step", tuple(op.lanes), total, phases.user_ns))
+            actions.append(Done(op.verb, tuple(op.lanes), total, phases.user_ns))
         return actions
 
     def _start_step(self, rid: str, body: env_v1.StepRequest, read_ns: int) -> list[Action]:
