@@ -19,13 +19,10 @@ import numpy as np
 import pytest
 from gymnasium import spaces
 from gymnasium.wrappers import AddRenderObservation
+from support.recording import NEEDS_PYGAME, private_minari_root
 
 minari = pytest.importorskip("minari")
 pytest.importorskip("h5py")
-NEEDS_PYGAME = pytest.mark.skipif(
-    importlib.util.find_spec("pygame") is None,
-    reason="rgb_array rendering of classic-control envs needs pygame (not installed)",
-)
 
 from rlmesh_trio._record import (  # noqa: E402
     CUT_INFO_KEY,
@@ -41,9 +38,7 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(autouse=True)
 def minari_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    root = tmp_path / "minari"
-    monkeypatch.setenv("MINARI_DATASETS_PATH", str(root))
-    return root
+    return private_minari_root(tmp_path, monkeypatch)
 
 
 def play(

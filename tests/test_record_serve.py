@@ -11,7 +11,6 @@ length + 1 frames of the env's render size; the startup errors.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -24,6 +23,7 @@ import pytest
 import trio
 from support import scripts
 from support.faulty import RAISE, Controller, Factory
+from support.recording import NEEDS_PYGAME, private_minari_root
 
 from rlmesh_trio import ServeOptions, serve_env
 from rlmesh_trio._record import CUT_INFO_KEY
@@ -32,10 +32,6 @@ from rlmesh_trio.client import open_endpoint
 
 minari = pytest.importorskip("minari")
 av = pytest.importorskip("av")
-NEEDS_PYGAME = pytest.mark.skipif(
-    importlib.util.find_spec("pygame") is None,
-    reason="rgb_array rendering of classic-control envs needs pygame (not installed)",
-)
 TAXI = "Taxi-v4" if "Taxi-v4" in gym.registry else "Taxi-v3"
 """Taxi-v4 in newer gymnasiums (1.4 at the CI pins); 1.1.0, the lowest the range admits, has Taxi-v3."""
 
@@ -44,9 +40,7 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(autouse=True)
 def minari_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    root = tmp_path / "minari"
-    monkeypatch.setenv("MINARI_DATASETS_PATH", str(root))
-    return root
+    return private_minari_root(tmp_path, monkeypatch)
 
 
 @asynccontextmanager

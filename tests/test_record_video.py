@@ -3,7 +3,6 @@ render a real env; the files decode to episode length + 1 frames of the render's
 
 from __future__ import annotations
 
-import importlib.util
 import threading
 from pathlib import Path
 from typing import Any
@@ -11,12 +10,9 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import pytest
+from support.recording import NEEDS_PYGAME
 
 av = pytest.importorskip("av")
-NEEDS_PYGAME = pytest.mark.skipif(
-    importlib.util.find_spec("pygame") is None,
-    reason="rgb_array rendering of classic-control envs needs pygame (not installed)",
-)
 
 from rlmesh_trio._record import (  # noqa: E402
     LaneVideo,
