@@ -21,7 +21,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import trio
-from support import scripts
+from support import scripts, wire
 from support.faulty import RAISE, Controller, Factory
 from support.recording import NEEDS_PYGAME, private_minari_root
 
@@ -108,15 +108,24 @@ async def test_a_served_evaluation_is_a_dataset_that_replays_bit_for_bit() -> No
     env.close()
 
 
+async def _remote_shutdown(address: str) -> None:
+    async with wire.WireClient(address) as client:
+        await client.shutdown("the test is over")
+
+
 async def test_a_stop_mid_episode_records_it_truncated_and_marked() -> None:
+    """The server stops (a remote Shutdown) under a client still joined."""
     async with (
-        served("CartPole-v1", num_envs=2, record_dataset="rlmesh/stop-v0") as address,
+        served(
+            "CartPole-v1", num_envs=2, record_dataset="rlmesh/stop-v0", allow_remote_shutdown=True
+        ) as address,
         open_endpoint(address) as ep,
     ):
         await ep.reset(seeds=[7], env_indices=[0])
         await ep.reset(env_indices=[1])
         for _ in range(3):
             await ep.step(np.array([0, 1]))
+        await trio.to_thread.run_sync(wire.run, _remote_shutdown(address))
     dataset = minari.load_dataset("rlmesh/stop-v0")
     metadata = metadata_of(dataset)
     assert sorted(m["lane"] for m in metadata) == [0, 1]
@@ -129,6 +138,31 @@ async def test_a_stop_mid_episode_records_it_truncated_and_marked() -> None:
     lane0 = metadata.index(next(m for m in metadata if m["lane"] == 0))
     episode = dataset[lane0]
     assert replays(7, episode.actions, episode.observations)
+
+
+async def test_an_episode_a_session_left_open_is_cut_as_the_sessions() -> None:
+    """A client closes mid-episode: the next session's reset cuts the episode
+    (``session_close``, not ``reset``); a lane the next session steps on without a reset
+    goes on with the same episode, which that session's close then leaves."""
+    async with served("CartPole-v1", num_envs=2, record_dataset="rlmesh/left-v0") as address:
+        async with open_endpoint(address) as first:
+            await first.reset(seeds=[7], env_indices=[0])
+            await first.reset(seeds=[8], env_indices=[1])
+            for _ in range(3):
+                await first.step(np.array([0, 1]))
+        async with open_endpoint(address) as second:
+            await second.reset(seeds=[9], env_indices=[0])
+            await second.step(np.array([1]), env_indices=[1])
+            await second.step(np.array([0]), env_indices=[0])
+    dataset = minari.load_dataset("rlmesh/left-v0")
+    metadata = metadata_of(dataset)
+    by_seed = {m["seed"]: (episode, m) for episode, m in zip(dataset, metadata, strict=True)}
+    assert sorted(by_seed) == [7, 8, 9]
+    for seed, lane, actions in ((7, 0, [0, 0, 0]), (8, 1, [1, 1, 1, 1]), (9, 0, [0])):
+        episode, meta = by_seed[seed]
+        assert (meta["lane"], meta["cut"]) == (lane, "session_close")
+        assert episode.actions.tolist() == actions and bool(episode.truncations[-1])
+        assert replays(seed, episode.actions, episode.observations)
 
 
 async def test_drop_faulted_drops_the_cut_episodes_and_keeps_the_finished() -> None:
@@ -170,10 +204,10 @@ async def test_a_lane_fault_cuts_the_episode_and_the_lane_records_on() -> None:
     metadata = metadata_of(dataset)
     cuts = {(m["lane"], m.get("seed")): m.get("cut") for m in metadata}
     # lane 0: seed 1 cut by the fault (one step recorded), seed 5 whole; lane 1's
-    # episode was cut by the server's stop
+    # episode was left open by the client's close, then cut at the server's stop
     assert cuts[(0, 1)] == "lane_fault"
     assert cuts[(0, 5)] is None
-    assert cuts[(1, 2)] == "server_stop"
+    assert cuts[(1, 2)] == "session_close"
     faulted = dataset[next(i for i, m in enumerate(metadata) if m.get("seed") == 1)]
     assert len(faulted.actions) == 1 and bool(faulted.truncations[-1])
 
@@ -448,5 +482,5 @@ async def test_record_infos_keeps_steady_infos_and_drops_varying_ones_not_the_da
         await ep.step(np.array([1]))
     dataset = minari.load_dataset("rlmesh/lake-v0")
     (meta,) = metadata_of(dataset)
-    assert "another structure" in meta["infos_dropped"] and meta["cut"] == "server_stop"
+    assert "another structure" in meta["infos_dropped"] and meta["cut"] == "session_close"
     assert len(dataset[0].actions) == 1 and "prob" not in dataset[0].infos

@@ -30,6 +30,9 @@ session):
   decodes them (``DatasetWriter(prepare=...)``); video frames are ``env.render()`` run
   through the lane's own executor. A faulted job, and the end of an incarnation, call
   ``recorder.cut`` (``lane_fault``, or ``server_stop`` when the lane stops).
+* **Transport thread**: a Join session that ends while the server goes on calls
+  ``ServedRecording.session_closed`` (a flag per lane, no wait): the open episode's cut
+  then says ``session_close``.
 * **Stop**: after the lanes stopped (their open episodes cut and queued),
   ``ServedRecording.close`` writes what is queued and raises a writer's failure.
 * **Metrics**: ``ServedRecording.counters`` (queue depth, items and bytes written, put

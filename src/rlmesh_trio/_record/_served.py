@@ -14,12 +14,20 @@ way the lane decoded it).
 
 Episode boundaries, as the lane sees them:
 
-* a reset job answered starts an episode (one still open is cut: ``reset``), with the
+* a reset job answered starts an episode (one still open is cut: ``reset``, or
+  ``session_close`` when the client's Join session ended since its last step), with the
   seed the client sent (None when it sent none);
 * a step answered terminated or truncated ends it (the writer's queue gets it: ``put``
   blocks the lane while the queue is full, which is the backpressure);
 * the env faulting in a job, or its incarnation ending while the lane goes on (rebuilt),
-  cuts it (``lane_fault``); the lane's stop cuts it (``server_stop``);
+  cuts it (``lane_fault``); the lane's stop cuts it (``server_stop``, or
+  ``session_close`` as for a reset);
+* a client's Join session ending (not by the server's stop) marks an open episode as
+  left (:meth:`LaneRecorder.session_closed`, from the transport thread: a flag, no lock,
+  no wait); the lane cuts it at its next reset or its stop, or unmarks it when the next
+  session steps the lane on without a reset (the env's episode goes on, and so does its
+  record). A step of the old session that completes after its Join ended unmarks it too
+  (the reset then says ``reset``);
 * a job the env never ran (refused, a bad action) changes nothing.
 
 Under NEXT_STEP autoreset rlmesh's client resets a finished lane with a Reset request
@@ -78,7 +86,7 @@ class LaneRecorder:
     thread harmless (an episode belongs to the incarnation that reset it: another one's
     cut does not touch it)."""
 
-    __slots__ = ("_acc", "_failed", "_lock", "_number", "_video", "lane")
+    __slots__ = ("_acc", "_failed", "_left", "_lock", "_number", "_video", "lane")
 
     def __init__(
         self, lane: int, accumulator: EpisodeAccumulator | None, video: LaneVideo | None
@@ -90,6 +98,14 @@ class LaneRecorder:
         self._number = -1
         """The incarnation whose episode is open (-1: none)."""
         self._failed = False
+        self._left = False
+        """The client's session ended with this lane's episode open (the cut's reason
+        when the lane next resets, or stops)."""
+
+    def session_closed(self) -> None:
+        """The client's Join session ended (any thread; never waits)."""
+        if self._number != -1:
+            self._left = True
 
     def saw(self, number: int, job: Job, result: outcome.Outcome[Any], execute: Execute) -> None:
         """Incarnation ``number`` answered ``job`` with ``result`` (not faulted)."""
@@ -109,6 +125,10 @@ class LaneRecorder:
 
     def _reset(self, number: int, job: ResetJob, value: ResetResult, execute: Execute) -> None:
         self._number = number
+        if self._left:
+            self._left = False
+            if self._acc is not None and self._acc.in_episode:
+                self._acc.cut("session_close")
         if self._acc is not None:
             self._acc.reset(value.observation, job.seed, value.info)
         video = self._video
@@ -116,6 +136,7 @@ class LaneRecorder:
             self._frame(video, execute)
 
     def _step(self, job: StepJob, value: StepResult, execute: Execute) -> None:
+        self._left = False
         ended = value.terminated or value.truncated
         video = self._video
         if video is not None and video.recording:
@@ -148,6 +169,9 @@ class LaneRecorder:
             with self._lock:
                 if self._number != number:
                     return
+                if self._left and reason == "server_stop":
+                    reason = "session_close"
+                self._left = False
                 self._number = -1
                 if self._video is not None:
                     self._video.end()
@@ -189,6 +213,7 @@ class ServedRecording:
         self.writer: DatasetWriter | None = None
         self.video: VideoRecorder | None = None
         self._contract: EnvContract | None = None
+        self._recorders: list[LaneRecorder] = []
 
     def start(self, contract: EnvContract, num_envs: int) -> list[LaneRecorder | None]:
         """Make the writers (a startup error raises here) and one recorder per lane."""
@@ -219,7 +244,14 @@ class ServedRecording:
             recorders.append(
                 None if acc is None and video is None else LaneRecorder(lane, acc, video)
             )
+        self._recorders = [recorder for recorder in recorders if recorder is not None]
         return recorders
+
+    def session_closed(self) -> None:
+        """A client's Join session ended while the server goes on (the transport thread):
+        every lane's open episode is marked as left by it."""
+        for recorder in self._recorders:
+            recorder.session_closed()
 
     def decode(self, episode: Episode) -> Episode:
         """The writer's thread: ``episode`` in wire form, as the env's values."""

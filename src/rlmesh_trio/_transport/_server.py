@@ -637,6 +637,9 @@ class LoopServer:
         try:
             await call.run()
         finally:
+            stopping = self.closing or self.stop_reason is not None
+            if not stopping and (recording := self.lanes.recording) is not None:
+                recording.session_closed()  # an episode left open is cut as the session's
             self.join = None
             self._changed.set()
             self._arm_idle()
