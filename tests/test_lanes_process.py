@@ -34,8 +34,8 @@ from support import crashy, pipe_liar, wire
 from support.crashy import EXIT, HOG, OK, RAISE, SEGFAULT
 
 from rlmesh_trio import ServeOptions, serve_env
-from rlmesh_trio._lanes._process import PIPE_MESSAGE_CAP, RECV_CHUNK, PipeEnd, PipeViolation
 from rlmesh_trio._options import MAX_MESSAGE_BYTES
+from rlmesh_trio._pipe import PIPE_MESSAGE_CAP, RECV_CHUNK, PipeEnd, PipeViolation
 from rlmesh_trio._proto.rlmesh.env import v1 as env_v1
 from rlmesh_trio._wire import HEALTH_CHECK_PATH
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import socket
 import sys
 
-from ._lanes._process import PipeEnd, child_main
+from ._lanes._process import child_main
+from ._pipe import PipeEnd
 
 
 def main(argv: list[str]) -> int:
