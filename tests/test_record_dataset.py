@@ -85,13 +85,19 @@ def replay_equal(env: gym.Env[Any, Any], seed: int | None, actions: Any, observa
     return True
 
 
-def test_cartpole_episodes_load_with_minari_and_replay_bit_for_bit() -> None:
+OWN_PROCESS = [False, pytest.param(True, id="storage-child")]
+"""The writer's storage on its thread, or in a child process of its own (the server's)."""
+
+
+@pytest.mark.parametrize("own_process", OWN_PROCESS)
+def test_cartpole_episodes_load_with_minari_and_replay_bit_for_bit(own_process: bool) -> None:
     env = gym.make("CartPole-v1")
     writer = DatasetWriter(
         "rlmesh/cartpole-v0",
         env.observation_space,
         env.action_space,
         env_spec=env_spec_for("CartPole-v1"),
+        own_process=own_process,
     )
     lanes = [
         EpisodeAccumulator(lane, env.observation_space, env.action_space, writer.put)
@@ -126,10 +132,17 @@ def test_cartpole_episodes_load_with_minari_and_replay_bit_for_bit() -> None:
 
 
 @NEEDS_PYGAME
-def test_a_dict_observation_with_an_image_is_stored_losslessly() -> None:
+@pytest.mark.parametrize("own_process", OWN_PROCESS)
+def test_a_dict_observation_with_an_image_is_stored_losslessly(own_process: bool) -> None:
     env = AddRenderObservation(gym.make("CartPole-v1", render_mode="rgb_array"), render_only=False)
     assert isinstance(env.observation_space, spaces.Dict)
-    writer = DatasetWriter("pixels-v0", env.observation_space, env.action_space, env_spec=env.spec)
+    writer = DatasetWriter(
+        "pixels-v0",
+        env.observation_space,
+        env.action_space,
+        env_spec=env.spec,
+        own_process=own_process,
+    )
     acc = EpisodeAccumulator(0, env.observation_space, env.action_space, writer.put)
     returns = [play(env, acc, seed, steps=6)[0] for seed in (11, 12)]
     assert acc.in_episode  # the last one still open: the server stops
@@ -323,6 +336,44 @@ def test_a_write_that_fails_is_raised_not_swallowed() -> None:
     acc.step(np.zeros(2, np.float32), np.zeros(3, np.float32), 0.0, True, False)
     with pytest.raises(RecordingError, match="1 item\\(s\\) not written"):
         writer.close(60)
+
+
+def test_a_storage_child_that_dies_fails_the_writer_and_is_not_waited_on() -> None:
+    """The child killed between two batches: the next batch raises (the writer's error,
+    raised by ``close`` with what was lost); the first batch stays readable."""
+    space = spaces.Box(0.0, 1.0, (2,), np.float32)
+    written = threading.Event()
+    writer = DatasetWriter(
+        "killed-v0", space, space, own_process=True, on_batch=lambda n, b: written.set()
+    )
+    acc = EpisodeAccumulator(0, space, space, writer.put)
+    acc.reset(np.zeros(2, np.float32), 1)
+    acc.step(np.zeros(2, np.float32), np.ones(2, np.float32), 1.0, True, False)
+    assert written.wait(60)
+    child = writer._child
+    assert child is not None
+    child._process.kill()
+    child._process.wait(60)
+    acc.reset(np.zeros(2, np.float32), 2)
+    acc.step(np.zeros(2, np.float32), np.ones(2, np.float32), 1.0, True, False)
+    with pytest.raises(RecordingError, match="1 item\\(s\\) not written") as caught:
+        writer.close(60)
+    assert "storage process is gone" in str(caught.value.__cause__)
+    assert writer.episodes_written == 1
+    assert minari.load_dataset("killed-v0").total_episodes == 1
+
+
+def test_the_storage_child_exits_when_the_writer_closes() -> None:
+    space = spaces.Discrete(3)
+    writer = DatasetWriter("exits-v0", space, space, own_process=True)
+    acc = EpisodeAccumulator(0, space, space, writer.put)
+    acc.reset(0, None)
+    acc.step(1, 2, 0.5, False, True)
+    writer.close(60)
+    child = writer._child
+    assert child is not None and child._process.returncode == 0
+    (episode,) = minari.load_dataset("exits-v0")
+    assert episode.actions.tolist() == [1] and episode.observations.tolist() == [0, 2]
 
 
 def test_the_dataset_is_made_at_once_and_a_clash_or_bad_id_says_so(minari_root: Path) -> None:

@@ -47,6 +47,7 @@ import numpy as np
 from gymnasium import spaces
 from gymnasium.envs.registration import EnvSpec
 
+from ._child import StorageChild
 from ._episode import Episode, check_space, stack
 from ._worker import BoundedWorker
 
@@ -143,7 +144,10 @@ class DatasetWriter:
     quarter of ``capacity`` episodes before it writes what it has (Minari's HDF5 storage
     costs about 1.7 ms of CPU per episode written alone, 0.6 ms in batches of 16).
     ``prepare`` turns each queued episode into the one
-    written, on the writer's thread (the server queues wire forms and decodes them there). Made on any thread; never touches an env."""
+    written, on the writer's thread (the server queues wire forms and decodes them there).
+    ``own_process``: the writer's thread prepares each batch and a child process of its
+    own stores it (:mod:`~rlmesh_trio._record._child`: Minari's HDF5 work off this
+    process's GIL; the server's choice). Made on any thread; never touches an env."""
 
     def __init__(
         self,
@@ -158,6 +162,7 @@ class DatasetWriter:
         description: str | None = None,
         on_batch: Callable[[int, int], None] | None = None,
         prepare: Callable[[Episode], Episode] | None = None,
+        own_process: bool = False,
     ) -> None:
         minari = _import_minari()
         from minari.dataset.minari_dataset import parse_dataset_id
@@ -205,6 +210,8 @@ class DatasetWriter:
         self.steps_written = 0
         self.infos_dropped = 0
         """Episodes whose infos were dropped (their structure varied)."""
+        self.own_process = own_process
+        self._child: StorageChild | None = None
         self._worker: BoundedWorker[Episode] = BoundedWorker(
             f"rlmesh-trio-dataset[{dataset_id}]",
             self._write,
@@ -212,6 +219,7 @@ class DatasetWriter:
             on_batch=on_batch,
             linger=linger,
             batch=max(1, capacity // 4),
+            finish=self._finish,
         )
 
     # -- the lane's side ------------------------------------------------------------
@@ -264,14 +272,24 @@ class DatasetWriter:
             )
             metadatas.append(metadata)
         first = self._next_id
-        self._storage.update_episodes(buffers)
-        self._storage.update_episode_metadata(metadatas, range(first, first + len(buffers)))
+        if self.own_process:
+            if self._child is None:  # started here: it dies with the thread that started it
+                self._child = StorageChild(self._storage, f"dataset {self.dataset_id}")
+            self._child.write(buffers, metadatas, first)
+        else:
+            self._storage.update_episodes(buffers)
+            self._storage.update_episode_metadata(metadatas, range(first, first + len(buffers)))
         self._next_id += len(buffers)
         self.episodes_written += len(buffers)
         self.steps_written += sum(len(e) for e in batch)
         size = _tree_size(self._data)
         grown, self._size = size - self._size, size
         return grown
+
+    def _finish(self) -> None:
+        """The writer's thread ends: its storage child, if any, exits."""
+        if self._child is not None:
+            self._child.close()
 
     def _infos(self, episode: Episode, metadata: dict[str, Any]) -> dict[str, Any] | None:
         infos: dict[str, Any] | None = None

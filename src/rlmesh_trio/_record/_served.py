@@ -349,6 +349,7 @@ def served_recording(
                 record_infos=plan.infos,
                 prepare=decode,
                 linger=DATASET_LINGER,
+                own_process=True,  # Minari's HDF5 work off the server's GIL
             )
 
     directory = plan.video

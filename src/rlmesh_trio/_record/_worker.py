@@ -15,6 +15,9 @@ episodes when the writer is behind, and one when it is not). Its rules:
   far less per episode); it never waits past a close, nor for more than the queue holds.
 * Counters are plain attributes (read without a lock: each is written by one thread), and
   ``on_batch`` is called on the writer's thread after each batch, for metrics.
+* ``finish`` is called on the writer's thread as it ends (everything written, or the
+  writer failed): what the writer's thread set up is torn down there; its error becomes
+  the writer's, if the writer had none.
 
 The thread is a daemon only so that a process killed mid-run can still exit; a normal
 stop calls ``close``.
@@ -49,6 +52,7 @@ class BoundedWorker(Generic[T]):
         on_batch: Callable[[int, int], None] | None = None,
         linger: float = 0.0,
         batch: int = 1,
+        finish: Callable[[], None] | None = None,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be at least 1, not {capacity}")
@@ -60,6 +64,7 @@ class BoundedWorker(Generic[T]):
         self.batch = min(batch, capacity)
         self._write = write
         self._on_batch = on_batch
+        self._finish = finish
         self._items: deque[T] = deque()
         self._lock = threading.Lock()
         self._not_full = threading.Condition(self._lock)
@@ -136,6 +141,18 @@ class BoundedWorker(Generic[T]):
             raise RecordingError(f"{self.name} is closed")
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            if self._finish is not None:
+                try:
+                    self._finish()
+                except BaseException as exc:
+                    with self._lock:
+                        if self.error is None:
+                            self.error = exc
+
+    def _serve(self) -> None:
         while True:
             with self._lock:
                 while not self._items and not self._closing:

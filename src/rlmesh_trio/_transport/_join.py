@@ -151,6 +151,9 @@ class JoinContext:
     """Post a lane job with a gather's ``reply`` (raises ``LaneError`` on a refusal)."""
     release: Callable[[Gather], list[LaneReply]] | None = None
     """End a gather early: the replies it holds, their routes used."""
+    left: Callable[[], None] | None = None
+    """The client's session ended, called once per Join before its trailers go out (so
+    before the client can see the end): the recorders mark the episodes it left open."""
 
 
 class JoinCall:
@@ -163,6 +166,7 @@ class JoinCall:
         self.loop = context.loop
         self.state = JoinState.OPEN
         self.session = context.new_session()
+        self._left = context.left
         self.deadlines = Deadlines(self.loop, self._on_timer)
         self.outbox: deque[bytes] = deque()
         self.outbox_bytes = 0
@@ -528,6 +532,7 @@ class JoinCall:
             # Half-close, unreadable request or failed send: the session learns the stream
             # ended (SPEC §7.9); after EndStream it already knows.
             self._tell_session()
+            self._tell_left()
             self.finish()  # (flushing already after EndStream; broken after a failed send)
             self.flush()  # (every event already ended with one: a safeguard)
             self.wake_writer.set()
@@ -551,7 +556,13 @@ class JoinCall:
             self.deadlines.close()
             # Cancelled (client reset, disconnect, server cut): the session must know.
             self._tell_session()
+            self._tell_left()
             self.context.activity(self)
+
+    def _tell_left(self) -> None:
+        left, self._left = self._left, None
+        if left is not None:
+            left()
 
     async def _write_loop(self) -> None:
         """The one writer: sends in order what could not be written at once."""

@@ -254,6 +254,7 @@ class LoopServer:
         self.options = options
         self._on_stop_begin = on_stop_begin
         self.closing = False
+        self._stop_accepted = False  # a Shutdown was accepted (its stop may not have begun)
         self.reading = True  # Join streams read requests (until the drain is over)
         self.stop_reason: str | None = None
         self._drain_joins = True
@@ -463,7 +464,15 @@ class LoopServer:
             big_message_done=self.big_message_done,
             activity=self.join_activity,
             reading=lambda: self.reading,
+            left=self._session_left if self.lanes.recording is not None else None,
         )
+
+    def _session_left(self) -> None:
+        """A Join session ended while the server goes on (not its stop): the recorders
+        cut the episodes it left open as the session's (``session_close``)."""
+        stopping = self.closing or self.stop_reason is not None or self._stop_accepted
+        if not stopping and (recording := self.lanes.recording) is not None:
+            recording.session_closed()
 
     # -- work off the loop, memory
 
@@ -606,6 +615,7 @@ class LoopServer:
     async def _shutdown(self, stream: Stream[bytes, bytes]) -> None:
         request = await self._decode_unary(stream, decode_shutdown_request)
         response, stop = self.endpoint.shutdown(request)
+        self._stop_accepted = self._stop_accepted or stop  # before the client can know it
         await stream.send_message(bytes(response))
         await stream.send_trailing_metadata()
         if stop:
@@ -637,9 +647,6 @@ class LoopServer:
         try:
             await call.run()
         finally:
-            stopping = self.closing or self.stop_reason is not None
-            if not stopping and (recording := self.lanes.recording) is not None:
-                recording.session_closed()  # an episode left open is cut as the session's
             self.join = None
             self._changed.set()
             self._arm_idle()

@@ -1,0 +1,160 @@
+"""The dataset's storage in a process of its own: Minari's HDF5 work off the server's GIL.
+
+Writing an episode into Minari's HDF5 storage costs far more CPU than serving its steps
+(an ``h5py`` dataset per field per episode, the metadata file rewritten per batch), and
+it holds the GIL while it runs: in the server's writer thread it slowed the lanes and the
+transport (issue 33: 0.76x the steps/s of the same server without recording). The
+:class:`~rlmesh_trio._record._dataset.DatasetWriter` therefore prepares each batch on its
+writer thread (decoded, stacked into Minari's ``EpisodeBuffer``; cheap) and hands it to a
+child that only stores it: ``python -m rlmesh_trio._recordchild FD PARENT_PID`` (a plain
+child over a socketpair, :mod:`rlmesh_trio._pipe`, as process lanes are).
+
+The protocol, strictly request and answer, one batch in flight (the writer waits for
+its answer, so the bounded queue in front of it stays the backpressure):
+
+* parent → child, first: the pickled storage object (Minari's ``MinariStorage`` the
+  parent created, so the dataset's spaces and settings are the parent's, bit for bit);
+  child → parent: ``("ready",)``, or ``("error", text)`` and exit;
+* ``("write", first_id, buffers, metadatas)``, one batch: the child stores it
+  (``update_episodes``, ``update_episode_metadata``) and answers ``("done",)`` or
+  ``("error", text)``;
+* ``("close",)``, or the pipe's end: the child exits. It also dies with the server
+  (``PR_SET_PDEATHSIG`` on Linux; it is started from the writer's thread, which lives
+  until the writer is closed).
+
+A child that dies or breaks the protocol fails the writer (:class:`RecordingError`, which
+the server reports when it stops), the lanes go on serving. Messages from the parent are
+trusted (the child accepts any size: an episode of Atari frames is hundreds of MiB);
+the parent accepts only short answers from the child.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+from typing import Any
+
+from .._pipe import PipeEnd, PipeViolation, die_with_parent
+from ._worker import RecordingError
+
+__all__ = ["CHILD_STOP_TIMEOUT", "StorageChild", "storage_child_main"]
+
+CHILD_STOP_TIMEOUT = 10.0
+"""Seconds the child gets to exit after ``close`` (it has nothing left to write then:
+every batch was answered), before SIGKILL."""
+
+ANSWER_CAP = 1 << 20
+"""The longest answer the parent reads from its child (an error's text is the longest)."""
+
+TRUSTED_CAP = 1 << 62
+"""What the child accepts from its parent: anything (the parent is the server)."""
+
+
+class StorageChild:
+    """The writer thread's handle on its storage child. Made, used and closed on that
+    one thread (PR_SET_PDEATHSIG follows the thread that started the child)."""
+
+    def __init__(self, storage: Any, name: str) -> None:
+        ours, theirs = socket.socketpair()
+        try:
+            self._process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "rlmesh_trio._recordchild",
+                    str(theirs.fileno()),
+                    str(os.getpid()),
+                    name,
+                ],
+                stdin=subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(),),
+            )
+        finally:
+            theirs.close()
+        self._conn = PipeEnd(ours, ANSWER_CAP)
+        try:
+            self._conn.send(storage)
+            self._answer("start")
+        except BaseException:
+            self.kill()
+            raise
+
+    def write(self, buffers: list[Any], metadatas: list[dict[str, Any]], first: int) -> None:
+        """Store one batch (episode ids ``first``, ``first + 1``, ...); raise
+        :class:`RecordingError` when the child failed or is gone."""
+        try:
+            self._conn.send(("write", first, buffers, metadatas))
+        except OSError as exc:
+            raise self._gone(f"the pipe to it broke ({exc})") from None
+        self._answer("write")
+
+    def _answer(self, what: str) -> None:
+        try:
+            answer = self._conn.recv()
+        except EOFError:
+            raise self._gone("it exited") from None
+        except (OSError, PipeViolation) as exc:
+            self.kill()
+            raise self._gone(str(exc)) from None
+        if answer == ("done",) or (what == "start" and answer == ("ready",)):
+            return
+        if isinstance(answer, tuple) and len(answer) == 2 and answer[0] == "error":
+            raise RecordingError(f"the dataset's storage process failed: {answer[1]}")
+        self.kill()
+        raise self._gone(f"it answered {answer!r:.100}")
+
+    def _gone(self, how: str) -> RecordingError:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._process.wait(1.0)
+        code = self._process.returncode
+        status = "still running" if code is None else f"exit status {code}"
+        return RecordingError(f"the dataset's storage process is gone: {how} ({status})")
+
+    def close(self) -> None:
+        """Ask the child to exit; kill it if it has not within :data:`CHILD_STOP_TIMEOUT`."""
+        with contextlib.suppress(OSError):
+            self._conn.send(("close",))
+        try:
+            self._process.wait(CHILD_STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        self._conn.close()
+
+    def kill(self) -> None:
+        with contextlib.suppress(OSError):
+            self._process.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._process.wait(CHILD_STOP_TIMEOUT)
+
+
+def storage_child_main(conn: PipeEnd, parent_pid: int) -> None:
+    """The child's whole life: open the storage, store batches until closed."""
+    die_with_parent(parent_pid)
+    try:
+        storage = conn.recv()  # unpickling it imports minari
+    except EOFError:
+        return
+    except Exception as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready",))
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            return
+        if message[0] != "write":
+            return  # ("close",)
+        _, first, buffers, metadatas = message
+        del message
+        try:
+            storage.update_episodes(buffers)
+            storage.update_episode_metadata(metadatas, range(first, first + len(buffers)))
+        except Exception as exc:
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+            return
+        del buffers, metadatas
+        conn.send(("done",))
