@@ -1228,3 +1228,38 @@ async def test_jobs_queued_behind_a_pending_rebuild_are_answered_at_stop() -> No
         queued = await replies.get("queued")
         with pytest.raises(LaneBrokenError, match=r"^lane 0 stopped before answering$"):
             queued.outcome.unwrap()
+
+
+async def test_a_lanes_answers_reach_the_session_in_the_lanes_order() -> None:
+    """A lane-scoped reset of lanes 0 and 1 while lane 1 hangs, then two steps of lane 0
+    (a pipelining client): lane 0 resets and steps at once, and its episode counts both
+    steps. (The reset's answers were once gathered until lane 1 answered, so lane 0's
+    steps reached the session before its reset, and counted in the old episode.)"""
+    ctl = Controller()
+
+    async def client(address: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        async with wire.joined(address, wire.configure(), wire.reset(seeds=[1, 2])) as join:
+            await join.send(wire.step(acts(HANG), env_indices=[1], request_id="hang"))
+            ctl.wait_hanging()
+            await join.send(wire.reset(seeds=[3, 4], env_indices=[0, 1], request_id="r"))
+            for i in range(2):
+                await join.send(wire.step(acts(0), env_indices=[0], request_id=f"s{i}"))
+            for _ in range(2):
+                reply = await join.recv()
+                assert reply is not None
+                out[reply.request_id] = reply
+            ctl.release.set()
+            for _ in range(2):
+                reply = await join.recv()
+                assert reply is not None
+                out[reply.request_id] = reply
+            out["close"] = await join.call(wire.close())
+        return out
+
+    async with served(ctl) as address:
+        out = await on_wire(client(address))
+    assert obs(out["s0"]).tolist() == [1.0, 3.0] and obs(out["s1"]).tolist() == [2.0, 3.0]
+    final = out["close"].close.final_episodes
+    got = sorted((e.env_index, e.seed, e.step_count) for e in final)
+    assert got == [(0, 3, 2), (1, 2, 1), (1, 4, 0)], got  # lane 1: seed 2 cut by the reset

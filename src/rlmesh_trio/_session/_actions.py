@@ -15,10 +15,17 @@ from .._proto.rlmesh.env import v1 as env_v1
 
 @dataclass(frozen=True, slots=True)
 class Post:
-    """Queue ``job`` on lane ``lane``; its answer comes back through ``on_lane_reply``."""
+    """Queue ``job`` on lane ``lane``; its answer comes back through ``on_lane_reply``.
+
+    ``barrier``: the job is a serial op's (a whole-vector one): nothing else goes to its
+    lanes until every one of them answered, so the driver may hold the answers and hand
+    them over together (``on_lane_replies``). Without it a lane's answers must reach the
+    session one by one, in the lane's order: a lane-scoped op on several lanes does not
+    hold back the next request's jobs on those lanes."""
 
     lane: int
     job: Job
+    barrier: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -384,7 +384,7 @@ class Session:
             actions.append(StartTimer(op.token, op.timeout_ms / 1000.0))
         for lane, job in zip(op.lanes, jobs, strict=True):
             self._outstanding += 1
-            actions.append(Post(lane, job))
+            actions.append(Post(lane, job, op.serial))
         return actions
 
     def _deliver(self, token: int, reply: LaneReply) -> list[Action]:

@@ -329,7 +329,7 @@ class JoinCall:
                 action = posts[i]
                 job_id = action.job.id
                 j = i + 1
-                if gathering:  # one job id on several lanes: a whole-vector op
+                if gathering and action.barrier:  # a serial op's lanes: nothing overtakes
                     while j < count and posts[j].job.id == job_id:
                         j += 1
                 if j - i > 1:
