@@ -28,7 +28,7 @@ from support.recording import NEEDS_PYGAME, private_minari_root
 from rlmesh_trio import ServeOptions, serve_env
 from rlmesh_trio._record import CUT_INFO_KEY
 from rlmesh_trio._record._dataset import DatasetWriter
-from rlmesh_trio.client import open_endpoint
+from rlmesh_trio.client import EnvError, open_endpoint
 
 minari = pytest.importorskip("minari")
 av = pytest.importorskip("av")
@@ -163,6 +163,48 @@ async def test_an_episode_a_session_left_open_is_cut_as_the_sessions() -> None:
         assert (meta["lane"], meta["cut"]) == (lane, "session_close")
         assert episode.actions.tolist() == actions and bool(episode.truncations[-1])
         assert replays(seed, episode.actions, episode.observations)
+
+
+class Escapes(gym.Env[np.ndarray, int]):
+    """Action 1 gives an observation out of its bounds (which ``strict`` refuses)."""
+
+    observation_space = gym.spaces.Box(0.0, 1.0, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed: int | None = None, options: Any = None) -> Any:
+        super().reset(seed=seed)
+        self.t = 0
+        return np.full(1, 0.5, np.float32), {}
+
+    def step(self, action: int) -> Any:
+        self.t += 1
+        obs = np.full(1, 5.0 if action == 1 else 0.5, np.float32)
+        return obs, 1.0, self.t >= 3, False, {}
+
+
+async def test_a_step_the_env_ran_but_whose_answer_was_refused_cuts_the_episode() -> None:
+    """The env stepped, its observation was refused (``strict``): what it does next is
+    not what was recorded, so the episode is cut there (``lane_fault``); a refused
+    action (the env never ran) changes nothing."""
+    options = {"record_dataset": "rlmesh/refused-v0", "validation_policy": "strict"}
+    async with served(Escapes, num_envs=1, **options) as address:
+        async with open_endpoint(address) as ep:
+            await ep.reset(seeds=[1])
+            await ep.step(np.array([0]))
+            with pytest.raises(EnvError, match="out of bounds"):
+                await ep.step(np.array([1]))  # fatal under strict: the session ends
+        async with open_endpoint(address) as ep:
+            await ep.reset(seeds=[2])
+            with pytest.raises(EnvError, match="not in range"):
+                await ep.step(np.array([7]))  # refused before the env: nothing changes
+            for _ in range(3):
+                await ep.step(np.array([0]))
+    dataset = minari.load_dataset("rlmesh/refused-v0")
+    by_seed = {m["seed"]: (e, m) for e, m in zip(dataset, metadata_of(dataset), strict=True)}
+    cut, whole = by_seed[1], by_seed[2]
+    assert cut[1]["cut"] == "lane_fault" and cut[0].actions.tolist() == [0]
+    assert "cut" not in whole[1] and whole[0].actions.tolist() == [0, 0, 0]
+    assert bool(whole[0].terminations[-1])
 
 
 async def test_drop_faulted_drops_the_cut_episodes_and_keeps_the_finished() -> None:

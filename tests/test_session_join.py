@@ -38,6 +38,7 @@ from rlmesh_trio._session import (
     StartTimer,
     Wedged,
 )
+from rlmesh_trio._session._results import CONFORMANCE_KEY
 
 Code = env_v1.EnvErrorCode
 
@@ -1176,3 +1177,26 @@ def test_the_straight_line_answers_gathered_whole_vector_steps_as_the_general_pa
     straight = script(straight=True)
     assert straight == script(straight=False)
     assert sum(isinstance(a, bytes) for a in straight) >= 12  # the steps were answered
+
+
+@pytest.mark.parametrize("num_envs", [1, 2])
+def test_a_warning_goes_into_the_reply_not_into_the_lanes_info_map(num_envs: int) -> None:
+    """The lane's info map is shared (a recorder keeps it by reference, on another
+    thread): the conformance entry goes into a new map, on the wire all the same."""
+    h = Harness(num_envs=num_envs)
+    h.request(reset=env_v1.ResetRequest(seeds=list(range(num_envs))))
+    for lane, job in h.take():
+        h.answer(lane, job, reset_result(float(lane)))
+    h.request(request_id="w", step=env_v1.StepRequest(action=action(*[0] * num_envs)))
+    results = []
+    sent: list[Any] = []
+    for lane, job in h.take():
+        result = step_result(obs_warning=Candidate("bounds", "$", "out of bounds"), k=lane)
+        results.append(result)
+        sent += h.answer(lane, job, result)
+    for result in results:
+        assert dict(result.info.entries).keys() == {"k"}  # untouched
+    (reply,) = [a.response for a in sent if isinstance(a, Send)]
+    infos = from_meta_map(reply.step.infos)
+    lanes = infos["final_info"] if num_envs > 1 else [infos]
+    assert [CONFORMANCE_KEY in lane for lane in lanes] == [True] * num_envs  # sent as before

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 import outcome
 
 from .._codec import from_meta_map
+from .._errors import ActionError
 from .._jobs import CallJob, Job, Phases, ResetJob, ResetResult, StepJob, StepResult
 from ._episode import CutReason, Episode, EpisodeAccumulator
 
@@ -86,7 +87,7 @@ class LaneRecorder:
     thread harmless (an episode belongs to the incarnation that reset it: another one's
     cut does not touch it)."""
 
-    __slots__ = ("_acc", "_failed", "_left", "_lock", "_number", "_video", "lane")
+    __slots__ = ("_acc", "_failed", "_left", "_lock", "_newest", "_number", "_video", "lane")
 
     def __init__(
         self, lane: int, accumulator: EpisodeAccumulator | None, video: LaneVideo | None
@@ -97,6 +98,9 @@ class LaneRecorder:
         self._lock = threading.Lock()
         self._number = -1
         """The incarnation whose episode is open (-1: none)."""
+        self._newest = -1
+        """The newest incarnation heard from: an older one (abandoned, its call returning
+        late) is not heard any more."""
         self._failed = False
         self._left = False
         """The client's session ended with this lane's episode open (the cut's reason
@@ -108,12 +112,23 @@ class LaneRecorder:
             self._left = True
 
     def saw(self, number: int, job: Job, result: outcome.Outcome[Any], execute: Execute) -> None:
-        """Incarnation ``number`` answered ``job`` with ``result`` (not faulted)."""
-        if not isinstance(result, outcome.Value):
+        """Incarnation ``number`` answered ``job`` with ``result`` (not faulted). A reset
+        or step whose env call ran but whose result was refused (an observation the
+        strict policy refuses, an info that cannot be sent) cuts the episode: what the
+        env did next is not what was recorded. A refused action changes nothing: the env
+        never ran."""
+        if isinstance(result, outcome.Error):
+            ran = not isinstance(result.error, ActionError)
+            if ran and isinstance(job, (StepJob, ResetJob)):
+                self.cut(number, "lane_fault")
             return
+        assert isinstance(result, outcome.Value)
         value = result.value
         try:
             with self._lock:
+                if number < self._newest:
+                    return  # an abandoned incarnation's call, returning late
+                self._newest = number
                 if isinstance(job, StepJob) and isinstance(value, StepResult):
                     if self._number != number:
                         return  # no episode of this incarnation open
@@ -167,7 +182,7 @@ class LaneRecorder:
         (``server_stop``): cut its episode, if one is open."""
         try:
             with self._lock:
-                if self._number != number:
+                if self._number != number or number < self._newest:
                     return
                 if self._left and reason == "server_stop":
                     reason = "session_close"

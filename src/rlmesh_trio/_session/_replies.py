@@ -45,11 +45,11 @@ class Replies:
         if not any(candidates):
             return maps, []
         survivors, fresh = self._endpoint.ledger.place(op.lanes, candidates)
-        for info, kept in zip(maps, survivors, strict=True):
+        for pos, kept in enumerate(survivors):
             if kept:
-                info.entries[CONFORMANCE_KEY] = warning_value(kept)
+                maps[pos] = _with_warning(maps[pos], kept)
         if fresh and len(maps) == 1:
-            maps[0].entries[CONFORMANCE_KEY] = warning_value(fresh)
+            maps[0] = _with_warning(maps[0], fresh)
         return maps, fresh
 
     def infos(
@@ -191,3 +191,9 @@ class Replies:
                 request_id=rid, error=error, endpoint_total_ns=self.elapsed(read_ns)
             )
         )
+
+
+def _with_warning(info: spaces_v1.MetaMap, warnings: list[Candidate]) -> spaces_v1.MetaMap:
+    """``info`` with the conformance entry, a new map: the lane's own is not the
+    session's to change (a recorder keeps it by reference, on another thread)."""
+    return spaces_v1.MetaMap(entries={**info.entries, CONFORMANCE_KEY: warning_value(warnings)})
