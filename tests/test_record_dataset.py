@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from gymnasium import spaces
 from gymnasium.wrappers import AddRenderObservation
-from support.recording import NEEDS_PYGAME, private_minari_root
+from support.recording import NEEDS_PYGAME, episode_metadata, private_minari_root, replay_equal
 
 minari = pytest.importorskip("minari")
 pytest.importorskip("h5py")
@@ -57,32 +57,6 @@ def play(
         if acc.step(action, obs, float(reward), terminated, truncated, info) is not None:
             break
     return total, n
-
-
-def episode_metadata(dataset: Any) -> list[dict[str, Any]]:
-    return list(dataset.storage.get_episode_metadata(range(dataset.total_episodes)))
-
-
-def replay_equal(env: gym.Env[Any, Any], seed: int | None, actions: Any, observations: Any) -> bool:
-    """Reset ``env`` with ``seed``, take ``actions``: every observation equal, bit for bit."""
-
-    def same(a: Any, b: Any) -> bool:
-        if isinstance(b, dict):
-            return all(same(a[k], b[k]) for k in b)
-        a, b = np.asarray(a), np.asarray(b)
-        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
-
-    def at(tree: Any, i: int) -> Any:
-        return {k: at(v, i) for k, v in tree.items()} if isinstance(tree, dict) else tree[i]
-
-    obs, _ = env.reset(seed=seed)
-    if not same(obs, at(observations, 0)):
-        return False
-    for i in range(len(actions)):
-        obs, *_ = env.step(at(actions, i))
-        if not same(obs, at(observations, i + 1)):
-            return False
-    return True
 
 
 OWN_PROCESS = [False, pytest.param(True, id="storage-child")]

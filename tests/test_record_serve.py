@@ -23,7 +23,7 @@ import pytest
 import trio
 from support import scripts, wire
 from support.faulty import RAISE, Controller, Factory
-from support.recording import NEEDS_PYGAME, private_minari_root
+from support.recording import NEEDS_PYGAME, episode_metadata, private_minari_root, replay_equal
 
 from rlmesh_trio import ServeOptions, serve_env
 from rlmesh_trio._record import CUT_INFO_KEY
@@ -65,23 +65,12 @@ async def served(
             nursery.cancel_scope.cancel()
 
 
-def metadata_of(dataset: Any) -> list[dict[str, Any]]:
-    return list(dataset.storage.get_episode_metadata(range(dataset.total_episodes)))
-
-
 def replays(seed: int | None, actions: Any, observations: Any) -> bool:
     """A local CartPole reset with ``seed`` and stepped with ``actions`` produces
     ``observations``, bit for bit."""
     env = gym.make("CartPole-v1")
     try:
-        obs, _ = env.reset(seed=seed)
-        if obs.tobytes() != observations[0].tobytes():
-            return False
-        for i, action in enumerate(actions):
-            obs, *_ = env.step(action)
-            if obs.dtype != observations.dtype or obs.tobytes() != observations[i + 1].tobytes():
-                return False
-        return True
+        return replay_equal(env, seed, actions, observations)
     finally:
         env.close()
 
@@ -91,7 +80,7 @@ async def test_a_served_evaluation_is_a_dataset_that_replays_bit_for_bit() -> No
     async with served("CartPole-v1", num_envs=3, record_dataset="rlmesh/eval-v0") as address:
         played = await trio.to_thread.run_sync(scripts.run_session, address, "cartpole", seeds)
     dataset = minari.load_dataset("rlmesh/eval-v0")
-    metadata = metadata_of(dataset)
+    metadata = episode_metadata(dataset)
     assert dataset.total_episodes == len(seeds)
     returns = {e["seed"]: e["reward"] for e in played}
     by_seed = {}
@@ -127,7 +116,7 @@ async def test_a_stop_mid_episode_records_it_truncated_and_marked() -> None:
             await ep.step(np.array([0, 1]))
         await trio.to_thread.run_sync(wire.run, _remote_shutdown(address))
     dataset = minari.load_dataset("rlmesh/stop-v0")
-    metadata = metadata_of(dataset)
+    metadata = episode_metadata(dataset)
     assert sorted(m["lane"] for m in metadata) == [0, 1]
     for episode, meta in zip(dataset, metadata, strict=True):
         assert meta["cut"] == "server_stop"
@@ -155,7 +144,7 @@ async def test_an_episode_a_session_left_open_is_cut_as_the_sessions() -> None:
             await second.step(np.array([1]), env_indices=[1])
             await second.step(np.array([0]), env_indices=[0])
     dataset = minari.load_dataset("rlmesh/left-v0")
-    metadata = metadata_of(dataset)
+    metadata = episode_metadata(dataset)
     by_seed = {m["seed"]: (episode, m) for episode, m in zip(dataset, metadata, strict=True)}
     assert sorted(by_seed) == [7, 8, 9]
     for seed, lane, actions in ((7, 0, [0, 0, 0]), (8, 1, [1, 1, 1, 1]), (9, 0, [0])):
@@ -200,7 +189,7 @@ async def test_a_step_the_env_ran_but_whose_answer_was_refused_cuts_the_episode(
             for _ in range(3):
                 await ep.step(np.array([0]))
     dataset = minari.load_dataset("rlmesh/refused-v0")
-    by_seed = {m["seed"]: (e, m) for e, m in zip(dataset, metadata_of(dataset), strict=True)}
+    by_seed = {m["seed"]: (e, m) for e, m in zip(dataset, episode_metadata(dataset), strict=True)}
     cut, whole = by_seed[1], by_seed[2]
     assert cut[1]["cut"] == "lane_fault" and cut[0].actions.tolist() == [0]
     assert "cut" not in whole[1] and whole[0].actions.tolist() == [0, 0, 0]
@@ -223,7 +212,7 @@ async def test_drop_faulted_drops_the_cut_episodes_and_keeps_the_finished() -> N
         await ep.step(np.array([0]))
     dataset = minari.load_dataset("rlmesh/drop-v0")
     assert dataset.total_episodes == 1
-    assert metadata_of(dataset)[0]["seed"] == 3
+    assert episode_metadata(dataset)[0]["seed"] == 3
 
 
 async def test_a_lane_fault_cuts_the_episode_and_the_lane_records_on() -> None:
@@ -243,7 +232,7 @@ async def test_a_lane_fault_cuts_the_episode_and_the_lane_records_on() -> None:
             await ep.step(np.array([1]), env_indices=[0])
     assert not ctl.violations
     dataset = minari.load_dataset("rlmesh/fault-v0")
-    metadata = metadata_of(dataset)
+    metadata = episode_metadata(dataset)
     cuts = {(m["lane"], m.get("seed")): m.get("cut") for m in metadata}
     # lane 0: seed 1 cut by the fault (one step recorded), seed 5 whole; lane 1's
     # episode was left open by the client's close, then cut at the server's stop
@@ -311,7 +300,7 @@ async def test_a_slow_writer_makes_the_lanes_wait_and_loses_nothing(
     assert writer.worker.put_waits >= 1
     dataset = minari.load_dataset("rlmesh/slow-v0")
     assert dataset.total_episodes == episodes
-    assert [m["seed"] for m in metadata_of(dataset)] == list(range(episodes))
+    assert [m["seed"] for m in episode_metadata(dataset)] == list(range(episodes))
 
 
 @NEEDS_PYGAME
@@ -405,6 +394,8 @@ def test_the_cli_records_a_dataset_and_video_with_process_lanes(
     import sys
 
     directory = tmp_path / "video"
+    log_path = tmp_path / "server.log"  # a file, not a pipe nobody reads while it runs
+    log = log_path.open("wb")
     read_fd, write_fd = os.pipe()
     env = {**os.environ, "MINARI_DATASETS_PATH": str(minari_root)}
     proc = subprocess.Popen(
@@ -431,12 +422,13 @@ def test_the_cli_records_a_dataset_and_video_with_process_lanes(
             str(write_fd),
         ],
         stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stdout=log,
+        stderr=subprocess.STDOUT,
         env=env,
         pass_fds=(write_fd,),
     )
     os.close(write_fd)
+    log.close()
     try:
         with os.fdopen(read_fd, "rb", buffering=0) as ready:
             readable, _, _ = select.select([ready], [], [], 60)
@@ -445,14 +437,14 @@ def test_the_cli_records_a_dataset_and_video_with_process_lanes(
         seeds = [0, 1, 2, 3]
         played = scripts.run_session(address, "cartpole", seeds)
         proc.send_signal(signal.SIGINT)
-        _out, err = proc.communicate(timeout=60)
+        proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.communicate(timeout=60)
-    assert proc.returncode == 0, err.decode()
+            proc.wait(timeout=60)
+    assert proc.returncode == 0, log_path.read_text(errors="replace")
     dataset = minari.load_dataset("rlmesh/cli-v0")
-    metadata = metadata_of(dataset)
+    metadata = episode_metadata(dataset)
     returns = {e["seed"]: e["reward"] for e in played}
     finished = [m for m in metadata if "cut" not in m]
     assert sorted(m["seed"] for m in finished) == seeds
@@ -523,6 +515,6 @@ async def test_record_infos_keeps_steady_infos_and_drops_varying_ones_not_the_da
         await ep.reset(seeds=[0])
         await ep.step(np.array([1]))
     dataset = minari.load_dataset("rlmesh/lake-v0")
-    (meta,) = metadata_of(dataset)
+    (meta,) = episode_metadata(dataset)
     assert "another structure" in meta["infos_dropped"] and meta["cut"] == "session_close"
     assert len(dataset[0].actions) == 1 and "prob" not in dataset[0].infos

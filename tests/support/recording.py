@@ -1,14 +1,18 @@
 """What the recording tests share: the skip for envs whose ``rgb_array`` frames need
-pygame, and a private Minari root per test."""
+pygame, a private Minari root per test, a dataset's episode metadata, and the replay
+check (recorded actions on a fresh env reproduce the recorded observations)."""
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import Any
 
+import gymnasium as gym
+import numpy as np
 import pytest
 
-__all__ = ["NEEDS_PYGAME", "private_minari_root"]
+__all__ = ["NEEDS_PYGAME", "episode_metadata", "private_minari_root", "replay_equal"]
 
 NEEDS_PYGAME = pytest.mark.skipif(
     importlib.util.find_spec("pygame") is None,
@@ -22,3 +26,29 @@ def private_minari_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path
     root = tmp_path / "minari"
     monkeypatch.setenv("MINARI_DATASETS_PATH", str(root))
     return root
+
+
+def episode_metadata(dataset: Any) -> list[dict[str, Any]]:
+    return list(dataset.storage.get_episode_metadata(range(dataset.total_episodes)))
+
+
+def replay_equal(env: gym.Env[Any, Any], seed: int | None, actions: Any, observations: Any) -> bool:
+    """Reset ``env`` with ``seed``, take ``actions``: every observation equal, bit for bit."""
+
+    def same(a: Any, b: Any) -> bool:
+        if isinstance(b, dict):
+            return all(same(a[k], b[k]) for k in b)
+        a, b = np.asarray(a), np.asarray(b)
+        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+    def at(tree: Any, i: int) -> Any:
+        return {k: at(v, i) for k, v in tree.items()} if isinstance(tree, dict) else tree[i]
+
+    obs, _ = env.reset(seed=seed)
+    if not same(obs, at(observations, 0)):
+        return False
+    for i in range(len(actions)):
+        obs, *_ = env.step(at(actions, i))
+        if not same(obs, at(observations, i + 1)):
+            return False
+    return True
