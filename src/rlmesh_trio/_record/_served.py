@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -298,13 +299,15 @@ class ServedRecording:
 
     def close(self, timeout: float | None = None) -> None:
         """After the lanes stopped: write what is queued, close the files; raise the
-        first writer's error."""
+        first writer's error. ``timeout`` bounds the whole (video and dataset together)."""
         errors: list[BaseException] = []
+        deadline = None if timeout is None else time.monotonic() + timeout
         for closer in (self.video, self.writer):
             if closer is None:
                 continue
             try:
-                closer.close(timeout)
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                closer.close(left)
             except BaseException as exc:
                 errors.append(exc)
         if errors:
