@@ -11,6 +11,8 @@ length + 1 frames of the env's render size; the startup errors.
 from __future__ import annotations
 
 import functools
+import importlib.util
+import json
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -518,3 +520,111 @@ async def test_record_infos_keeps_steady_infos_and_drops_varying_ones_not_the_da
     (meta,) = episode_metadata(dataset)
     assert "another structure" in meta["infos_dropped"] and meta["cut"] == "session_close"
     assert len(dataset[0].actions) == 1 and "prob" not in dataset[0].infos
+
+
+MUJOCO = pytest.mark.skipif(
+    importlib.util.find_spec("mujoco") is None,
+    reason="MuJoCo is not installed (the test extra has it where it has wheels)",
+)
+
+
+def _egl_problem() -> str | None:
+    """Why MuJoCo cannot render offscreen through EGL here (no libEGL, no device), or
+    None: asked of a fresh interpreter, as the server's lanes will ask it."""
+    import os
+    import subprocess
+    import sys
+
+    probe = "import mujoco; c = mujoco.GLContext(8, 8); c.make_current(); c.free()"
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        env={**os.environ, "MUJOCO_GL": "egl"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return None if done.returncode == 0 else (done.stderr.strip().splitlines() or ["?"])[-1]
+
+
+@MUJOCO
+def test_a_mujoco_env_under_egl_is_recorded_from_the_cli(tmp_path: Path, minari_root: Path) -> None:
+    """The README's MuJoCo line with the recorders on: ``MUJOCO_GL=egl rlmesh-trio serve
+    --env HalfCheetah-v5`` (the GL context made and used on the lane's own thread); the
+    episodes replay bit for bit on a local env and each video has a frame per step + 1
+    of the render size asked for."""
+    import os
+    import select
+    import signal
+    import subprocess
+    import sys
+
+    problem = _egl_problem()
+    if problem is not None:
+        pytest.skip(f"MuJoCo cannot render through EGL on this machine: {problem}")
+
+    from rlmesh_trio.client import Env
+
+    directory = tmp_path / "video"
+    log_path = tmp_path / "server.log"
+    kwargs = {"render_mode": "rgb_array", "width": 96, "height": 64, "max_episode_steps": 30}
+    read_fd, write_fd = os.pipe()
+    env = {**os.environ, "MINARI_DATASETS_PATH": str(minari_root), "MUJOCO_GL": "egl"}
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "rlmesh_trio", "serve", "--env", "HalfCheetah-v5"),
+                *("--kwargs-json", json.dumps(kwargs), "--record-dataset", "rlmesh/cheetah-v0"),
+                *("--record-video", str(directory), "--ready-fd", str(write_fd)),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            pass_fds=(write_fd,),
+        )
+    os.close(write_fd)
+    played: dict[int, list[np.ndarray]] = {}
+    try:
+        with os.fdopen(read_fd, "rb", buffering=0) as ready:
+            readable, _, _ = select.select([ready], [], [], 60)
+            assert readable, "no address on the ready fd: " + log_path.read_text(errors="replace")
+            address = ready.read(4096).decode().strip()
+        remote = Env(address)
+        try:
+            remote.action_space.seed(5)
+            for seed in (3, 4):
+                remote.reset(seed=seed)
+                actions = played.setdefault(seed, [])
+                done = False
+                while not done:
+                    action = remote.action_space.sample()
+                    actions.append(action)
+                    _obs, _r, terminated, truncated, _i = remote.step(action)
+                    done = terminated or truncated
+        finally:
+            remote.close()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=60)
+    assert proc.returncode == 0, log_path.read_text(errors="replace")
+    dataset = minari.load_dataset("rlmesh/cheetah-v0")
+    metadata = episode_metadata(dataset)
+    assert [m["seed"] for m in metadata] == [3, 4] and all("cut" not in m for m in metadata)
+    local = gym.make("HalfCheetah-v5", max_episode_steps=30)
+    try:
+        for episode, meta in zip(dataset, metadata, strict=True):
+            assert len(episode.actions) == len(played[meta["seed"]]) == 30
+            assert np.array_equal(episode.actions, np.stack(played[meta["seed"]]))
+            assert replay_equal(local, meta["seed"], episode.actions, episode.observations)
+    finally:
+        local.close()
+    videos = sorted(directory.iterdir())
+    assert len(videos) == 2
+    for path in videos:
+        with av.open(str(path)) as container:
+            frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
+        assert len(frames) == 31 and frames[0].shape == (64, 96, 3)
+        assert len({frame.tobytes() for frame in frames}) > 1  # the cheetah moved
