@@ -4,20 +4,23 @@ Writing an episode into Minari's HDF5 storage costs far more CPU than serving it
 (an ``h5py`` dataset per field per episode, the metadata file rewritten per batch), and
 it holds the GIL while it runs: in the server's writer thread it slowed the lanes and the
 transport (issue 33: 0.76x the steps/s of the same server without recording). The
-:class:`~rlmesh_trio._record._dataset.DatasetWriter` therefore prepares each batch on its
-writer thread (decoded, stacked into Minari's ``EpisodeBuffer``; cheap) and hands it to a
-child that only stores it: ``python -m rlmesh_trio._recordchild FD PARENT_PID`` (a plain
-child over a socketpair, :mod:`rlmesh_trio._pipe`, as process lanes are).
+:class:`~rlmesh_trio._record._dataset.DatasetWriter`'s thread therefore hands each batch,
+as the lanes queued it (wire forms: the step jobs, the observations' leaves), to a child
+that decodes it, stacks it into Minari's ``EpisodeBuffer`` and stores it
+(:func:`~rlmesh_trio._record._dataset.store_batch`): ``python -m rlmesh_trio._recordchild
+FD PARENT_PID`` (a plain child over a socketpair, :mod:`rlmesh_trio._pipe`, as process
+lanes are). What is left on the server's side is pickling the batch.
 
 The protocol, strictly request and answer, one batch in flight (the writer waits for
 its answer, so the bounded queue in front of it stays the backpressure):
 
-* parent → child, first: the pickled storage object (Minari's ``MinariStorage`` the
-  parent created, so the dataset's spaces and settings are the parent's, bit for bit);
+* parent → child, first: the storage object (Minari's ``MinariStorage`` the parent
+  created, so the dataset's spaces and settings are the parent's, bit for bit) and the
+  episodes' decoder (:class:`~rlmesh_trio._record._served.WireDecoder`, or None);
   child → parent: ``("ready",)``, or ``("error", text)`` and exit;
-* ``("write", first_id, buffers, metadatas)``, one batch: the child stores it
-  (``update_episodes``, ``update_episode_metadata``) and answers ``("done",)`` or
-  ``("error", text)``;
+* ``("write", first_id, episodes)``, one batch: the child stores it and answers
+  ``("done", steps, dropped)`` (the steps written; the episodes whose infos it could not
+  store, for the parent's counters and log) or ``("error", text)``;
 * ``("close",)``, or the pipe's end: the child exits. It also dies with the server
   (``PR_SET_PDEATHSIG`` on Linux; it is started from the writer's thread, which lives
   until the writer is closed).
@@ -57,7 +60,7 @@ class StorageChild:
     """The writer thread's handle on its storage child. Made, used and closed on that
     one thread (PR_SET_PDEATHSIG follows the thread that started the child)."""
 
-    def __init__(self, storage: Any, name: str) -> None:
+    def __init__(self, setup: Any, name: str) -> None:
         ours, theirs = socket.socketpair()
         try:
             self._process = subprocess.Popen(
@@ -76,22 +79,24 @@ class StorageChild:
             theirs.close()
         self._conn = PipeEnd(ours, ANSWER_CAP)
         try:
-            self._conn.send(storage)
+            self._conn.send(setup)
             self._answer("start")
         except BaseException:
             self.kill()
             raise
 
-    def write(self, buffers: list[Any], metadatas: list[dict[str, Any]], first: int) -> None:
-        """Store one batch (episode ids ``first``, ``first + 1``, ...); raise
-        :class:`RecordingError` when the child failed or is gone."""
+    def write(self, episodes: list[Any], first: int) -> tuple[int, list[tuple[int, int, str]]]:
+        """Store one batch (episode ids ``first``, ``first + 1``, ...): the steps written
+        and the infos dropped; raise :class:`RecordingError` when the child failed or is
+        gone."""
         try:
-            self._conn.send(("write", first, buffers, metadatas))
+            self._conn.send(("write", first, episodes))
         except OSError as exc:
             raise self._gone(f"the pipe to it broke ({exc})") from None
-        self._answer("write")
+        answer = self._answer("write")
+        return answer[1], answer[2]
 
-    def _answer(self, what: str) -> None:
+    def _answer(self, what: str) -> Any:
         try:
             answer = self._conn.recv()
         except EOFError:
@@ -99,8 +104,17 @@ class StorageChild:
         except (OSError, PipeViolation) as exc:
             self.kill()
             raise self._gone(str(exc)) from None
-        if answer == ("done",) or (what == "start" and answer == ("ready",)):
-            return
+        if what == "start" and answer == ("ready",):
+            return answer
+        if (
+            what == "write"
+            and isinstance(answer, tuple)
+            and len(answer) == 3
+            and answer[0] == "done"
+            and isinstance(answer[1], int)
+            and isinstance(answer[2], list)
+        ):
+            return answer
         if isinstance(answer, tuple) and len(answer) == 2 and answer[0] == "error":
             raise RecordingError(f"the dataset's storage process failed: {answer[1]}")
         self.kill()
@@ -133,8 +147,10 @@ class StorageChild:
 def storage_child_main(conn: PipeEnd, parent_pid: int) -> None:
     """The child's whole life: open the storage, store batches until closed."""
     die_with_parent(parent_pid)
+    from ._dataset import store_batch
+
     try:
-        storage = conn.recv()  # unpickling it imports minari
+        storage, prepare = conn.recv()  # unpickling the storage imports minari
     except EOFError:
         return
     except Exception as exc:
@@ -148,13 +164,12 @@ def storage_child_main(conn: PipeEnd, parent_pid: int) -> None:
             return
         if message[0] != "write":
             return  # ("close",)
-        _, first, buffers, metadatas = message
+        _, first, episodes = message
         del message
         try:
-            storage.update_episodes(buffers)
-            storage.update_episode_metadata(metadatas, range(first, first + len(buffers)))
+            steps, dropped = store_batch(storage, prepare, episodes, first)
         except Exception as exc:
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
             return
-        del buffers, metadatas
-        conn.send(("done",))
+        del episodes
+        conn.send(("done", steps, dropped))

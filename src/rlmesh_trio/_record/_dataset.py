@@ -250,38 +250,30 @@ class DatasetWriter:
     # -- the writer's thread --------------------------------------------------------
 
     def _write(self, batch: list[Episode]) -> int:
-        from minari.data_collector.episode_buffer import EpisodeBuffer
-
-        buffers = []
-        metadatas: list[dict[str, Any]] = []
-        if self._prepare is not None:
-            batch = [self._prepare(episode) for episode in batch]
-        for episode in batch:
-            metadata: dict[str, Any] = {"lane": episode.lane, "lane_episode": episode.index}
-            infos = self._infos(episode, metadata)
-            buffers.append(
-                EpisodeBuffer(
-                    seed=episode.seed,
-                    observations=stack(self.observation_space, episode.observations),
-                    actions=stack(self.action_space, episode.actions),
-                    rewards=np.asarray(episode.rewards, dtype=np.float64),
-                    terminations=np.asarray(episode.terminations, dtype=np.bool_),
-                    truncations=np.asarray(episode.truncations, dtype=np.bool_),
-                    infos=infos,
-                )
-            )
-            metadatas.append(metadata)
         first = self._next_id
         if self.own_process:
             if self._child is None:  # started here: it dies with the thread that started it
-                self._child = StorageChild(self._storage, f"dataset {self.dataset_id}")
-            self._child.write(buffers, metadatas, first)
+                self._child = StorageChild(
+                    (self._storage, self._prepare), f"dataset {self.dataset_id}"
+                )
+            steps, dropped = self._child.write(batch, first)
         else:
-            self._storage.update_episodes(buffers)
-            self._storage.update_episode_metadata(metadatas, range(first, first + len(buffers)))
-        self._next_id += len(buffers)
-        self.episodes_written += len(buffers)
-        self.steps_written += sum(len(e) for e in batch)
+            steps, dropped = store_batch(self._storage, self._prepare, batch, first)
+        for lane, index, reason in dropped:
+            if self.infos_dropped == 0:
+                logger.warning(
+                    "dataset %s: lane %d episode %d: infos not recorded (%s); Minari "
+                    "needs one info structure per episode. The episode's data is kept; "
+                    "later such episodes are only counted (infos_dropped)",
+                    self.dataset_id,
+                    lane,
+                    index,
+                    reason,
+                )
+            self.infos_dropped += 1
+        self._next_id += len(batch)
+        self.episodes_written += len(batch)
+        self.steps_written += steps
         size = _tree_size(self._data)
         grown, self._size = size - self._size, size
         return grown
@@ -291,26 +283,63 @@ class DatasetWriter:
         if self._child is not None:
             self._child.close()
 
-    def _infos(self, episode: Episode, metadata: dict[str, Any]) -> dict[str, Any] | None:
-        infos: dict[str, Any] | None = None
-        if episode.infos is not None:
-            try:
-                infos = stack_infos(episode.infos)
-            except InfoMismatch as exc:
-                if self.infos_dropped == 0:
-                    logger.warning(
-                        "dataset %s: lane %d episode %d: infos not recorded (%s); Minari "
-                        "needs one info structure per episode. The episode's data is kept; "
-                        "later such episodes are only counted (infos_dropped)",
-                        self.dataset_id,
-                        episode.lane,
-                        episode.index,
-                        exc,
-                    )
-                self.infos_dropped += 1
-                metadata["infos_dropped"] = str(exc)
-        if episode.cut is not None:
-            metadata["cut"] = episode.cut
-            infos = {} if infos is None else infos
-            infos[CUT_INFO_KEY] = [""] * len(episode) + [episode.cut]
-        return infos
+
+Dropped = list[tuple[int, int, str]]
+"""Episodes whose infos were not stored: (lane, lane episode, why)."""
+
+
+def store_batch(
+    storage: MinariStorage,
+    prepare: Callable[[Episode], Episode] | None,
+    batch: list[Episode],
+    first: int,
+) -> tuple[int, Dropped]:
+    """Write ``batch`` (episode ids ``first``, ``first + 1``, ...) into ``storage``:
+    each episode prepared (decoded from wire form), stacked into Minari's
+    ``EpisodeBuffer``, its metadata beside it. Where it runs (the writer's thread, or the
+    storage child) is the writer's choice. The steps written and the infos dropped."""
+    from minari.data_collector.episode_buffer import EpisodeBuffer
+
+    buffers = []
+    metadatas: list[dict[str, Any]] = []
+    dropped: Dropped = []
+    steps = 0
+    for episode in batch:
+        if prepare is not None:
+            episode = prepare(episode)
+        metadata: dict[str, Any] = {"lane": episode.lane, "lane_episode": episode.index}
+        infos = _episode_infos(episode, metadata)
+        if "infos_dropped" in metadata:
+            dropped.append((episode.lane, episode.index, metadata["infos_dropped"]))
+        buffers.append(
+            EpisodeBuffer(
+                seed=episode.seed,
+                observations=stack(storage.observation_space, episode.observations),
+                actions=stack(storage.action_space, episode.actions),
+                rewards=np.asarray(episode.rewards, dtype=np.float64),
+                terminations=np.asarray(episode.terminations, dtype=np.bool_),
+                truncations=np.asarray(episode.truncations, dtype=np.bool_),
+                infos=infos,
+            )
+        )
+        metadatas.append(metadata)
+        steps += len(episode)
+    storage.update_episodes(buffers)
+    storage.update_episode_metadata(metadatas, range(first, first + len(buffers)))
+    return steps, dropped
+
+
+def _episode_infos(episode: Episode, metadata: dict[str, Any]) -> dict[str, Any] | None:
+    """The infos stored with ``episode`` (its own, stacked, when they have one structure;
+    the cut mark), and what ``metadata`` says of them."""
+    infos: dict[str, Any] | None = None
+    if episode.infos is not None:
+        try:
+            infos = stack_infos(episode.infos)
+        except InfoMismatch as exc:
+            metadata["infos_dropped"] = str(exc)
+    if episode.cut is not None:
+        metadata["cut"] = episode.cut
+        infos = {} if infos is None else infos
+        infos[CUT_INFO_KEY] = [""] * len(episode) + [episode.cut]
+    return infos

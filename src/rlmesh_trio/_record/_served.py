@@ -8,7 +8,7 @@ leaves are the step request's, shared by every lane it stepped), the observation
 leaves the env's observation was encoded into, the info ``MetaMap`` (with ``record_infos``
 only), reward and flags. No decoding, no copy, no encoding on the step path: the
 :class:`~rlmesh_trio._record._dataset.DatasetWriter`'s thread decodes a finished episode
-with the endpoint's codecs (:meth:`ServedRecording.decode`), which give back the values
+with the endpoint's codecs (:class:`WireDecoder`, in the storage child), which give back the values
 the env saw and produced, bit for bit (the codec is lossless; the action is decoded the
 way the lane decoded it).
 
@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     from ._dataset import DatasetWriter
     from ._video import LaneVideo, VideoRecorder
 
-__all__ = ["LaneRecorder", "ServedRecording", "render_frame", "served_recording"]
+__all__ = ["LaneRecorder", "ServedRecording", "WireDecoder", "render_frame", "served_recording"]
 
 logger = logging.getLogger("rlmesh_trio.record")
 
@@ -206,6 +206,49 @@ class LaneRecorder:
             logger.error("lane %d: recording stopped: %s", self.lane, exc)
 
 
+class WireDecoder:
+    """The writer's side of an episode in wire form: the env's values, with the
+    endpoint's codecs (the action decoded as the lane decoded it). Picklable (the codecs
+    are): the dataset's storage child decodes with it, off the server's GIL."""
+
+    __slots__ = ("_action", "_observation")
+
+    def __init__(self, contract: EnvContract) -> None:
+        self._observation = contract.observation_codec
+        self._action = contract.action_codec
+
+    def __getstate__(self) -> tuple[Any, Any]:
+        return self._observation, self._action
+
+    def __setstate__(self, state: tuple[Any, Any]) -> None:
+        self._observation, self._action = state
+
+    def __call__(self, episode: Episode) -> Episode:
+        obs_codec, action_codec = self._observation, self._action
+        observations = [obs_codec.decode(leaves, 1)[0] for leaves in episode.observations]
+        actions = []
+        for job in episode.actions:  # each the StepJob, decoded as the lane decoded it
+            action, _ = action_codec.step_action(
+                job.leaves, job.n, job.row, validated=job.validated, soft_checks=False
+            )
+            actions.append(action)
+        infos = None
+        if episode.infos is not None:
+            infos = [from_meta_map(meta) for meta in episode.infos]
+        return Episode(
+            lane=episode.lane,
+            index=episode.index,
+            seed=episode.seed,
+            observations=observations,
+            actions=actions,
+            rewards=episode.rewards,
+            terminations=episode.terminations,
+            truncations=episode.truncations,
+            infos=infos,
+            cut=episode.cut,
+        )
+
+
 class ServedRecording:
     """The server's recorders, made once the contract is agreed (:meth:`start`), closed
     after the lanes stopped (:meth:`close`).
@@ -228,17 +271,15 @@ class ServedRecording:
         self._drop_faulted = drop_faulted
         self.writer: DatasetWriter | None = None
         self.video: VideoRecorder | None = None
-        self._contract: EnvContract | None = None
         self._recorders: list[LaneRecorder] = []
 
     def start(self, contract: EnvContract, num_envs: int) -> list[LaneRecorder | None]:
         """Make the writers (a startup error raises here) and one recorder per lane."""
-        self._contract = contract
         if self._make_video is not None:
             self.video = self._make_video(contract)
         try:
             if self._make_writer is not None:
-                self.writer = self._make_writer(contract, self.decode)
+                self.writer = self._make_writer(contract, WireDecoder(contract))
         except BaseException:
             if self.video is not None:
                 self.video.close()
@@ -268,34 +309,6 @@ class ServedRecording:
         every lane's open episode is marked as left by it."""
         for recorder in self._recorders:
             recorder.session_closed()
-
-    def decode(self, episode: Episode) -> Episode:
-        """The writer's thread: ``episode`` in wire form, as the env's values."""
-        contract = self._contract
-        assert contract is not None
-        obs_codec, action_codec = contract.observation_codec, contract.action_codec
-        observations = [obs_codec.decode(leaves, 1)[0] for leaves in episode.observations]
-        actions = []
-        for job in episode.actions:  # each the StepJob, decoded as the lane decoded it
-            action, _ = action_codec.step_action(
-                job.leaves, job.n, job.row, validated=job.validated, soft_checks=False
-            )
-            actions.append(action)
-        infos = None
-        if episode.infos is not None:
-            infos = [from_meta_map(meta) for meta in episode.infos]
-        return Episode(
-            lane=episode.lane,
-            index=episode.index,
-            seed=episode.seed,
-            observations=observations,
-            actions=actions,
-            rewards=episode.rewards,
-            terminations=episode.terminations,
-            truncations=episode.truncations,
-            infos=infos,
-            cut=episode.cut,
-        )
 
     def close(self, timeout: float | None = None) -> None:
         """After the lanes stopped: write what is queued, close the files; raise the
