@@ -355,15 +355,15 @@ class LaneEngine:
         except Exception as exc:  # a lane disagrees, or a space the codec cannot serve
             return exc
         contract = self._contract
-        self._threads.work = LaneWork(
-            contract.action_codec, contract.observation_codec, self._policy
-        )
-        self._threads.facts0 = facts[0]
         if self._recording is not None:
             try:  # the dataset's and the video's startup errors (an id taken, no rgb_array)
                 self._threads.recorders = self._recording.start(contract, self.num_envs)
             except Exception as exc:
-                return exc
+                return exc  # before ``work``: the lanes' threads stay out of ``_serve``
+        self._threads.work = LaneWork(
+            contract.action_codec, contract.observation_codec, self._policy
+        )
+        self._threads.facts0 = facts[0]
         self._facts = []  # lanes 1.. keep no space objects alive through the engine
         for lane in self._lanes:
             # Every lane thread is alive (waiting for ``_go``): up from now on, so that
