@@ -12,7 +12,7 @@ SAME_STEP, structured observations -- reads each lane's answer (:func:`step_answ
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,7 +23,14 @@ from ._codecs import Codecs, lane_infos, step_arrays
 from ._errors import LANE_FAULT_KEY, EndpointError, EnvError
 from ._messages import Reply
 
-__all__ = ["StepResult", "fold_arrays", "per_lane_reset", "per_lane_step", "step_answers"]
+__all__ = [
+    "StepResult",
+    "crashed",
+    "fold_arrays",
+    "per_lane_reset",
+    "per_lane_step",
+    "step_answers",
+]
 
 StepResult = tuple[
     Any, np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any], dict[str, Any]
@@ -102,14 +109,14 @@ def step_answers(
     if isinstance(step_answer, EnvError):
         # Every lane of the request ends its episode truncated on its last observation
         # (the others' results were dropped with the request); the next step resets them.
-        stepped.update(_crashed(lanes, step_lanes, step_answer))
+        stepped.update(crashed(lanes.obs.__getitem__, step_lanes, step_answer))
     elif isinstance(step_answer, Reply):
         stepped.update(per_lane_step(codecs, step_lanes, step_answer))
     reset: dict[int, LaneReset] = {}
     reset_answer = answers[-1] if reset_lanes else None
     if isinstance(reset_answer, EnvError):
         # The autoreset of a lane that faulted: still done, tried again next step.
-        stepped.update(_crashed(lanes, reset_lanes, reset_answer))
+        stepped.update(crashed(lanes.obs.__getitem__, reset_lanes, reset_answer))
     elif isinstance(reset_answer, Reply):
         reset = per_lane_reset(codecs, reset_lanes, reset_answer)
     return stepped, reset
@@ -141,16 +148,19 @@ def per_lane_step(codecs: Codecs, lanes: list[int], reply: Reply) -> dict[int, L
     }
 
 
-def _crashed(lanes: VectorLanes, which: Sequence[int], error: EnvError) -> dict[int, LaneStep]:
+def crashed(
+    last_obs: Callable[[int], Any], which: Sequence[int], error: EnvError
+) -> dict[int, LaneStep]:
     """A request for ``which`` answered CRASHED: each lane truncated on its last
-    observation, reward 0; the faulted lanes' info carries ``rlmesh_trio.lane_fault``."""
+    observation (``last_obs(lane)``), reward 0; the faulted lanes' info carries
+    ``rlmesh_trio.lane_fault``."""
     faults = {fault["lane"]: fault for fault in error.lane_faults}
     out: dict[int, LaneStep] = {}
     for lane in which:
         info: dict[str, Any] = {}
         if lane in faults:
             info[LANE_FAULT_KEY] = faults[lane]
-        out[lane] = (lanes.obs[lane], 0.0, False, True, info)
+        out[lane] = (last_obs(lane), 0.0, False, True, info)
     return out
 
 

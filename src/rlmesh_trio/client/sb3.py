@@ -46,7 +46,7 @@ except ImportError as exc:  # pragma: no cover - exercised without the extra
 
 from .._errors import RlmeshTrioError
 from .._tls import TlsSetting
-from ._answers import per_lane_reset, per_lane_step
+from ._answers import crashed, per_lane_reset, per_lane_step
 from ._blocking import BlockingEndpoint
 from ._codecs import decode_frame
 from ._contract import Contract
@@ -387,18 +387,8 @@ class RemoteVecEnv(VecEnv):
     def _stepped(self, lanes: list[int], answer: Reply | EndpointError) -> dict[int, LaneResult]:
         """Each lane's result of a step of ``lanes``; a step answered CRASHED (a lane
         fault under rebuild): every lane truncated on its last observation, reward 0."""
-        if isinstance(answer, EnvError):
-            faults = {fault["lane"]: fault for fault in answer.lane_faults}
-            return {
-                lane: (
-                    copy.deepcopy(self._last_obs[lane]),
-                    0.0,
-                    False,
-                    True,
-                    {LANE_FAULT_KEY: faults[lane]} if lane in faults else {},
-                )
-                for lane in lanes
-            }
+        if isinstance(answer, EnvError):  # SB3 keeps what it is given: copies
+            return crashed(lambda lane: copy.deepcopy(self._last_obs[lane]), lanes, answer)
         assert isinstance(answer, Reply)
         return per_lane_step(self._codecs, lanes, answer)
 
