@@ -12,6 +12,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 from gymnasium import spaces
+from support.recording import put_blocked
 
 from rlmesh_trio._record import (
     BoundedWorker,
@@ -194,6 +195,7 @@ def test_a_slow_writer_makes_put_wait_and_loses_nothing() -> None:
 
     batches: list[tuple[int, int]] = []
     worker = BoundedWorker("slow", write, capacity=2, on_batch=lambda n, b: batches.append((n, b)))
+    blocked = put_blocked(worker)
     produced = threading.Event()
 
     def produce() -> None:
@@ -203,10 +205,7 @@ def test_a_slow_writer_makes_put_wait_and_loses_nothing() -> None:
 
     producer = threading.Thread(target=produce)
     producer.start()
-    deadline = time.monotonic() + 20
-    while not (worker.put_waits and worker.depth == 2) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.1)  # held by the writer, the producer stays blocked
+    assert blocked.wait(20)  # the writer holds a batch, the queue is full: put waits
     assert worker.put_waits >= 1 and not produced.is_set()  # blocked, not dropping
     assert worker.depth == 2 and worker.high_water == 2 and worker.items_written == 0
     gate.set()

@@ -9,7 +9,6 @@ import importlib.util
 import logging
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,13 @@ import numpy as np
 import pytest
 from gymnasium import spaces
 from gymnasium.wrappers import AddRenderObservation
-from support.recording import NEEDS_PYGAME, episode_metadata, private_minari_root, replay_equal
+from support.recording import (
+    NEEDS_PYGAME,
+    episode_metadata,
+    private_minari_root,
+    put_blocked,
+    replay_equal,
+)
 
 minari = pytest.importorskip("minari")
 pytest.importorskip("h5py")
@@ -274,6 +279,7 @@ def test_a_slow_writer_holds_the_lane_back_and_loses_nothing() -> None:
             return super()._write(batch)
 
     writer = SlowWriter("slow-v0", env.observation_space, env.action_space, capacity=2)
+    blocked = put_blocked(writer.worker)
     acc = EpisodeAccumulator(0, env.observation_space, env.action_space, writer.put)
     returns: list[float] = []
     done = threading.Event()
@@ -286,10 +292,7 @@ def test_a_slow_writer_holds_the_lane_back_and_loses_nothing() -> None:
 
     thread = threading.Thread(target=lane, name="lane-0")
     thread.start()
-    deadline = time.monotonic() + 30
-    while not (writer.worker.put_waits and writer.depth == 2) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.2)  # the lane stays blocked: nothing moves while the writer is held
+    assert blocked.wait(30)  # the lane waits for room while the writer is held
     assert writer.worker.put_waits >= 1 and writer.depth == 2 and writer.episodes_written == 0
     # at most one batch taken (<= 2), two queued, one waiting in put: the lane waits
     assert not done.is_set() and len(returns) <= 4

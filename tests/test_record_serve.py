@@ -25,7 +25,13 @@ import pytest
 import trio
 from support import scripts, wire
 from support.faulty import RAISE, Controller, Factory
-from support.recording import NEEDS_PYGAME, episode_metadata, private_minari_root, replay_equal
+from support.recording import (
+    NEEDS_PYGAME,
+    episode_metadata,
+    private_minari_root,
+    put_blocked,
+    replay_equal,
+)
 
 from rlmesh_trio import ServeOptions, serve_env
 from rlmesh_trio._record import CUT_INFO_KEY
@@ -245,24 +251,13 @@ async def test_a_lane_fault_cuts_the_episode_and_the_lane_records_on() -> None:
     assert len(faulted.actions) == 1 and bool(faulted.truncations[-1])
 
 
-class _Signalling(threading.Condition):
-    """A condition that says when someone waits on it."""
-
-    def __init__(self, lock: Any) -> None:
-        super().__init__(lock)
-        self.waiting = threading.Event()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        self.waiting.set()
-        return super().wait(timeout)
-
-
 async def test_a_slow_writer_makes_the_lanes_wait_and_loses_nothing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     gate = threading.Event()
     real_write: Callable[..., int] = DatasetWriter._write
     writers: list[DatasetWriter] = []
+    blocked: list[threading.Event] = []
 
     def slow_write(self: DatasetWriter, batch: list[Any]) -> int:
         gate.wait(30)  # the writer is stuck until the test lets it go
@@ -272,8 +267,7 @@ async def test_a_slow_writer_makes_the_lanes_wait_and_loses_nothing(
 
     def small_queue(self: DatasetWriter, *args: Any, **kwargs: Any) -> None:
         real_init(self, *args, **{**kwargs, "capacity": 2})
-        worker = self.worker
-        worker._not_full = _Signalling(worker._lock)  # type: ignore[assignment]
+        blocked.append(put_blocked(self.worker))
         writers.append(self)
 
     monkeypatch.setattr(DatasetWriter, "_write", slow_write)
@@ -294,9 +288,7 @@ async def test_a_slow_writer_makes_the_lanes_wait_and_loses_nothing(
             nursery.start_soon(play)
             # the writer holds one episode, the queue two: the lane waits on the 4th
             (writer,) = writers
-            condition = writer.worker._not_full
-            assert isinstance(condition, _Signalling)
-            assert await trio.to_thread.run_sync(condition.waiting.wait, 30)
+            assert await trio.to_thread.run_sync(blocked[0].wait, 30)
             assert writer.worker.depth == 2
             gate.set()
     assert writer.worker.put_waits >= 1

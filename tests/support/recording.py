@@ -5,6 +5,7 @@ check (recorded actions on a fresh env reproduce the recorded observations)."""
 from __future__ import annotations
 
 import importlib.util
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,13 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-__all__ = ["NEEDS_PYGAME", "episode_metadata", "private_minari_root", "replay_equal"]
+__all__ = [
+    "NEEDS_PYGAME",
+    "episode_metadata",
+    "private_minari_root",
+    "put_blocked",
+    "replay_equal",
+]
 
 NEEDS_PYGAME = pytest.mark.skipif(
     importlib.util.find_spec("pygame") is None,
@@ -52,3 +59,23 @@ def replay_equal(env: gym.Env[Any, Any], seed: int | None, actions: Any, observa
         if not same(obs, at(observations, i + 1)):
             return False
     return True
+
+
+class _Signalling(threading.Condition):
+    """A condition that says when someone waits on it."""
+
+    def __init__(self, lock: Any) -> None:
+        super().__init__(lock)
+        self.waiting = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waiting.set()
+        return super().wait(timeout)
+
+
+def put_blocked(worker: Any) -> threading.Event:
+    """An event set once a ``put`` on ``worker`` (a ``BoundedWorker``) waits for room:
+    the backpressure seen as it happens, not polled for."""
+    signalling = _Signalling(worker._lock)
+    worker._not_full = signalling
+    return signalling.waiting
