@@ -62,20 +62,25 @@ def replay_equal(env: gym.Env[Any, Any], seed: int | None, actions: Any, observa
 
 
 class _Signalling(threading.Condition):
-    """A condition that says when someone waits on it."""
+    """A worker's not-full condition that says when a put waits on it while the writer
+    holds a batch (items put, neither written nor queued)."""
 
-    def __init__(self, lock: Any) -> None:
-        super().__init__(lock)
+    def __init__(self, worker: Any) -> None:
+        super().__init__(worker._lock)
+        self.worker = worker
         self.waiting = threading.Event()
 
     def wait(self, timeout: float | None = None) -> bool:
-        self.waiting.set()
+        w = self.worker
+        if w.items_put - w.items_written - len(w._items) > 0:  # the lock is held here
+            self.waiting.set()
         return super().wait(timeout)
 
 
 def put_blocked(worker: Any) -> threading.Event:
-    """An event set once a ``put`` on ``worker`` (a ``BoundedWorker``) waits for room:
-    the backpressure seen as it happens, not polled for."""
-    signalling = _Signalling(worker._lock)
+    """An event set once a ``put`` on ``worker`` (a ``BoundedWorker``) waits for room
+    while its writer holds a batch: the backpressure seen as it happens, not polled for
+    (a put that waits before the writer took its first batch does not count)."""
+    signalling = _Signalling(worker)
     worker._not_full = signalling
     return signalling.waiting
