@@ -620,3 +620,46 @@ def test_a_mujoco_env_under_egl_is_recorded_from_the_cli(tmp_path: Path, minari_
             frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
         assert len(frames) == 31 and frames[0].shape == (64, 96, 3)
         assert len({frame.tobytes() for frame in frames}) > 1  # the cheetah moved
+
+
+async def test_the_recorders_metrics_count_what_a_served_run_wrote() -> None:
+    """Scraped over HTTP from a recording server: the episodes written (once the writer
+    has written them: polled, the scrape being the only view), the bytes, an empty
+    queue."""
+    import time
+    import urllib.request
+
+    def scrape(address: str) -> dict[str, float]:
+        with urllib.request.urlopen("http" + address[3:] + "/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        return {
+            name: float(value)
+            for name, _, value in (line.rpartition(" ") for line in text.splitlines())
+            if name and not name.startswith("#")
+        }
+
+    def written_when(address: str, want: float) -> dict[str, float]:
+        deadline = time.monotonic() + 30
+        while True:
+            samples = scrape(address)
+            key = 'rlmesh_trio_record_items_written_total{recorder="dataset"}'
+            if samples.get(key) == want or time.monotonic() > deadline:
+                return samples
+            time.sleep(0.05)
+
+    pytest.importorskip("prometheus_client")
+    seeds = [0, 1, 2, 3, 4]
+    options = ServeOptions(record_dataset="rlmesh/metrics-v0", metrics_address="tcp://127.0.0.1:0")
+    async with trio.open_nursery() as nursery:
+        info = await nursery.start(
+            functools.partial(serve_env, "CartPole-v1", num_envs=2, options=options)
+        )
+        assert info.metrics_address is not None
+        await trio.to_thread.run_sync(scripts.run_session, info.address, "cartpole", seeds)
+        samples = await trio.to_thread.run_sync(written_when, info.metrics_address, 5.0)
+        nursery.cancel_scope.cancel()
+    label = '{recorder="dataset"}'
+    assert samples[f"rlmesh_trio_record_items_written_total{label}"] == len(seeds)
+    assert samples[f"rlmesh_trio_record_written_bytes_total{label}"] > 0
+    assert samples[f"rlmesh_trio_record_queue_depth{label}"] == 0
+    assert minari.load_dataset("rlmesh/metrics-v0").total_episodes == len(seeds)
