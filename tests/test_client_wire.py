@@ -33,6 +33,7 @@ from rlmesh_trio.client import (
     HandshakeError,
     RpcError,
     VectorEnv,
+    _grpc,
     open_endpoint,
 )
 from rlmesh_trio.client._contract import contract_from_handshake
@@ -710,10 +711,27 @@ def test_data_frames_written_past_h2_as_h2_writes_them(monkeypatch: pytest.Monke
         conn = client._h2
         return wire, conn.outbound_flow_control_window, conn.local_flow_control_window(call.id)
 
+    calls: list[int] = []
+    real_send_data = h2.connection.H2Connection.send_data
+
+    def counted(self: Any, stream_id: int, data: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(len(data))
+        return real_send_data(self, stream_id, data, *args, **kwargs)
+
+    monkeypatch.setattr(h2.connection.H2Connection, "send_data", counted)
     fast = run()
+    through_h2 = len(calls)
+    calls.clear()
     monkeypatch.setattr(
         GrpcConnection,
         "_send_data",
         lambda self, stream_id, chunk: self._h2.send_data(stream_id, chunk.tobytes()),
     )
     assert run() == fast
+    # the fast run did write its messages past h2 (at most the last, END_STREAM frame
+    # went through it), the slow one through h2 -- where this h2 and the environment
+    # leave the direct path on (the client checks both, per frame)
+    probe = GrpcConnection("localhost", [])
+    direct = _grpc._DIRECT_DATA and isinstance(getattr(probe._h2, "_data_to_send", None), bytearray)
+    if direct:
+        assert through_h2 <= 1 and len(calls) > through_h2 + 3

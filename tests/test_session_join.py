@@ -1119,10 +1119,20 @@ def test_the_straight_line_answers_gathered_whole_vector_steps_as_the_general_pa
     between them, and the Done of an observed session."""
     n = 3
 
+    taken: list[bool] = []  # each whole-vector step answered on the straight line
+
     def script(straight: bool) -> list[Any]:
         h = Harness(num_envs=n, on_lane_fault=on_lane_fault)
-        h.session._session.straight_line = straight
-        h.session._session._observe = True
+        session = h.session._session
+        session.straight_line = straight
+        session._observe = True
+        done = session._vector_step_done
+
+        def counted(*args: Any) -> Any:
+            taken.append(straight)
+            return done(*args)
+
+        session._vector_step_done = counted  # type: ignore[method-assign]
         seen: list[Any] = list(h.request(reset=env_v1.ResetRequest(seeds=[1, 2, 3])))
         for lane, job in h.take():
             seen += h.answer(lane, job, reset_result(float(lane)))
@@ -1177,6 +1187,8 @@ def test_the_straight_line_answers_gathered_whole_vector_steps_as_the_general_pa
     straight = script(straight=True)
     assert straight == script(straight=False)
     assert sum(isinstance(a, bytes) for a in straight) >= 12  # the steps were answered
+    # the straight line did answer clean steps (and the general path none)
+    assert taken.count(True) >= 4 and False not in taken
 
 
 @pytest.mark.parametrize("num_envs", [1, 2])
