@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 import trio
 from gymnasium import spaces
+from support.envs import EchoEnv
+from support.refserver import ServerConfig, ServerPool
 
 from rlmesh_trio import RlmeshTrioError, serve_env
 from rlmesh_trio._codec import space_to_spec, to_meta_map
@@ -495,24 +497,6 @@ def test_an_env_error_after_a_graceful_goaway_stays_an_env_error() -> None:
     assert reset.error.message == "reset failed: RuntimeError: boom"
 
 
-class EchoEnv(gym.Env[np.ndarray, np.ndarray]):
-    """Big Box actions and observations: the observation is the last action."""
-
-    metadata: dict[str, Any] = {"render_modes": []}
-    SHAPE = (512, 512, 5)  # 1.25 MiB a lane: over the server's 1 MiB window
-
-    def __init__(self) -> None:
-        self.observation_space = spaces.Box(0, 255, self.SHAPE, np.uint8)
-        self.action_space = spaces.Box(0, 255, self.SHAPE, np.uint8)
-
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Any:
-        super().reset(seed=seed)
-        return np.zeros(self.SHAPE, np.uint8), {}
-
-    def step(self, action: Any) -> Any:
-        return np.array(action, np.uint8), 0.0, False, False, {}
-
-
 async def test_big_messages_go_through_flow_control() -> None:
     rng = np.random.default_rng(0)
     actions = rng.integers(0, 256, (3, *EchoEnv.SHAPE), dtype=np.uint8)
@@ -525,22 +509,27 @@ async def test_big_messages_go_through_flow_control() -> None:
                 assert np.array_equal(obs, actions)
                 obs, *_ = await ep.step(actions[::-1].copy(), env_indices=[2, 1, 0])
                 assert np.array_equal(obs, actions[::-1])
-
-            def sync() -> None:
-                env = VectorEnv(info.address)
-                try:
-                    env.reset()
-                    # 5 x 3.75 MiB of replies: past the client's 16 MiB receive window,
-                    # which the client's own WINDOW_UPDATEs reopen (DATA read past h2).
-                    for i in range(5):
-                        batch = actions if i % 2 == 0 else actions[::-1].copy()
-                        got = env.step(batch)[0]
-                        assert np.array_equal(got, batch)
-                finally:
-                    env.close()
-
-            await trio.to_thread.run_sync(sync)
             nursery.cancel_scope.cancel()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", [pytest.param("ref", marks=pytest.mark.interop), "ours"])
+def test_big_replies_reopen_the_clients_window(servers: ServerPool, kind: str) -> None:
+    """5 x 3.75 MiB of replies: past the client's 16 MiB receive window, which the
+    client's own WINDOW_UPDATEs reopen (DATA read past h2), against both servers (the
+    reference's h2 is the peer most likely to stall on a mistake there)."""
+    rng = np.random.default_rng(0)
+    actions = rng.integers(0, 256, (3, *EchoEnv.SHAPE), dtype=np.uint8)
+    server = servers.get(kind, ServerConfig(entrypoint="support.envs:make_echo", num_envs=3))
+    env = VectorEnv(server.address)
+    try:
+        env.reset()
+        for i in range(5):
+            batch = actions if i % 2 == 0 else actions[::-1].copy()
+            got = env.step(batch)[0]
+            assert np.array_equal(got, batch)
+    finally:
+        env.close()
 
 
 @pytest.mark.parametrize(

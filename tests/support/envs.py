@@ -397,3 +397,25 @@ def make_minigrid_doorkey() -> gym.Env[Any, Any]:
     import minigrid  # noqa: F401
 
     return gym.make("MiniGrid-DoorKey-5x5-v0")
+
+
+class EchoEnv(gym.Env[np.ndarray, np.ndarray]):
+    """Big Box actions and observations: the observation is the last action."""
+
+    metadata: dict[str, Any] = {"render_modes": []}
+    SHAPE = (512, 512, 5)  # 1.25 MiB a lane: over the server's 1 MiB window
+
+    def __init__(self) -> None:
+        self.observation_space = spaces.Box(0, 255, self.SHAPE, np.uint8)
+        self.action_space = spaces.Box(0, 255, self.SHAPE, np.uint8)
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Any:
+        super().reset(seed=seed)
+        return np.zeros(self.SHAPE, np.uint8), {}
+
+    def step(self, action: Any) -> Any:
+        return np.array(action, np.uint8), 0.0, False, False, {}
+
+
+def make_echo() -> EchoEnv:
+    return EchoEnv()
