@@ -55,6 +55,18 @@ class ServerUsage:
         )
 
 
+def rss_mib(pid: int, key: str = "VmRSS") -> float:
+    """A ``/proc/<pid>/status`` memory line in MiB (NaN if the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
 def _stat_fields(pid: int) -> list[str]:
     """The fields of ``/proc/<pid>/stat`` after the command name (field 3 on)."""
     with open(f"/proc/{pid}/stat") as f:

@@ -27,13 +27,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-os.environ.setdefault("RLMESH_WORKFLOW_EDITION", "2026.06")
+from _common import WORKFLOW_EDITION, serve_ours
 
-from _common import serve_ours
+os.environ.setdefault("RLMESH_WORKFLOW_EDITION", WORKFLOW_EDITION)
 
 ROUND = r"""
 import json, os, resource, sys, time
-os.environ.setdefault("RLMESH_WORKFLOW_EDITION", "2026.06")
+os.environ.setdefault("RLMESH_WORKFLOW_EDITION", sys.argv[3])
 from rlmesh_trio.client import VectorEnv
 address, steps = sys.argv[1], int(sys.argv[2])
 env = VectorEnv(address)
@@ -58,7 +58,7 @@ print(json.dumps({
 def _round(src: str, address: str, steps: int) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": src}
     out = subprocess.run(
-        [sys.executable, "-c", ROUND, address, str(steps)],
+        [sys.executable, "-c", ROUND, address, str(steps), WORKFLOW_EDITION],
         env=env,
         capture_output=True,
         text=True,

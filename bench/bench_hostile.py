@@ -66,6 +66,7 @@ import h2.connection
 import h2.events
 import h2.exceptions
 import numpy as np
+from _common import rss_mib
 from gymnasium import spaces
 from support import protobuf
 from support.refserver import ServerConfig, ServerProcess, start_server
@@ -247,18 +248,6 @@ def make_text_env() -> TextActionEnv:
 
 
 # --------------------------------------------------------------------------- /proc
-
-
-def rss_mib(pid: int, key: str = "VmRSS") -> float:
-    """A ``/proc/<pid>/status`` memory line in MiB (NaN if the process is gone)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
 
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")

@@ -35,31 +35,30 @@ import time
 from pathlib import Path
 
 import _support  # noqa: F401  (the test harness as ``support``: see bench/_support.py)
-from _common import Served, serve_ours, server_usage
+from _common import Served, descendants, rss_mib, serve_ours, server_usage, tree_cpu
 from support import scripts
-
-
-def rss_kib(pid: int) -> int:
-    """The process's resident set size (``VmRSS``), KiB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
 
 
 def tree_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
 
 
-def one_round(served: Served, seeds: list[int]) -> tuple[float, float]:
-    """Steps/s and server CPU µs per step of one ``rlmesh.run`` over ``seeds``."""
-    before = server_usage(served.pid)
+def children_cpu(pid: int) -> float:
+    """CPU seconds of every live process below ``pid`` (the dataset's storage child)."""
+    return tree_cpu(descendants(pid))
+
+
+def one_round(served: Served, seeds: list[int]) -> tuple[float, float, float]:
+    """Steps/s, server CPU µs per step and its children's CPU µs per step of one
+    ``rlmesh.run`` over ``seeds``."""
+    before, kids_before = server_usage(served.pid), children_cpu(served.pid)
     started = time.perf_counter()
     episodes = scripts.run_session(served.address, "cartpole", seeds)
     wall = time.perf_counter() - started
     used = server_usage(served.pid) - before
+    kids = children_cpu(served.pid) - kids_before
     steps = sum(e["steps"] for e in episodes)
-    return steps / wall, (used.user + used.sys) * 1e6 / steps
+    return steps / wall, (used.user + used.sys) * 1e6 / steps, kids * 1e6 / steps
 
 
 def compare(rounds: int, lanes: int, seeds: int, video: bool, root: Path) -> str:
@@ -82,15 +81,19 @@ def compare(rounds: int, lanes: int, seeds: int, video: bool, root: Path) -> str
     names = list(servers)
     rates: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [] for name in names}
+    kids: dict[str, list[float]] = {name: [] for name in names}
     try:
         for name in names:  # warm up: imports, first episodes
             one_round(servers[name], list(range(2)))
         for r in range(rounds):
             shift = r % len(names)
             for name in names[shift:] + names[:shift]:
-                rate, per_step = one_round(servers[name], list(range(r * seeds, (r + 1) * seeds)))
+                rate, per_step, child = one_round(
+                    servers[name], list(range(r * seeds, (r + 1) * seeds))
+                )
                 rates[name].append(rate)
                 cpu[name].append(per_step)
+                kids[name].append(child)
             print(f"round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
     finally:
         for served in servers.values():
@@ -100,13 +103,15 @@ def compare(rounds: int, lanes: int, seeds: int, video: bool, root: Path) -> str
     lines = [
         f"rlmesh.run CartPole-v1, N={lanes}, {seeds} seeds/round, {rounds} rounds "
         f"(medians; load {os.getloadavg()[0]:.2f})",
-        f"{'server':<12} {'steps/s':>9} {'x off':>7} {'cpu us/step':>12} {'x off':>7}",
+        f"{'server':<12} {'steps/s':>9} {'x off':>7} {'cpu us/step':>12} {'x off':>7} "
+        f"{'+child us/step':>15}",
     ]
     for name in names:
         rate, per_step = statistics.median(rates[name]), statistics.median(cpu[name])
+        child = statistics.median(kids[name])
         lines.append(
             f"{name:<12} {rate:>9.0f} {rate / base_rate:>7.3f} {per_step:>12.1f} "
-            f"{per_step / base_cpu:>7.3f}"
+            f"{per_step / base_cpu:>7.3f} {child:>15.1f}"
         )
     if video:
         vrate = statistics.median(rates["video-lane0"]) / statistics.median(rates["render-off"])
@@ -120,7 +125,9 @@ def compare(rounds: int, lanes: int, seeds: int, video: bool, root: Path) -> str
 def soak(seconds: float, every: float, lanes: int, root: Path) -> str:
     served = serve_ours("CartPole-v1", lanes, "--record-dataset", "bench/soak-v0")
     lines = [f"soak: dataset recording, CartPole-v1 N={lanes}, {seconds:.0f} s"]
-    lines.append(f"{'t (s)':>7} {'RSS (MiB)':>10} {'dataset (MB)':>13} {'steps':>9}")
+    lines.append(
+        f"{'t (s)':>7} {'RSS (MiB)':>10} {'child (MiB)':>12} {'dataset (MB)':>13} {'steps':>9}"
+    )
     started = time.monotonic()
     next_report = 0.0
     steps = 0
@@ -130,7 +137,8 @@ def soak(seconds: float, every: float, lanes: int, root: Path) -> str:
             elapsed = time.monotonic() - started
             if elapsed >= next_report:
                 lines.append(
-                    f"{elapsed:>7.0f} {rss_kib(served.pid) / 1024:>10.1f} "
+                    f"{elapsed:>7.0f} {rss_mib(served.pid):>10.1f} "
+                    f"{sum(rss_mib(c) for c in descendants(served.pid)):>12.1f} "
                     f"{tree_size(root / 'bench') / 1e6:>13.1f} {steps:>9}"
                 )
                 print(lines[-1], file=sys.stderr, flush=True)

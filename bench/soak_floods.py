@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import _support  # noqa: F401  (the test harness as ``support``: see bench/_support.py)
+from _common import rss_mib
 from support import h2raw
 from support.refserver import ServerConfig, ServerProcess, start_server
 
@@ -58,13 +59,6 @@ SMALL_RCVBUF = 16 << 10
 
 PAUSE = 0.2
 """Seconds between two floods (the next connection)."""
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
 
 
 @dataclass(frozen=True)
