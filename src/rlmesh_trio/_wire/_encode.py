@@ -112,8 +112,9 @@ def _meta_value(value: spaces_v1.MetaValue) -> bytes:
     return b""
 
 
-_EMPTY_MAP_ITEM = b"\x0a\x02\x3a\x00"
-_BOOL_ITEMS = (b"\x0a\x02\x20\x00", b"\x0a\x02\x20\x01")
+def _item(value: spaces_v1.MetaValue) -> bytes:
+    """``value`` as one item of a MetaList (field 1, length-prefixed)."""
+    return len_prefixed(b"\x0a", _meta_value(value))
 
 
 def _meta_items(items: list[spaces_v1.MetaValue]) -> bytes:
@@ -131,7 +132,7 @@ def _meta_items(items: list[spaces_v1.MetaValue]) -> bytes:
         if flag is not None:
             parts.append(_BOOL_ITEMS[flag])
             continue
-        parts.append(len_prefixed(b"\x0a", _meta_value(item)))
+        parts.append(_item(item))
     return b"".join(parts)
 
 
@@ -143,6 +144,11 @@ def _meta_map(meta: spaces_v1.MetaMap) -> bytes:
             entry += len_prefixed(b"\x12", _meta_value(value))
         parts.append(len_prefixed(b"\x0a", entry))
     return b"".join(parts)
+
+
+_EMPTY_MAP_ITEM = _item(spaces_v1.MetaValue(map=spaces_v1.MetaMap()))
+_BOOL_ITEMS = (_item(spaces_v1.MetaValue(bool=False)), _item(spaces_v1.MetaValue(bool=True)))
+"""The items a batched reply's infos are made of, written once by the general walk."""
 
 
 def encode_meta_map(meta: spaces_v1.MetaMap) -> bytes:
