@@ -310,30 +310,51 @@ class GrpcConnection:
         stream h2 must judge, past the frame size limit, or inside a header block is
         h2's, which checks it as ever."""
         inbox = self._inbox
-        inbox += data
-        size = len(inbox)
+        if inbox:  # a frame was left partial by the last read
+            inbox += data
+            buf: bytes | bytearray = inbox
+        else:  # the common case: frames read straight from this read's bytes
+            buf = data
+        size = len(buf)
+        view = memoryview(buf)  # slices copied once, by bytes(), not twice
+        try:
+            pos, slow = self._scan(view, size)
+            rest = bytes(view[slow:pos]) if slow < pos and self.lost is None else b""
+            tail = bytes(view[pos:]) if buf is data and pos < size else b""
+        finally:
+            view.release()
+        if buf is inbox:
+            del inbox[:pos]
+        elif tail:
+            inbox += tail
+        if rest:
+            self._h2_frames(rest)
+
+    def _scan(self, view: memoryview, size: int) -> tuple[int, int]:
+        """:meth:`_frames`' loop over the whole frames in ``view``: where it stopped
+        (the start of a partial frame, or ``size``) and where the frames not yet given
+        to h2 start."""
         limit = self._h2.max_inbound_frame_size
         pos = 0
         slow = 0  # start of the run of frames for h2 not yet given to it
         while size - pos >= 9:
-            length = int.from_bytes(inbox[pos : pos + 3], "big")
+            length = int.from_bytes(view[pos : pos + 3], "big")
             end = pos + 9 + length
             if length > limit:
-                pos = size  # h2 refuses the frame (too large): all of it is h2's
-                break
+                return size, slow  # h2 refuses the frame (too large): all of it is h2's
             if end > size:
                 break
-            kind, flags = inbox[pos + 3], inbox[pos + 4]
+            kind, flags = view[pos + 3], view[pos + 4]
             if kind == 0 and not flags and not self._in_headers:
-                stream_id = int.from_bytes(inbox[pos + 5 : pos + 9], "big") & 0x7FFFFFFF
+                stream_id = int.from_bytes(view[pos + 5 : pos + 9], "big") & 0x7FFFFFFF
                 call = self._calls.get(stream_id)
                 if call is not None and call.headers is not None and not call.ended:
                     if slow < pos:
-                        self._h2_frames(bytes(inbox[slow:pos]))
+                        self._h2_frames(bytes(view[slow:pos]))
                         if self.lost is not None:
-                            return
+                            return size, size
                     if not call.ended:
-                        self._take(call, bytes(inbox[pos + 9 : end]))
+                        self._take(call, bytes(view[pos + 9 : end]))
                     else:  # the frames before ended it: dropped, its window given back
                         self._take_window(None, length)
                     slow = pos = end
@@ -341,10 +362,7 @@ class GrpcConnection:
             elif kind in (1, 5, 9):  # HEADERS, PUSH_PROMISE, CONTINUATION
                 self._in_headers = not flags & 0x4  # END_HEADERS
             pos = end
-        rest = bytes(inbox[slow:pos]) if slow < pos else b""
-        del inbox[:pos]
-        if rest:
-            self._h2_frames(rest)
+        return pos, slow
 
     def _take(self, call: Call, payload: bytes) -> None:
         """A DATA frame's payload read past h2: its messages, and the window it used."""
