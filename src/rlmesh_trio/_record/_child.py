@@ -14,9 +14,11 @@ lanes are). What is left on the server's side is pickling the batch.
 The protocol, strictly request and answer, one batch in flight (the writer waits for
 its answer, so the bounded queue in front of it stays the backpressure):
 
-* parent → child, first: the storage object (Minari's ``MinariStorage`` the parent
-  created, so the dataset's spaces and settings are the parent's, bit for bit) and the
-  episodes' decoder (:class:`~rlmesh_trio._record._served.WireDecoder`, or None);
+* parent → child, first: the parent's ``sys.path`` (so that what the server imports from
+  ``--app-dir`` or ``--package`` unpickles in the child too), then, pickled apart, the
+  storage object (Minari's ``MinariStorage`` the parent created, so the dataset's spaces
+  and settings are the parent's, bit for bit) and the episodes' decoder
+  (:class:`~rlmesh_trio._record._served.WireDecoder`, or None);
   child → parent: ``("ready",)``, or ``("error", text)`` and exit;
 * ``("write", first_id, episodes)``, one batch: the child stores it and answers
   ``("done", steps, dropped)`` (the steps written; the episodes whose infos it could not
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -79,7 +82,7 @@ class StorageChild:
             theirs.close()
         self._conn = PipeEnd(ours, ANSWER_CAP)
         try:
-            self._conn.send(setup)
+            self._conn.send((list(sys.path), pickle.dumps(setup, pickle.HIGHEST_PROTOCOL)))
             self._answer("start")
         except BaseException:
             self.kill()
@@ -150,7 +153,9 @@ def storage_child_main(conn: PipeEnd, parent_pid: int) -> None:
     from ._dataset import store_batch
 
     try:
-        storage, prepare = conn.recv()  # unpickling the storage imports minari
+        path, setup = conn.recv()
+        sys.path[:] = path
+        storage, prepare = pickle.loads(setup)  # unpickling the storage imports minari
     except EOFError:
         return
     except Exception as exc:
