@@ -573,6 +573,7 @@ def test_a_mujoco_env_under_egl_is_recorded_from_the_cli(tmp_path: Path, minari_
             stderr=subprocess.STDOUT,
             env=env,
             pass_fds=(write_fd,),
+            cwd=tmp_path,  # MuJoCo writes its MUJOCO_LOG.TXT where it runs
         )
     os.close(write_fd)
     played: dict[int, list[np.ndarray]] = {}
