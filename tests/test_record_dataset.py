@@ -395,3 +395,19 @@ def test_writing_and_loading_never_import_jax(jax_watch: JaxWatch) -> None:
     assert len(minari.load_dataset("nojax-v0")) == 1
     assert jax_watch.attempts == []
     assert not any(name.split(".")[0] in ("jax", "jaxlib") for name in sys.modules)
+
+
+def test_a_storage_child_that_cannot_start_is_a_startup_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The child is started with the writer (not at its first episode), so a child that
+    cannot start fails the server's startup, and no thread is left behind."""
+    import rlmesh_trio._record._dataset as dataset_module
+
+    def no_child(*args: Any) -> None:
+        raise OSError("no interpreter here")
+
+    monkeypatch.setattr(dataset_module, "StorageChild", no_child)
+    space = spaces.Discrete(2)
+    with pytest.raises(RecordingError, match="did not start: OSError\\('no interpreter here'\\)"):
+        DatasetWriter("nochild-v0", space, space, own_process=True)

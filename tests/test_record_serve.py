@@ -204,6 +204,46 @@ async def test_a_step_the_env_ran_but_whose_answer_was_refused_cuts_the_episode(
     assert bool(whole[0].terminations[-1])
 
 
+class Wide(gym.Env[np.ndarray, np.ndarray]):
+    """A Box action of 1.2 MB (a step request over 1 MiB: its leaves stay views of the
+    request's buffer) in [0, 1]; the observation is the action's mean."""
+
+    observation_space = gym.spaces.Box(0.0, 1.0, (1,), np.float32)
+    action_space = gym.spaces.Box(0.0, 1.0, (300_000,), np.float32)
+
+    def reset(self, *, seed: int | None = None, options: Any = None) -> Any:
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action: Any) -> Any:
+        self.t += 1
+        return np.array([np.mean(action)], np.float32), 0.0, self.t >= 3, False, {}
+
+
+async def test_big_step_requests_and_refused_actions_are_recorded_as_the_env_saw_them() -> None:
+    """Steps of 1.2 MB actions are recorded (their leaves are views of the request's
+    buffer); under ``strict``, an out-of-bounds action is refused before the env runs:
+    the episode goes on uncut (a next session steps it on) and holds only the actions the
+    env took."""
+    options = {"record_dataset": "rlmesh/wide-v0", "validation_policy": "strict"}
+    taken = [np.full(300_000, v, np.float32) for v in (0.25, 0.5, 0.75)]
+    async with served(Wide, num_envs=1, **options) as address:
+        async with open_endpoint(address) as ep:
+            await ep.reset(seeds=[1])
+            await ep.step(taken[0][None])
+            with pytest.raises(EnvError, match="bounds"):
+                await ep.step(np.full((1, 300_000), 5.0, np.float32))
+        async with open_endpoint(address) as ep:
+            for action in taken[1:]:
+                await ep.step(action[None])
+    (episode,) = minari.load_dataset("rlmesh/wide-v0")
+    (meta,) = episode_metadata(minari.load_dataset("rlmesh/wide-v0"))
+    assert "cut" not in meta and bool(episode.terminations[-1])
+    assert np.array_equal(episode.actions, np.stack(taken))
+    assert episode.observations[:, 0].tolist() == [0.0, 0.25, 0.5, 0.75]
+
+
 async def test_drop_faulted_drops_the_cut_episodes_and_keeps_the_finished() -> None:
     async with (
         served(
@@ -380,7 +420,8 @@ def test_the_cli_records_a_dataset_and_video_with_process_lanes(
 ) -> None:
     """``rlmesh-trio serve --record-dataset ... --record-video ...`` in a subprocess, with
     process lanes (the frames are rendered in each lane's child), driven by rlmesh.run;
-    SIGINT stops it and every episode is on disk."""
+    a terminal's Ctrl-C (SIGINT to the process group) stops it and every episode is on
+    disk."""
     import os
     import select
     import signal
@@ -420,6 +461,7 @@ def test_the_cli_records_a_dataset_and_video_with_process_lanes(
         stderr=subprocess.STDOUT,
         env=env,
         pass_fds=(write_fd,),
+        start_new_session=True,  # its own process group, as a terminal gives it
     )
     os.close(write_fd)
     log.close()
@@ -430,7 +472,9 @@ def test_the_cli_records_a_dataset_and_video_with_process_lanes(
             address = ready.read(4096).decode().strip()
         seeds = [0, 1, 2, 3]
         played = scripts.run_session(address, "cartpole", seeds)
-        proc.send_signal(signal.SIGINT)
+        # Ctrl-C at a terminal: SIGINT to the whole group (the lanes' children and the
+        # dataset's storage child too, which leave the stop to the server)
+        os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:

@@ -21,6 +21,7 @@ from typing import Any, Final
 from ._options import MAX_MESSAGE_BYTES
 
 __all__ = [
+    "FRAME_LIMIT",
     "PIPE_MESSAGE_CAP",
     "RECV_CHUNK",
     "PipeEnd",
@@ -29,6 +30,8 @@ __all__ = [
 ]
 
 _LENGTH = struct.Struct("!I")
+FRAME_LIMIT: Final = (1 << 32) - 1
+"""The longest message the 4-byte length can frame."""
 RECV_CHUNK = 1 << 16
 """Bytes asked of the socket at once: a step's whole message (header and body) in one
 read, a big observation in as few as its size needs."""
@@ -68,16 +71,34 @@ class PipeEnd:
     over :data:`PIPE_MESSAGE_CAP`, bytes past a message, or bytes that do not unpickle.
     """
 
-    __slots__ = ("_cap", "_sock")
+    __slots__ = ("_cap", "_sock", "_trusted")
 
-    def __init__(self, sock: socket.socket, cap: int = PIPE_MESSAGE_CAP) -> None:
+    def __init__(
+        self, sock: socket.socket, cap: int = PIPE_MESSAGE_CAP, *, trusted: bool = False
+    ) -> None:
         self._sock = sock
         self._cap = cap
         """The longest message this end accepts (a child trusts its parent more)."""
+        self._trusted = trusted
+        """The peer is the server: a long message's buffer is made at its announced size
+        at once (no growing copies), up to ``cap``."""
 
     def send(self, obj: Any) -> None:
-        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        self._sock.sendall(_LENGTH.pack(len(data)) + data)
+        self.send_pickled(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def send_pickled(self, data: bytes) -> None:
+        """Send one message already pickled (by a pickler of the caller's own). A message
+        over :data:`FRAME_LIMIT` bytes cannot be framed: ``ValueError``, nothing sent."""
+        if len(data) > FRAME_LIMIT:
+            raise ValueError(
+                f"a {len(data)}-byte message is over the pipe's {FRAME_LIMIT}-byte frame limit"
+            )
+        header = _LENGTH.pack(len(data))
+        if len(data) < RECV_CHUNK:  # a step's messages: one syscall
+            self._sock.sendall(header + data)
+        else:  # a big one: not copied once more to prepend 4 bytes
+            self._sock.sendall(header)
+            self._sock.sendall(data)
 
     def recv(self) -> Any:
         chunk = self._sock.recv(RECV_CHUNK)
@@ -105,7 +126,8 @@ class PipeEnd:
             raise PipeViolation(f"sent {have - size} bytes past a {size}-byte message")
         # Sized from what arrived, not from ``size``: a peer that announces 200 MiB and
         # sends 3 bytes costs one read's worth; the buffer doubles as the bytes come.
-        body = bytearray(min(size, max(2 * have, RECV_CHUNK)))
+        # (A trusted peer's announced size is believed: one buffer, no growing copies.)
+        body = bytearray(size if self._trusted else min(size, max(2 * have, RECV_CHUNK)))
         body[:have] = memoryview(head)[4:]
         del head, chunk
         while have < size:

@@ -15,7 +15,7 @@ from ._record._child import TRUSTED_CAP, storage_child_main
 
 def main(argv: list[str]) -> int:
     fd, parent_pid = int(argv[1]), int(argv[2])
-    storage_child_main(PipeEnd(socket.socket(fileno=fd), TRUSTED_CAP), parent_pid)
+    storage_child_main(PipeEnd(socket.socket(fileno=fd), TRUSTED_CAP, trusted=True), parent_pid)
     return 0
 
 

@@ -223,11 +223,12 @@ class LaneThreads:
                 self._refuse_unreset(lane, item)
                 continue
             result, phases, faulted = execute(job, picked - posted)
-            if recorder is not None:  # issue 33: references kept; put may wait (backpressure)
+            if recorder is not None and not inc.detached:  # issue 33 (an abandoned call's
+                # late result is not recorded); references kept; put may wait (backpressure)
                 if faulted:
                     recorder.cut(inc.number, "lane_fault")
                 else:
-                    recorder.saw(inc.number, job, result, execute)
+                    recorder.saw(inc.number, job, result, phases, execute)
             detach = False
             with lock:
                 taken = not end_job(item)

@@ -20,7 +20,9 @@ its answer, so the bounded queue in front of it stays the backpressure):
   and settings are the parent's, bit for bit) and the episodes' decoder
   (:class:`~rlmesh_trio._record._served.WireDecoder`, or None);
   child → parent: ``("ready",)``, or ``("error", text)`` and exit;
-* ``("write", first_id, episodes)``, one batch: the child stores it and answers
+* ``("episode", episode)`` for each episode of a batch, answered ``("ok",)`` (one message
+  an episode: the 4-byte length frames up to 4 GiB, and a batch of pixel episodes can be
+  more), then ``("write", first_id)``: the child stores the batch and answers
   ``("done", steps, dropped)`` (the steps written; the episodes whose infos it could not
   store, for the parent's counters and log) or ``("error", text)``;
 * ``("close",)``, or the pipe's end: the child exits. It also dies with the server
@@ -29,21 +31,31 @@ its answer, so the bounded queue in front of it stays the backpressure):
 
 A child that dies or breaks the protocol fails the writer (:class:`RecordingError`, which
 the server reports when it stops), the lanes go on serving. Messages from the parent are
-trusted (the child accepts any size: an episode of Atari frames is hundreds of MiB);
-the parent accepts only short answers from the child.
+trusted (the child accepts any size the frame allows: an episode of Atari frames is
+hundreds of MiB); the parent accepts only short answers from the child. The child
+ignores SIGINT and SIGTERM (a terminal's Ctrl-C and a service manager's stop reach the
+whole process group; the server decides when its child stops, after the last batch).
+
+An episode is pickled by :func:`dumps`: the leaves a big request's decoder left as
+read-only memoryviews go as bytes, and an info ``MetaMap`` as its wire bytes (betterproto's
+own pickling serialises it in pure Python, ~20x slower).
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
 from typing import Any
 
-from .._pipe import PipeEnd, PipeViolation, die_with_parent
+from .._pipe import FRAME_LIMIT, PipeEnd, PipeViolation, die_with_parent
+from .._proto.rlmesh.spaces import v1 as spaces_v1
+from .._wire import decode_message, encode_meta_map
 from ._worker import RecordingError
 
 __all__ = ["CHILD_STOP_TIMEOUT", "StorageChild", "storage_child_main"]
@@ -55,8 +67,30 @@ every batch was answered), before SIGKILL."""
 ANSWER_CAP = 1 << 20
 """The longest answer the parent reads from its child (an error's text is the longest)."""
 
-TRUSTED_CAP = 1 << 62
-"""What the child accepts from its parent: anything (the parent is the server)."""
+TRUSTED_CAP = FRAME_LIMIT
+"""What the child accepts from its parent: anything the frame holds (the parent is the
+server)."""
+
+
+def meta_map(data: bytes) -> spaces_v1.MetaMap:
+    """An info map from its wire bytes (what :func:`dumps` sends for one)."""
+    return decode_message(spaces_v1.MetaMap, data)
+
+
+class _Pickler(pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is memoryview:
+            return bytes, (obj.tobytes(),)
+        if type(obj) is spaces_v1.MetaMap:
+            return meta_map, (encode_meta_map(obj),)
+        return NotImplemented
+
+
+def dumps(obj: Any) -> bytes:
+    """``obj`` pickled for the storage child (see the module's docstring)."""
+    out = io.BytesIO()
+    _Pickler(out, pickle.HIGHEST_PROTOCOL).dump(obj)
+    return out.getvalue()
 
 
 class StorageChild:
@@ -86,18 +120,27 @@ class StorageChild:
             self._answer("start")
         except BaseException:
             self.kill()
+            self._conn.close()
             raise
 
     def write(self, episodes: list[Any], first: int) -> tuple[int, list[tuple[int, int, str]]]:
         """Store one batch (episode ids ``first``, ``first + 1``, ...): the steps written
         and the infos dropped; raise :class:`RecordingError` when the child failed or is
         gone."""
-        try:
-            self._conn.send(("write", first, episodes))
-        except OSError as exc:
-            raise self._gone(f"the pipe to it broke ({exc})") from None
+        for episode in episodes:
+            self._send(dumps(("episode", episode)))
+            self._answer("episode")
+        self._send(dumps(("write", first)))
         answer = self._answer("write")
         return answer[1], answer[2]
+
+    def _send(self, data: bytes) -> None:
+        try:
+            self._conn.send_pickled(data)
+        except OSError as exc:
+            raise self._gone(f"the pipe to it broke ({exc})") from None
+        except ValueError as exc:  # over the frame limit: this episode cannot go
+            raise RecordingError(f"an episode could not be sent to the storage: {exc}") from None
 
     def _answer(self, what: str) -> Any:
         try:
@@ -107,7 +150,7 @@ class StorageChild:
         except (OSError, PipeViolation) as exc:
             self.kill()
             raise self._gone(str(exc)) from None
-        if what == "start" and answer == ("ready",):
+        if (what, answer) in (("start", ("ready",)), ("episode", ("ok",))):
             return answer
         if (
             what == "write"
@@ -150,6 +193,9 @@ class StorageChild:
 def storage_child_main(conn: PipeEnd, parent_pid: int) -> None:
     """The child's whole life: open the storage, store batches until closed."""
     die_with_parent(parent_pid)
+    for name in ("SIGINT", "SIGTERM"):  # the server stops us, after the last batch
+        if (number := getattr(signal, name, None)) is not None:
+            signal.signal(number, signal.SIG_IGN)
     from ._dataset import store_batch
 
     try:
@@ -162,19 +208,25 @@ def storage_child_main(conn: PipeEnd, parent_pid: int) -> None:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
     conn.send(("ready",))
+    episodes: list[Any] = []
     while True:
         try:
             message = conn.recv()
         except EOFError:
             return
+        except PipeViolation as exc:  # (a server's message that does not unpickle here)
+            conn.send(("error", str(exc)))
+            return
+        if message[0] == "episode":
+            episodes.append(message[1])
+            conn.send(("ok",))
+            continue
         if message[0] != "write":
             return  # ("close",)
-        _, first, episodes = message
-        del message
         try:
-            steps, dropped = store_batch(storage, prepare, episodes, first)
+            steps, dropped = store_batch(storage, prepare, episodes, message[1])
         except Exception as exc:
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
             return
-        del episodes
+        episodes = []
         conn.send(("done", steps, dropped))

@@ -37,6 +37,7 @@ journal), which ``h5py`` reports on open.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Mapping
@@ -49,7 +50,7 @@ from gymnasium.envs.registration import EnvSpec
 
 from ._child import StorageChild
 from ._episode import Episode, check_space, stack
-from ._worker import BoundedWorker
+from ._worker import BoundedWorker, RecordingError
 
 if TYPE_CHECKING:
     from minari.dataset.minari_storage import MinariStorage
@@ -59,9 +60,16 @@ __all__ = ["CUT_INFO_KEY", "DatasetWriter", "InfoMismatch", "dataset_path", "env
 logger = logging.getLogger("rlmesh_trio.record")
 
 CUT_INFO_KEY = "rlmesh_trio_cut"
+
+CHILD_START_TIMEOUT = 60.0
+"""Seconds the storage child may take to start (an interpreter, minari and h5py imported:
+~0.4 s here) before the dataset writer gives up: a startup error."""
 """The infos key that marks a cut episode (its last entry says why)."""
 
-INSTALL_HINT = 'dataset recording needs minari with h5py: pip install "rlmesh-trio[record]"'
+INSTALL_HINT = (
+    "dataset recording needs minari with h5py: the record extra (pip install '.[record]' "
+    "from a clone, or the wheel's [record])"
+)
 
 
 def _import_minari() -> Any:
@@ -219,8 +227,19 @@ class DatasetWriter:
             on_batch=on_batch,
             linger=linger,
             batch=max(1, capacity // 4),
+            start=self._start_child if own_process else None,
             finish=self._finish,
         )
+        if own_process:  # the child's startup errors are the writer's, raised here
+            started = self._worker.started.wait(CHILD_START_TIMEOUT)
+            error = self._worker.error
+            if not started or error is not None:
+                with contextlib.suppress(RecordingError):
+                    self._worker.close(CHILD_START_TIMEOUT)
+                raise RecordingError(
+                    "the dataset's storage process did not start: "
+                    + (repr(error) if error is not None else f"not within {CHILD_START_TIMEOUT} s")
+                ) from error
 
     # -- the lane's side ------------------------------------------------------------
 
@@ -229,8 +248,15 @@ class DatasetWriter:
         self._worker.put(episode)
 
     def close(self, timeout: float | None = None) -> None:
-        """Write every queued episode, stop the writer, raise its error if it failed."""
-        self._worker.close(timeout)
+        """Write every queued episode, stop the writer, raise its error if it failed.
+        A writer still writing after ``timeout`` has its storage child killed (the
+        writer then ends too: nothing is left waiting on it)."""
+        try:
+            self._worker.close(timeout)
+        except RecordingError:
+            if self._worker.alive and self._child is not None:
+                self._child.kill()
+            raise
 
     # -- counters (for the metrics) -------------------------------------------------
 
@@ -251,11 +277,7 @@ class DatasetWriter:
 
     def _write(self, batch: list[Episode]) -> int:
         first = self._next_id
-        if self.own_process:
-            if self._child is None:  # started here: it dies with the thread that started it
-                self._child = StorageChild(
-                    (self._storage, self._prepare), f"dataset {self.dataset_id}"
-                )
+        if self._child is not None:
             steps, dropped = self._child.write(batch, first)
         else:
             steps, dropped = store_batch(self._storage, self._prepare, batch, first)
@@ -277,6 +299,10 @@ class DatasetWriter:
         size = _tree_size(self._data)
         grown, self._size = size - self._size, size
         return grown
+
+    def _start_child(self) -> None:
+        """The writer's thread, first: its storage child (which dies with this thread)."""
+        self._child = StorageChild((self._storage, self._prepare), f"dataset {self.dataset_id}")
 
     def _finish(self) -> None:
         """The writer's thread ends: its storage child, if any, exits."""

@@ -51,7 +51,6 @@ from typing import TYPE_CHECKING, Any
 import outcome
 
 from .._codec import from_meta_map
-from .._errors import ActionError
 from .._jobs import CallJob, Job, Phases, ResetJob, ResetResult, StepJob, StepResult
 from ._episode import CutReason, Episode, EpisodeAccumulator
 
@@ -112,15 +111,21 @@ class LaneRecorder:
         if self._number != -1:
             self._left = True
 
-    def saw(self, number: int, job: Job, result: outcome.Outcome[Any], execute: Execute) -> None:
+    def saw(
+        self,
+        number: int,
+        job: Job,
+        result: outcome.Outcome[Any],
+        phases: Phases,
+        execute: Execute,
+    ) -> None:
         """Incarnation ``number`` answered ``job`` with ``result`` (not faulted). A reset
         or step whose env call ran but whose result was refused (an observation the
         strict policy refuses, an info that cannot be sent) cuts the episode: what the
         env did next is not what was recorded. A refused action changes nothing: the env
-        never ran."""
+        never ran (the time inside the env call, ``phases.user_ns``, says which)."""
         if isinstance(result, outcome.Error):
-            ran = not isinstance(result.error, ActionError)
-            if ran and isinstance(job, (StepJob, ResetJob)):
+            if phases.user_ns > 0 and isinstance(job, (StepJob, ResetJob)):
                 self.cut(number, "lane_fault")
             return
         assert isinstance(result, outcome.Value)

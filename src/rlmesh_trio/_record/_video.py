@@ -31,7 +31,10 @@ from ._worker import BoundedWorker
 
 __all__ = ["LaneVideo", "VideoRecorder", "require_rgb_array", "video_name"]
 
-INSTALL_HINT = 'video recording needs PyAV: pip install "rlmesh-trio[record]"'
+INSTALL_HINT = (
+    "video recording needs PyAV: the record extra (pip install '.[record]' from a clone, "
+    "or the wheel's [record])"
+)
 
 
 def _import_av() -> Any:

@@ -15,6 +15,9 @@ episodes when the writer is behind, and one when it is not). Its rules:
   far less per episode); it never waits past a close, nor for more than the queue holds.
 * Counters are plain attributes (read without a lock: each is written by one thread), and
   ``on_batch`` is called on the writer's thread after each batch, for metrics.
+* ``start`` is called on the writer's thread before it takes anything (what the writer
+  needs that must belong to its thread); its error becomes the writer's, which then
+  writes nothing. :attr:`~BoundedWorker.started` is set once it returned or raised.
 * ``finish`` is called on the writer's thread as it ends (everything written, or the
   writer failed): what the writer's thread set up is torn down there; its error becomes
   the writer's, if the writer had none.
@@ -52,6 +55,7 @@ class BoundedWorker(Generic[T]):
         on_batch: Callable[[int, int], None] | None = None,
         linger: float = 0.0,
         batch: int = 1,
+        start: Callable[[], None] | None = None,
         finish: Callable[[], None] | None = None,
     ) -> None:
         if capacity < 1:
@@ -64,7 +68,10 @@ class BoundedWorker(Generic[T]):
         self.batch = min(batch, capacity)
         self._write = write
         self._on_batch = on_batch
+        self._start = start
         self._finish = finish
+        self.started = threading.Event()
+        """Set once ``start`` returned or raised (at once without one)."""
         self._items: deque[T] = deque()
         self._lock = threading.Lock()
         self._not_full = threading.Condition(self._lock)
@@ -142,6 +149,17 @@ class BoundedWorker(Generic[T]):
 
     def _run(self) -> None:
         try:
+            if self._start is not None:
+                try:
+                    self._start()
+                except BaseException as exc:
+                    with self._lock:
+                        self.error = exc
+                        self._not_full.notify_all()
+                    return
+                finally:
+                    self.started.set()
+            self.started.set()
             self._serve()
         finally:
             if self._finish is not None:

@@ -41,7 +41,8 @@ try:
     from stable_baselines3.common.vec_env.util import dict_to_obs, obs_space_info
 except ImportError as exc:  # pragma: no cover - exercised without the extra
     raise ImportError(
-        "rlmesh_trio.client.sb3 needs Stable-Baselines3: pip install 'rlmesh-trio[sb3]'"
+        "rlmesh_trio.client.sb3 needs Stable-Baselines3: the sb3 extra (pip install "
+        "'.[sb3]' from a clone, or the wheel's [sb3])"
     ) from exc
 
 from .._errors import RlmeshTrioError
