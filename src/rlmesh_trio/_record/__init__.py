@@ -41,7 +41,7 @@ session):
 
 from __future__ import annotations
 
-from ._dataset import CUT_INFO_KEY, DatasetWriter, InfoMismatch, dataset_path, env_spec_for
+from ._dataset import DatasetWriter, dataset_path, env_spec_for
 from ._episode import (
     CUT_REASONS,
     CutReason,
@@ -50,6 +50,7 @@ from ._episode import (
     UnsupportedSpaceError,
     check_space,
 )
+from ._store import CUT_INFO_KEY, InfoMismatch
 from ._video import LaneVideo, VideoRecorder, require_rgb_array, video_name
 from ._worker import BoundedWorker, RecordingError
 

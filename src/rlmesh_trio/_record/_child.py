@@ -7,7 +7,7 @@ transport (issue 33: 0.76x the steps/s of the same server without recording). Th
 :class:`~rlmesh_trio._record._dataset.DatasetWriter`'s thread therefore hands each batch,
 as the lanes queued it (wire forms: the step jobs, the observations' leaves), to a child
 that decodes it, stacks it into Minari's ``EpisodeBuffer`` and stores it
-(:func:`~rlmesh_trio._record._dataset.store_batch`): ``python -m rlmesh_trio._recordchild
+(:func:`~rlmesh_trio._record._store.store_batch`): ``python -m rlmesh_trio._recordchild
 FD PARENT_PID`` (a plain child over a socketpair, :mod:`rlmesh_trio._pipe`, as process
 lanes are). What is left on the server's side is pickling the batch.
 
@@ -196,7 +196,7 @@ def storage_child_main(conn: PipeEnd, parent_pid: int) -> None:
     for name in ("SIGINT", "SIGTERM"):  # the server stops us, after the last batch
         if (number := getattr(signal, name, None)) is not None:
             signal.signal(number, signal.SIG_IGN)
-    from ._dataset import store_batch
+    from ._store import store_batch
 
     try:
         path, setup = conn.recv()
