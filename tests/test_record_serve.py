@@ -14,8 +14,8 @@ import functools
 import importlib.util
 import json
 import threading
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -415,65 +415,38 @@ def test_options_are_validated() -> None:
 
 
 @NEEDS_PYGAME
-def test_the_cli_records_a_dataset_and_video_with_process_lanes(
-    tmp_path: Path, minari_root: Path
-) -> None:
-    """``rlmesh-trio serve --record-dataset ... --record-video ...`` in a subprocess, with
-    process lanes (the frames are rendered in each lane's child), driven by rlmesh.run;
-    a terminal's Ctrl-C (SIGINT to the process group) stops it and every episode is on
-    disk."""
+@contextmanager
+def cli_server(args: list[str], tmp_path: Path, minari_root: Path, **env: str) -> Iterator[str]:
+    """``python -m rlmesh_trio serve ARGS`` in a process group of its own (as a terminal
+    gives it), run in ``tmp_path`` and logging to a file there; yields its address. On
+    leaving, a terminal's Ctrl-C: SIGINT to the whole group (the lanes' children and the
+    dataset's storage child too, which leave the stop to the server); it must exit 0."""
     import os
     import select
     import signal
     import subprocess
     import sys
 
-    directory = tmp_path / "video"
     log_path = tmp_path / "server.log"  # a file, not a pipe nobody reads while it runs
-    log = log_path.open("wb")
     read_fd, write_fd = os.pipe()
-    env = {**os.environ, "MINARI_DATASETS_PATH": str(minari_root)}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "rlmesh_trio",
-            "serve",
-            "--env",
-            "CartPole-v1",
-            "--num-envs",
-            "2",
-            "--lane-isolation",
-            "process",
-            "--kwargs-json",
-            '{"render_mode": "rgb_array"}',
-            "--record-dataset",
-            "rlmesh/cli-v0",
-            "--record-video",
-            str(directory),
-            "--record-video-lanes",
-            "1",
-            "--ready-fd",
-            str(write_fd),
-        ],
-        stdin=subprocess.DEVNULL,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-        pass_fds=(write_fd,),
-        start_new_session=True,  # its own process group, as a terminal gives it
-    )
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rlmesh_trio", "serve", *args, "--ready-fd", str(write_fd)],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "MINARI_DATASETS_PATH": str(minari_root), **env},
+            pass_fds=(write_fd,),
+            cwd=tmp_path,  # (MuJoCo writes its MUJOCO_LOG.TXT where it runs)
+            start_new_session=True,
+        )
     os.close(write_fd)
-    log.close()
     try:
         with os.fdopen(read_fd, "rb", buffering=0) as ready:
             readable, _, _ = select.select([ready], [], [], 60)
-            assert readable, "no address on the ready fd"
+            assert readable, "no address on the ready fd: " + log_path.read_text(errors="replace")
             address = ready.read(4096).decode().strip()
-        seeds = [0, 1, 2, 3]
-        played = scripts.run_session(address, "cartpole", seeds)
-        # Ctrl-C at a terminal: SIGINT to the whole group (the lanes' children and the
-        # dataset's storage child too, which leave the stop to the server)
+        yield address
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=60)
     finally:
@@ -481,6 +454,22 @@ def test_the_cli_records_a_dataset_and_video_with_process_lanes(
             proc.kill()
             proc.wait(timeout=60)
     assert proc.returncode == 0, log_path.read_text(errors="replace")
+
+
+def test_the_cli_records_a_dataset_and_video_with_process_lanes(
+    tmp_path: Path, minari_root: Path
+) -> None:
+    """``rlmesh-trio serve --record-dataset ... --record-video ...`` in a subprocess, with
+    process lanes (the frames are rendered in each lane's child), driven by rlmesh.run;
+    a terminal's Ctrl-C (SIGINT to the process group) stops it and every episode is on
+    disk."""
+    directory = tmp_path / "video"
+    args = ["--env", "CartPole-v1", "--num-envs", "2", "--lane-isolation", "process"]
+    args += ["--kwargs-json", '{"render_mode": "rgb_array"}', "--record-dataset", "rlmesh/cli-v0"]
+    args += ["--record-video", str(directory), "--record-video-lanes", "1"]
+    seeds = [0, 1, 2, 3]
+    with cli_server(args, tmp_path, minari_root) as address:
+        played = scripts.run_session(address, "cartpole", seeds)
     dataset = minari.load_dataset("rlmesh/cli-v0")
     metadata = episode_metadata(dataset)
     returns = {e["seed"]: e["reward"] for e in played}
@@ -588,44 +577,17 @@ def test_a_mujoco_env_under_egl_is_recorded_from_the_cli(tmp_path: Path, minari_
     --env HalfCheetah-v5`` (the GL context made and used on the lane's own thread); the
     episodes replay bit for bit on a local env and each video has a frame per step + 1
     of the render size asked for."""
-    import os
-    import select
-    import signal
-    import subprocess
-    import sys
+    from rlmesh_trio.client import Env
 
     problem = _egl_problem()
     if problem is not None:
         pytest.skip(f"MuJoCo cannot render through EGL on this machine: {problem}")
-
-    from rlmesh_trio.client import Env
-
     directory = tmp_path / "video"
-    log_path = tmp_path / "server.log"
     kwargs = {"render_mode": "rgb_array", "width": 96, "height": 64, "max_episode_steps": 30}
-    read_fd, write_fd = os.pipe()
-    env = {**os.environ, "MINARI_DATASETS_PATH": str(minari_root), "MUJOCO_GL": "egl"}
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "rlmesh_trio", "serve", "--env", "HalfCheetah-v5"),
-                *("--kwargs-json", json.dumps(kwargs), "--record-dataset", "rlmesh/cheetah-v0"),
-                *("--record-video", str(directory), "--ready-fd", str(write_fd)),
-            ],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            pass_fds=(write_fd,),
-            cwd=tmp_path,  # MuJoCo writes its MUJOCO_LOG.TXT where it runs
-        )
-    os.close(write_fd)
+    args = ["--env", "HalfCheetah-v5", "--kwargs-json", json.dumps(kwargs)]
+    args += ["--record-dataset", "rlmesh/cheetah-v0", "--record-video", str(directory)]
     played: dict[int, list[np.ndarray]] = {}
-    try:
-        with os.fdopen(read_fd, "rb", buffering=0) as ready:
-            readable, _, _ = select.select([ready], [], [], 60)
-            assert readable, "no address on the ready fd: " + log_path.read_text(errors="replace")
-            address = ready.read(4096).decode().strip()
+    with cli_server(args, tmp_path, minari_root, MUJOCO_GL="egl") as address:
         remote = Env(address)
         try:
             remote.action_space.seed(5)
@@ -640,13 +602,6 @@ def test_a_mujoco_env_under_egl_is_recorded_from_the_cli(tmp_path: Path, minari_
                     done = terminated or truncated
         finally:
             remote.close()
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=60)
-    assert proc.returncode == 0, log_path.read_text(errors="replace")
     dataset = minari.load_dataset("rlmesh/cheetah-v0")
     metadata = episode_metadata(dataset)
     assert [m["seed"] for m in metadata] == [3, 4] and all("cut" not in m for m in metadata)
