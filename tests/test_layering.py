@@ -272,7 +272,9 @@ def test_no_import_cycle_anywhere_in_the_package() -> None:
 
 def _module_rows() -> dict[str, str]:
     """docs/architecture.md's module table: first cell (a module or a package) -> row."""
-    doc = (ROOT.parents[1] / "docs" / "architecture.md").read_text(encoding="utf-8")
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text(
+        encoding="utf-8"
+    )
     rows: dict[str, str] = {}
     for line in doc.splitlines():
         if line.startswith("| `") and line.count("|") >= 4:
