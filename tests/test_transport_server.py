@@ -12,7 +12,7 @@ import pytest
 from rlmesh_trio._bridge import ToLoop
 from rlmesh_trio._errors import LaneDeadError
 from rlmesh_trio._jobs import CallJob, LaneReply, Phases, ReplyFn, StepJob
-from rlmesh_trio._transport._server import ReplyRoutes
+from rlmesh_trio._transport._routes import ReplyRoutes
 
 
 class FakeJoin:

@@ -5,7 +5,8 @@ Its modules, from the Trio side down to the bytes:
 
 * :mod:`._service` -- :class:`TransportService`, the Trio task owning the loop thread;
 * :mod:`._server` -- the loop side: method table, the one error-to-status mapping,
-  health, idle timer, stop phases, the lane replies routed to their Join;
+  health, idle timer, stop phases;
+* :mod:`._routes` -- the lane replies routed to the Join that posted their jobs;
 * :mod:`._join` -- the Join driver (its state table, back-pressure);
 * :mod:`._states` -- the Join's and its request reader's states, each one table of moves;
 * :mod:`._deadlines` -- a Join's request deadlines on one loop timer;
