@@ -15,6 +15,7 @@ import pickle
 import signal
 import socket
 import struct
+import subprocess
 import sys
 from typing import Any, Final
 
@@ -27,6 +28,7 @@ __all__ = [
     "PipeEnd",
     "PipeViolation",
     "die_with_parent",
+    "start_child",
 ]
 
 _LENGTH = struct.Struct("!I")
@@ -152,6 +154,24 @@ def _garbage(size: int, exc: Exception) -> PipeViolation:
     return PipeViolation(
         f"sent a {size}-byte message that does not unpickle ({type(exc).__name__}: {exc})"
     )
+
+
+def start_child(module: str, name: str) -> tuple[subprocess.Popen[bytes], socket.socket]:
+    """``python -m MODULE FD PARENT_PID NAME`` (``NAME`` only labels it in ``ps``) with
+    one end of a new socketpair as ``FD``; the child and the server's end."""
+    ours, theirs = socket.socketpair()
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-m", module, str(theirs.fileno()), str(os.getpid()), name],
+            stdin=subprocess.DEVNULL,
+            pass_fds=(theirs.fileno(),),
+        )
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    return process, ours
 
 
 def die_with_parent(parent_pid: int) -> None:

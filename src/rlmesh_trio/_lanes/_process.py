@@ -37,7 +37,6 @@ import logging
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -51,7 +50,7 @@ import outcome
 from .._errors import LaneError
 from .._jobs import Job, Phases, ResetResult, StepJob, StepResult
 from .._options import Policy
-from .._pipe import PipeEnd, PipeViolation, die_with_parent
+from .._pipe import PipeEnd, PipeViolation, die_with_parent, start_child
 from .._proto.rlmesh.spaces import v1 as spaces_v1
 from .._wire import decode_message, encode_meta_map
 from ._contract import EnvFacts, lane_facts
@@ -123,22 +122,7 @@ class ChildLane:
         self._closed = False
         self._broken: str | None = None  # what the child sent that broke its pipe
         self._lock = threading.Lock()
-        ours, theirs = socket.socketpair()
-        try:
-            self._process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "rlmesh_trio._lanechild",
-                    str(theirs.fileno()),
-                    str(os.getpid()),
-                    f"lane {index}.{number}",
-                ],
-                stdin=subprocess.DEVNULL,
-                pass_fds=(theirs.fileno(),),
-            )
-        finally:
-            theirs.close()
+        self._process, ours = start_child("rlmesh_trio._lanechild", f"lane {index}.{number}")
         self._conn = PipeEnd(ours)
         self._conn.send((list(sys.path), pickle.dumps(factory), policy))
 

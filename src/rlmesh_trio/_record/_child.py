@@ -45,15 +45,13 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 from typing import Any
 
-from .._pipe import FRAME_LIMIT, PipeEnd, PipeViolation, die_with_parent
+from .._pipe import FRAME_LIMIT, PipeEnd, PipeViolation, die_with_parent, start_child
 from .._proto.rlmesh.spaces import v1 as spaces_v1
 from .._wire import decode_message, encode_meta_map
 from ._worker import RecordingError
@@ -98,22 +96,7 @@ class StorageChild:
     one thread (PR_SET_PDEATHSIG follows the thread that started the child)."""
 
     def __init__(self, setup: Any, name: str) -> None:
-        ours, theirs = socket.socketpair()
-        try:
-            self._process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "rlmesh_trio._recordchild",
-                    str(theirs.fileno()),
-                    str(os.getpid()),
-                    name,
-                ],
-                stdin=subprocess.DEVNULL,
-                pass_fds=(theirs.fileno(),),
-            )
-        finally:
-            theirs.close()
+        self._process, ours = start_child("rlmesh_trio._recordchild", name)
         self._conn = PipeEnd(ours, ANSWER_CAP)
         try:
             self._conn.send((list(sys.path), pickle.dumps(setup, pickle.HIGHEST_PROTOCOL)))
