@@ -153,9 +153,7 @@ class BoundedWorker(Generic[T]):
                 try:
                     self._start()
                 except BaseException as exc:
-                    with self._lock:
-                        self.error = exc
-                        self._not_full.notify_all()
+                    self._fail(exc)
                     return
                 finally:
                     self.started.set()
@@ -166,9 +164,14 @@ class BoundedWorker(Generic[T]):
                 try:
                     self._finish()
                 except BaseException as exc:
-                    with self._lock:
-                        if self.error is None:
-                            self.error = exc
+                    self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        """The writer's first error (a later one is dropped); blocked puts wake to it."""
+        with self._lock:
+            if self.error is None:
+                self.error = exc
+            self._not_full.notify_all()
 
     def _serve(self) -> None:
         while True:
@@ -195,7 +198,5 @@ class BoundedWorker(Generic[T]):
                 if self._on_batch is not None:
                     self._on_batch(len(batch), nbytes)
             except BaseException as exc:
-                with self._lock:
-                    self.error = exc
-                    self._not_full.notify_all()
+                self._fail(exc)
                 return
