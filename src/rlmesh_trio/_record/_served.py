@@ -42,6 +42,7 @@ on the env's own thread, or in the child of a process lane) and hands the frame 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -240,18 +241,7 @@ class WireDecoder:
         infos = None
         if episode.infos is not None:
             infos = [from_meta_map(meta) for meta in episode.infos]
-        return Episode(
-            lane=episode.lane,
-            index=episode.index,
-            seed=episode.seed,
-            observations=observations,
-            actions=actions,
-            rewards=episode.rewards,
-            terminations=episode.terminations,
-            truncations=episode.truncations,
-            infos=infos,
-            cut=episode.cut,
-        )
+        return dataclasses.replace(episode, observations=observations, actions=actions, infos=infos)
 
 
 class ServedRecording:
