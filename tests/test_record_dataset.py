@@ -340,6 +340,58 @@ def test_a_storage_child_that_dies_fails_the_writer_and_is_not_waited_on() -> No
     assert minari.load_dataset("killed-v0").total_episodes == 1
 
 
+@pytest.mark.parametrize("group_bytes", [None, 5000])
+def test_a_batch_goes_to_the_storage_child_in_groups_and_in_order(
+    group_bytes: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Small episodes go to the child together (a batch of 16 small ones: one message,
+    one answer), one bigger than a group alone; either way every episode is stored, in
+    the order queued, with its own data."""
+    import rlmesh_trio._record._child as child_module
+
+    if group_bytes is not None:
+        monkeypatch.setattr(child_module, "GROUP_BYTES", group_bytes)
+    sends: list[int] = []
+    real_send = child_module.StorageChild._send
+
+    def counted(self: Any, data: bytes) -> None:
+        sends.append(len(data))
+        real_send(self, data)
+
+    monkeypatch.setattr(child_module.StorageChild, "_send", counted)
+    space = spaces.Box(0, 255, (400,), np.uint8)
+    lengths = [1, 1, 9, 1, 2, 12, 1, 1, 3, 1, 1, 10, 1, 1, 2, 1]
+    written = threading.Event()
+    writer = DatasetWriter(
+        "groups-v0",
+        space,
+        space,
+        own_process=True,
+        capacity=64,  # batches of 16
+        linger=60.0,  # ... and none smaller before close
+        on_batch=lambda n, b: written.set(),
+    )
+    acc = EpisodeAccumulator(0, space, space, writer.put)
+    for i, length in enumerate(lengths):
+        acc.reset(np.full(400, i, np.uint8), i)
+        for t in range(length):
+            value = np.full(400, (i * 16 + t) % 256, np.uint8)
+            acc.step(value, value, float(t), t == length - 1, False)
+    assert written.wait(60)
+    writer.close(60)
+    if group_bytes is None:
+        assert len(sends) == 1  # the whole batch in one message
+    else:  # the long episodes alone, the short ones grouped: fewer messages than episodes
+        big = sum(1 for size in sends if size > group_bytes)
+        assert big == 3 and len(sends) < len(lengths) - 3
+    dataset = minari.load_dataset("groups-v0")
+    assert [len(e) for e in dataset] == lengths
+    assert [m["seed"] for m in episode_metadata(dataset)] == list(range(len(lengths)))
+    for i, episode in enumerate(dataset):
+        assert (episode.observations[0] == i).all()
+        assert (episode.actions[:, 0] == [(i * 16 + t) % 256 for t in range(lengths[i])]).all()
+
+
 def test_the_storage_child_exits_when_the_writer_closes() -> None:
     space = spaces.Discrete(3)
     writer = DatasetWriter("exits-v0", space, space, own_process=True)
