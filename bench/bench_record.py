@@ -20,8 +20,12 @@ machine's load than the wall figure, and is the deciding one. Ratios are against
 and prints its RSS (``VmRSS``) and the dataset's size every ``--every`` seconds: the
 writer keeps no episode once written, so the RSS should stay flat.
 
+``--ours-src PATH`` (repeatable) adds a ``dataset`` server served from another source
+tree (``PATH`` first on its ``PYTHONPATH``, its storage child too): a same-run A/B of a
+change to the recording path.
+
 Run: ``python bench/bench_record.py [--rounds R] [--lanes N] [--seeds S] [--video]
-[--soak SECONDS]``.
+[--ours-src PATH] [--soak SECONDS]``.
 """
 
 from __future__ import annotations
@@ -61,12 +65,18 @@ def one_round(served: Served, seeds: list[int]) -> tuple[float, float, float]:
     return steps / wall, (used.user + used.sys) * 1e6 / steps, kids * 1e6 / steps
 
 
-def compare(rounds: int, lanes: int, seeds: int, video: bool, root: Path) -> str:
+def compare(
+    rounds: int, lanes: int, seeds: int, video: bool, root: Path, sources: list[str]
+) -> str:
     configs: dict[str, tuple[str, ...]] = {
         "off": (),
         "off-again": (),
         "dataset": ("--record-dataset", "bench/record-v0"),
     }
+    src_of: dict[str, str] = {}
+    for k, src in enumerate(sources, start=1):  # same-run twins from other trees
+        configs[f"dataset-src{k}"] = ("--record-dataset", f"bench/record-src{k}-v0")
+        src_of[f"dataset-src{k}"] = src
     if video:
         rgb = ("--kwargs-json", '{"render_mode": "rgb_array"}')
         configs["render-off"] = rgb
@@ -77,7 +87,10 @@ def compare(rounds: int, lanes: int, seeds: int, video: bool, root: Path) -> str
             "--record-video-lanes",
             "0",
         )
-    servers = {name: serve_ours("CartPole-v1", lanes, *extra) for name, extra in configs.items()}
+    servers = {
+        name: serve_ours("CartPole-v1", lanes, *extra, src=src_of.get(name))
+        for name, extra in configs.items()
+    }
     names = list(servers)
     rates: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [] for name in names}
@@ -159,6 +172,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lanes", type=int, default=8, help="lanes served (default 8)")
     parser.add_argument("--seeds", type=int, default=48, help="episodes per round")
     parser.add_argument("--video", action="store_true", help="also measure one video lane")
+    parser.add_argument(
+        "--ours-src",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="also a dataset-recording server from this source tree's src (repeatable): "
+        "a same-run A/B twin (rows dataset-src1, dataset-src2, ...)",
+    )
     parser.add_argument("--soak", type=float, default=None, metavar="SECONDS")
     parser.add_argument("--every", type=float, default=60.0, help="soak report period (s)")
     args = parser.parse_args(argv)
@@ -168,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.soak is not None:
             print(soak(args.soak, args.every, args.lanes, root))
         else:
-            print(compare(args.rounds, args.lanes, args.seeds, args.video, root))
+            print(compare(args.rounds, args.lanes, args.seeds, args.video, root, args.ours_src))
     return 0
 
 
