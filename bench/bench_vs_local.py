@@ -12,6 +12,8 @@ enough):
   --num-envs N`` in a subprocess (thread lanes, the default);
 * ``process``: the same against ``serve --lane-isolation process`` (a child process
   per env);
+* ``unix``: the ``thread`` server on a unix socket (``--address unix:///...``), not TCP
+  loopback: what a same-host client saves on the socket (not a default contender);
 * ``rlmesh``: rlmesh 0.1.0's ``rlmesh.numpy.RemoteVectorEnv`` against a thread-lane server
   of ours (``RemoteEnv`` at N = 1, where ``RemoteVectorEnv`` refuses the endpoint). It
   has no autoreset and no lane-scoped reset: its lanes step on past the end of their
@@ -79,13 +81,14 @@ CONTENDERS = {
     "async": "AsyncVectorEnv",
     "thread": "VectorEnv, thread lanes",
     "process": "VectorEnv, process lanes",
+    "unix": "VectorEnv, thread lanes, unix socket",
     "rlmesh": "rlmesh RemoteVectorEnv -> ours",
     "ref-vector": "VectorEnv -> reference",
     "ref-rlmesh": "rlmesh RemoteVectorEnv -> reference",
 }
 DEFAULT_CONTENDERS = ("sync", "async", "thread", "process", "rlmesh")
 REFERENCE_CONTENDERS = ("ref-vector", "ref-rlmesh")
-OURS = ["thread", "process", "rlmesh"]
+OURS = ["thread", "process", "unix", "rlmesh"]
 """The contenders served by rlmesh-trio: the ones ``--profile`` samples."""
 SOURCES: dict[str, str] = {}
 """``--ours-src``: contender key -> the ``src`` directory its thread-lane server runs."""
@@ -151,6 +154,9 @@ def build(key: str, env_id: str, n: int, seed: int, ours_args: tuple[str, ...]) 
             server = serve_ours(env_id, n, *ours_args, src=SOURCES[key])
         elif key == "process":
             server = serve_ours(env_id, n, "--lane-isolation", "process", *ours_args)
+        elif key == "unix":  # the same server on a unix socket (a later --address wins)
+            path = Path(tempfile.mkdtemp(prefix="rlt-bench-")) / "vector.sock"
+            server = serve_ours(env_id, n, *ours_args, "--address", f"unix://{path}")
         else:
             server = serve_ours(env_id, n, *ours_args)
         try:
@@ -167,7 +173,7 @@ def build(key: str, env_id: str, n: int, seed: int, ours_args: tuple[str, ...]) 
 
 
 def _client(key: str, label: str, server: Served, n: int) -> Contender:
-    if key in ("thread", "process", "ref-vector") or key in SOURCES:
+    if key in ("thread", "process", "unix", "ref-vector") or key in SOURCES:
         from rlmesh_trio.client import VectorEnv
 
         return Contender(key, label, VectorEnv(server.address), server)
