@@ -1,6 +1,7 @@
 """Benchmark: what recording costs a served evaluation (issue 33).
 
-Servers of ``rlmesh-trio serve --env CartPole-v1 --num-envs N`` in subprocesses, started
+Servers of ``rlmesh-trio serve --env CartPole-v1 --num-envs N`` (``--env``: another
+gymnasium id with a Discrete action space) in subprocesses, started
 once and driven by ``rlmesh.run`` over the same seeds, the order rotating from round to
 round; every number is the median over the rounds:
 
@@ -66,7 +67,7 @@ def one_round(served: Served, seeds: list[int]) -> tuple[float, float, float]:
 
 
 def compare(
-    rounds: int, lanes: int, seeds: int, video: bool, root: Path, sources: list[str]
+    env_id: str, rounds: int, lanes: int, seeds: int, video: bool, root: Path, sources: list[str]
 ) -> str:
     configs: dict[str, tuple[str, ...]] = {
         "off": (),
@@ -88,7 +89,7 @@ def compare(
             "0",
         )
     servers = {
-        name: serve_ours("CartPole-v1", lanes, *extra, src=src_of.get(name))
+        name: serve_ours(env_id, lanes, *extra, src=src_of.get(name))
         for name, extra in configs.items()
     }
     names = list(servers)
@@ -114,7 +115,7 @@ def compare(
     base_rate = statistics.median(rates["off"])
     base_cpu = statistics.median(cpu["off"])
     lines = [
-        f"rlmesh.run CartPole-v1, N={lanes}, {seeds} seeds/round, {rounds} rounds "
+        f"rlmesh.run {env_id}, N={lanes}, {seeds} seeds/round, {rounds} rounds "
         f"(medians; load {os.getloadavg()[0]:.2f})",
         f"{'server':<12} {'steps/s':>9} {'x off':>7} {'cpu us/step':>12} {'x off':>7} "
         f"{'+child us/step':>15}",
@@ -171,6 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6, help="rounds (median)")
     parser.add_argument("--lanes", type=int, default=8, help="lanes served (default 8)")
     parser.add_argument("--seeds", type=int, default=48, help="episodes per round")
+    parser.add_argument(
+        "--env",
+        default="CartPole-v1",
+        help="gymnasium id (default CartPole-v1); the model pushes on the sign of the "
+        "observation's third element (actions 0 and 1): any Discrete env fits, e.g. "
+        "Acrobot-v1, whose step costs several times CartPole's",
+    )
     parser.add_argument("--video", action="store_true", help="also measure one video lane")
     parser.add_argument(
         "--ours-src",
@@ -189,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.soak is not None:
             print(soak(args.soak, args.every, args.lanes, root))
         else:
-            print(compare(args.rounds, args.lanes, args.seeds, args.video, root, args.ours_src))
+            print(compare(args.env, args.rounds, args.lanes, args.seeds, args.video, root, args.ours_src))
     return 0
 
 
