@@ -279,7 +279,9 @@ def env_error(verb: str, exc: BaseException) -> tuple[EnvErrorCode, str, bool]:
     """The EnvError (code, message, recoverable) for a failed ``verb`` job (SPEC §9).
 
     Our errors keep their own text (the reference's); an exception of the env (or of
-    converting its result) becomes ``"<verb> failed: <Type>: <message>"``, fatal.
+    converting its result) becomes ``"<verb> failed: <Type>: <message>"``, fatal, the
+    type by its qualified name (``Outer.Inner``) and the message by
+    :func:`exception_text`, as the reference writes them.
     """
     if isinstance(exc, PolicyViolation):
         if exc.kind == "action":
@@ -287,7 +289,22 @@ def env_error(verb: str, exc: BaseException) -> tuple[EnvErrorCode, str, bool]:
         return EnvErrorCode.INTERNAL, str(exc), False
     if isinstance(exc, (ActionError, LaneError)):
         return exc.env_code, str(exc), exc.recoverable
-    return EnvErrorCode.INTERNAL, f"{verb} failed: {type(exc).__name__}: {exc}", False
+    message = f"{verb} failed: {type(exc).__qualname__}: {exception_text(exc)}"
+    return EnvErrorCode.INTERNAL, message, False
+
+
+STR_FAILED = "<exception str() failed>"
+"""What stands for the message of an exception whose ``str()`` raises (the reference's
+words)."""
+
+
+def exception_text(exc: BaseException) -> str:
+    """``str(exc)``, or :data:`STR_FAILED` when that raises: env code's exception is
+    told, never allowed to fail the telling."""
+    try:
+        return str(exc)
+    except Exception:
+        return STR_FAILED
 
 
 # ------------------------------------------------------------------- one line of it
@@ -306,6 +323,6 @@ def first_line(exc: BaseException) -> str:
     exception group of one: its member's): how the CLI, the fleet's shard and retry
     records and its logs tell an error in one line."""
     exc = alone(exc)
-    text = str(exc).strip().splitlines()
+    text = exception_text(exc).strip().splitlines()
     first = text[0] if text else ""
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__

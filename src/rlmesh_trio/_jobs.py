@@ -130,7 +130,8 @@ Job = ResetJob | StepJob | RenderJob | CallJob
 class ResetResult:
     observation: list[bytes]
     """The observation as one-lane leaves (``SpaceCodec.encode``)."""
-    info: MetaMap
+    info: MetaMap | None
+    """None: the env gave no info (the reply then has none)."""
     obs_warning: Candidate | None
     """First soft conformance violation of the observation (policy ``warn``), else None."""
 
@@ -141,7 +142,8 @@ class StepResult:
     reward: float
     terminated: bool
     truncated: bool
-    info: MetaMap
+    info: MetaMap | None
+    """None: the env gave no info (the reply then has none)."""
     action_warning: Candidate | None
     obs_warning: Candidate | None
 

@@ -461,6 +461,42 @@ CASES.update(
     }
 )
 
+
+def answering(kind: str, n: int = 1) -> tuple[wire.env_v1.JoinRequest, ...]:
+    """Setup for ``AnswersEnv``: every lane reset so that its steps answer as ``kind``."""
+    return (wire.configure(), wire.reset(seeds=list(range(1, n + 1)), options={"step": kind}))
+
+
+ONE_STEP = wire.step([wire.i64([1])])
+
+# How each server reads an env's answers (what ``step()`` and ``reset()`` return, and
+# exceptions whose name or text is unusual): fatal errors with the reference's texts.
+for _kind in (
+    "int-flag",
+    "array-flag",
+    "str-reward",
+    "none-reward",
+    "list",
+    "none",
+    "three",
+    "six",
+    "nan-obs-and-bad-reward",
+    "nested-exception",
+    "unprintable-exception",
+):
+    CASES[f"env-answer-{_kind}"] = Case("answers", 1, ONE_STEP, answering(_kind))
+CASES["env-answer-unprintable-exception-lane-scoped"] = Case(
+    "answers",
+    2,
+    wire.step([wire.i64([1])], env_indices=[0]),
+    answering("unprintable-exception", 2),
+    then=(wire.step([wire.i64([0])], env_indices=[1]),),
+)
+CASES["reset-of-an-env-that-takes-no-seed"] = Case(
+    "no_arg_reset", 1, wire.reset(seeds=[4]), (wire.configure(),)
+)
+
+
 NOT_ERRORS: dict[str, Case] = {
     "step-before-any-reset-of-the-session": Case(
         "cartpole",
@@ -488,6 +524,37 @@ NOT_ERRORS: dict[str, Case] = {
     ),
     "late-configure-cohort-edition": Case(
         "cartpole", 1, wire.configure("2026.06-dev.abc"), seeded(1)
+    ),
+    # An env's answers both servers take: a numpy bool flag, legacy Gym's four values,
+    # an info of None (no infos in the reply; an empty map for that lane among others).
+    **{
+        f"env-answer-{kind}": Case("answers", 1, ONE_STEP, answering(kind))
+        for kind in ("np-bool-flag", "legacy", "legacy-time-limit", "info-none", "info-none-done")
+    },
+    "env-answer-info-none-on-every-lane": Case(
+        "answers", 2, wire.step([wire.i64([1, 0])]), answering("info-none", 2)
+    ),
+    "env-answer-info-none-on-one-lane": Case(
+        "answers",
+        2,
+        wire.step([wire.i64([1, 0])]),
+        (
+            wire.configure(),
+            wire.reset(seeds=[1], env_indices=[0], options={"step": "info-none"}),
+            wire.reset(seeds=[2], env_indices=[1]),
+        ),
+    ),
+    **{
+        f"env-reset-answer-{kind}": Case(
+            "answers", 1, wire.reset(seeds=[3], options={"reset": kind}), (wire.configure(),)
+        )
+        for kind in ("obs-only", "one-tuple", "info-none")
+    },
+    "reset-options-to-an-env-that-takes-none": Case(
+        "seed_only_reset", 1, wire.reset(seeds=[5], options={"a": 1}), (wire.configure(),)
+    ),
+    "reset-without-seed-of-an-env-that-takes-no-arguments": Case(
+        "no_arg_reset", 1, wire.reset(), (wire.configure(),)
     ),
 }
 

@@ -419,3 +419,111 @@ class EchoEnv(gym.Env[np.ndarray, np.ndarray]):
 
 def make_echo() -> EchoEnv:
     return EchoEnv()
+
+
+class Outer:
+    """Holds an exception class, so that its qualified name is ``Outer.Inner``."""
+
+    class Inner(RuntimeError):
+        pass
+
+
+class Unprintable(RuntimeError):
+    """An exception whose ``str()`` raises."""
+
+    def __str__(self) -> str:
+        raise ValueError("no text for this one")
+
+
+class AnswersEnv(gym.Env[np.ndarray, int]):
+    """Answers ``reset`` and ``step`` in the shape the reset's options ask for, to compare
+    how the two servers read an env's answers: ``{"step": kind}`` picks what every
+    following step returns (or raises), ``{"reset": kind}`` what this reset returns.
+
+    Step kinds: ``plain``; flags that are no ``bool`` (``int-flag``, ``array-flag``) or a
+    ``numpy.bool_`` (``np-bool-flag``); rewards that are no real number (``str-reward``,
+    ``none-reward``); a ``list``, ``None``, ``three`` or ``six`` values instead of a tuple
+    of five; legacy Gym's four (``legacy``, ``legacy-time-limit``: ``done`` with
+    ``info["TimeLimit.truncated"]``); ``nan-obs-and-bad-reward`` (which is told first);
+    an info of None (``info-none``, ``info-none-done``); exceptions named by their
+    qualified name (``nested-exception``) or whose text cannot be had
+    (``unprintable-exception``). Reset kinds: ``plain``, ``obs-only`` (no info),
+    ``one-tuple``, ``info-none``.
+    """
+
+    observation_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = spaces.Discrete(2)
+
+    def __init__(self) -> None:
+        self._step_kind = "plain"
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Any:
+        super().reset(seed=seed)
+        options = options or {}
+        self._step_kind = str(options.get("step", "plain"))
+        kind = options.get("reset", "plain")
+        obs = np.zeros(2, np.float32)
+        if kind == "obs-only":
+            return obs
+        if kind == "one-tuple":
+            return (obs,)
+        if kind == "info-none":
+            return obs, None
+        return obs, {"seed": seed}
+
+    def step(self, action: int) -> Any:
+        obs = np.full(2, 0.5, np.float32)
+        answers: dict[str, Any] = {
+            "plain": (obs, 1.0, False, False, {}),
+            "int-flag": (obs, 1.0, 1, False, {}),
+            "array-flag": (obs, 1.0, np.array(True), False, {}),
+            "np-bool-flag": (obs, 1.0, np.bool_(True), False, {}),
+            "str-reward": (obs, "1.5", False, False, {}),
+            "none-reward": (obs, None, False, False, {}),
+            "list": [obs, 1.0, False, False, {}],
+            "none": None,
+            "three": (obs, 1.0, False),
+            "six": (obs, 1.0, False, False, {}, 0),
+            "legacy": (obs, 1.0, True, {"x": 1}),
+            "legacy-time-limit": (obs, 1.0, True, {"TimeLimit.truncated": True}),
+            "nan-obs-and-bad-reward": (np.full(2, np.nan, np.float32), "x", False, False, {}),
+            "info-none": (obs, 1.0, False, False, None),
+            "info-none-done": (obs, 1.0, True, False, None),
+        }
+        if self._step_kind == "nested-exception":
+            raise Outer.Inner("inner")
+        if self._step_kind == "unprintable-exception":
+            raise Unprintable()
+        return answers[self._step_kind]
+
+
+def make_answers() -> AnswersEnv:
+    return AnswersEnv()
+
+
+class SeedOnlyResetEnv(gym.Env[np.ndarray, int]):
+    """``reset(self, seed=None)``: no ``options`` parameter (an older env's signature)."""
+
+    observation_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = spaces.Discrete(2)
+
+    def reset(self, seed: int | None = None) -> Any:  # type: ignore[override]
+        return np.zeros(2, np.float32), {"seed_seen": repr(seed)}
+
+    def step(self, action: int) -> Any:
+        return np.zeros(2, np.float32), 0.0, False, False, {}
+
+
+def make_seed_only_reset() -> SeedOnlyResetEnv:
+    return SeedOnlyResetEnv()
+
+
+class NoArgResetEnv(SeedOnlyResetEnv):
+    """``reset(self)``: neither ``seed`` nor ``options``."""
+
+    def reset(self) -> Any:  # type: ignore[override]
+        return np.zeros(2, np.float32), {}
+
+
+def make_no_arg_reset() -> NoArgResetEnv:
+    return NoArgResetEnv()

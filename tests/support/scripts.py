@@ -38,6 +38,9 @@ ENTRYPOINTS: dict[str, str] = {
     "sleep": "support.envs:make_sleep",
     "image": "support.envs:make_image",
     "hang": "support.envs:make_hang",
+    "answers": "support.envs:make_answers",
+    "seed_only_reset": "support.envs:make_seed_only_reset",
+    "no_arg_reset": "support.envs:make_no_arg_reset",
 }
 
 RESET_OPTIONS: dict[str, Any] = {

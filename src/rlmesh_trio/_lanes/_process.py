@@ -47,7 +47,7 @@ from typing import Any, Final
 import gymnasium as gym
 import outcome
 
-from .._errors import LaneError
+from .._errors import LaneError, exception_text
 from .._jobs import Job, Phases, ResetResult, StepJob, StepResult
 from .._options import Policy
 from .._pipe import PipeEnd, PipeViolation, die_with_parent, start_child
@@ -86,7 +86,7 @@ def check_picklable(factory: Callable[[], gym.Env[Any, Any]]) -> None:
         raise TypeError(
             "lane_isolation='process' needs an env factory that can be pickled (a "
             "gymnasium id, a module:callable entrypoint, or a module-level callable), "
-            f"got {factory!r}: {type(exc).__name__}: {exc}"
+            f"got {factory!r}: {type(exc).__name__}: {exception_text(exc)}"
         ) from None
 
 
@@ -275,19 +275,25 @@ def pack_result(
             value.reward,
             value.terminated,
             value.truncated,
-            encode_meta_map(value.info),
+            _info_bytes(value.info),
             value.action_warning,
             value.obs_warning,
             _phases(phases),
             faulted,
         )
     if type(value) is ResetResult:
-        info = encode_meta_map(value.info)
+        info = _info_bytes(value.info)
         return ("reset", value.observation, info, value.obs_warning, _phases(phases), faulted)
     return None
 
 
-def _info(data: bytes) -> spaces_v1.MetaMap:
+def _info_bytes(info: spaces_v1.MetaMap | None) -> bytes | None:
+    return None if info is None else encode_meta_map(info)
+
+
+def _info(data: bytes | None) -> spaces_v1.MetaMap | None:
+    if data is None:  # the env gave no info
+        return None
     return decode_message(spaces_v1.MetaMap, data) if data else spaces_v1.MetaMap()
 
 
@@ -330,7 +336,7 @@ def _pack_error(exc: BaseException) -> tuple[Any, str, str, str]:
         pickled: Any = pickle.loads(pickle.dumps(exc))
     except Exception:
         pickled = None
-    return pickled, type(exc).__name__, str(exc), trace
+    return pickled, type(exc).__qualname__, exception_text(exc), trace
 
 
 STACK_SIGNAL: Final = getattr(signal, "SIGUSR1", None)

@@ -21,6 +21,7 @@ from .._errors import (
     LaneDeadError,
     LaneNeedsResetError,
     LaneRebuildFailedError,
+    exception_text,
 )
 from .._jobs import Job, LaneFault, Phases, ResetJob, StepJob
 from ._contract import EnvFacts, contract_differences
@@ -171,7 +172,7 @@ class LaneThreads:
         with lane.lock:
             if inc.detached or lane.stopping:
                 return
-            cause = f"{type(exc).__name__}: {exc}"
+            cause = f"{type(exc).__name__}: {exception_text(exc)}"
             delay = self._rebuild_delay(lane.attempt)
             refusal = LaneRebuildFailedError(
                 f"lane {lane.index} could not be rebuilt (attempt {lane.attempt}): {cause}; "

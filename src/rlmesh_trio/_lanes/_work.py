@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
+import logging
+import operator
+from collections.abc import Mapping
 from time import perf_counter_ns
 from typing import Any
 
 import gymnasium as gym
+import numpy as np
 import outcome
 
 from .._codec import Candidate, SpaceCodec, to_meta_map
@@ -23,6 +28,100 @@ from .._jobs import (
 )
 from .._options import Policy
 from .._png import encode_png
+from .._proto.rlmesh.spaces.v1 import MetaMap
+
+logger = logging.getLogger("rlmesh_trio.lanes")
+
+
+# ----------------------------------------------------- what the env returned, checked
+#
+# As the reference reads an env's answers (its PyO3 extraction): ``step()`` gives a tuple
+# of 5 (Gymnasium) or 4 (legacy Gym: ``done`` is terminated, or truncated when the info
+# says ``TimeLimit.truncated``); the reward is a real number (``float``'s protocol, not
+# a string's parse); the flags are ``bool`` or ``numpy.bool_``, nothing truthy; the
+# parts are checked in that order, then the observation, then the info. An info of
+# ``None`` is no info (its reply has none). ``reset()`` gives ``(observation, info)``
+# when it returns a pair whose second item is a mapping or None, else the observation
+# alone. Each refusal is the reference's text.
+
+
+def not_instance(value: Any, target: str) -> TypeError:
+    if value is None:
+        return TypeError(f"'None' is not an instance of '{target}'")
+    return TypeError(f"'{type(value).__qualname__}' object is not an instance of '{target}'")
+
+
+def step_flag(value: Any) -> bool:
+    """A terminated or truncated flag: ``bool`` or ``numpy.bool_`` only."""
+    if value is True or value is False:
+        return value
+    if type(value) is np.bool_:
+        return bool(value)
+    raise not_instance(value, "bool")
+
+
+def real_number(value: Any) -> float:
+    """A reward as C's ``PyFloat_AsDouble`` reads it: ``__float__``, else ``__index__``
+    (a string is no number here, whatever it spells)."""
+    kind = type(value)
+    if kind is float:
+        return value  # type: ignore[no-any-return]
+    if hasattr(kind, "__float__"):
+        return float(value)
+    if hasattr(kind, "__index__"):
+        return float(operator.index(value))
+    raise TypeError(f"must be real number, not {kind.__name__}")
+
+
+def step_parts(value: Any) -> tuple[Any, float, bool, bool, Any]:
+    """``env.step()``'s answer as (observation, reward, terminated, truncated, info),
+    checked as the reference checks it."""
+    if not isinstance(value, tuple):
+        raise not_instance(value, "tuple")
+    if len(value) == 5:
+        observation, reward, terminated, truncated, info = value
+        reward = real_number(reward)
+        return observation, reward, step_flag(terminated), step_flag(truncated), info
+    if len(value) == 4:  # legacy Gym: (observation, reward, done, info)
+        observation, reward, done, info = value
+        reward = real_number(reward)
+        done = step_flag(done)
+        limit = isinstance(info, Mapping) and bool(info.get("TimeLimit.truncated", False))
+        return observation, reward, done and not limit, done and limit, info
+    raise ValueError(
+        f"env.step() must return 4 legacy Gym values or 5 Gymnasium values, got {len(value)}"
+    )
+
+
+def reset_parts(value: Any, pair_space: bool = False) -> tuple[Any, Any]:
+    """``env.reset()``'s answer as (observation, info): a pair whose second item is a
+    mapping (or None), else the observation alone with an empty info. ``pair_space``:
+    the observation space is a Tuple of two, so ``(x, {...})`` whose ``x`` is no pair is
+    such an observation returned alone (a legacy env's), not (observation, info)."""
+    if (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and (value[1] is None or isinstance(value[1], Mapping))
+    ):
+        first = value[0]
+        if pair_space and not (isinstance(first, tuple) and len(first) == 2):
+            return value, {}
+        return first, value[1]
+    return value, {}
+
+
+def info_map(info: Any) -> MetaMap | None:
+    """An env's info on the wire: None stays None (no info)."""
+    return None if info is None else to_meta_map(info)
+
+
+def takes_options(env: gym.Env[Any, Any]) -> bool:
+    """Whether ``env.reset`` takes ``options=`` (a parameter of that name or ``**``)."""
+    try:
+        parameters = inspect.signature(env.reset).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: let the call say
+        return True
+    return any(p.name == "options" or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 class Split:
@@ -68,13 +167,15 @@ class LaneWork:
     :meth:`execute` with its own env.
     """
 
-    __slots__ = ("_action_codec", "_observation_codec", "_soft", "_strict")
+    __slots__ = ("_action_codec", "_observation_codec", "_pair_space", "_soft", "_strict")
 
     def __init__(
         self, action_codec: SpaceCodec, observation_codec: SpaceCodec, policy: Policy
     ) -> None:
         self._action_codec = action_codec
         self._observation_codec = observation_codec
+        space = observation_codec.space
+        self._pair_space = isinstance(space, gym.spaces.Tuple) and len(space.spaces) == 2
         self._soft = policy != "off"
         self._strict = policy == "strict"
 
@@ -114,10 +215,25 @@ class LaneWork:
         return leaves, candidate
 
     def _reset(self, env: gym.Env[Any, Any], job: ResetJob, split: Split) -> ResetResult:
-        observation, info = env.reset(seed=job.seed, options=job.options)
+        # The seed and the options are passed when the request carries them, as the
+        # reference passes them (an env's ``reset(self, seed=None)`` works); options an
+        # env's reset cannot take are dropped, with a warning.
+        kwargs: dict[str, Any] = {}
+        if job.seed is not None:
+            kwargs["seed"] = job.seed
+        if job.options is not None:
+            if takes_options(env):
+                kwargs["options"] = job.options
+            else:
+                logger.warning(
+                    "%s.reset() takes no options: the reset's options %r were dropped",
+                    type(env.unwrapped).__qualname__,
+                    job.options,
+                )
+        observation, info = reset_parts(env.reset(**kwargs), self._pair_space)
         split.enter(_ENCODE)
         leaves, candidate = self._encode_observation(observation)
-        return ResetResult(observation=leaves, info=to_meta_map(info), obs_warning=candidate)
+        return ResetResult(observation=leaves, info=info_map(info), obs_warning=candidate)
 
     def _timed_step(
         self, env: gym.Env[Any, Any], job: StepJob, queue_ns: int
@@ -134,16 +250,17 @@ class LaneWork:
             if action_candidate is not None and self._strict:
                 raise PolicyViolation(action_candidate.detail, action_candidate.kind)
             decoded = perf_counter_ns()
-            observation, reward, terminated, truncated, info = env.step(action)
+            answer = env.step(action)
             stepped = perf_counter_ns()
+            observation, reward, terminated, truncated, info = step_parts(answer)
             leaves, obs_candidate = self._encode_observation(observation)
             result = outcome.Value(
                 StepResult(
                     observation=leaves,
-                    reward=float(reward),
-                    terminated=bool(terminated),
-                    truncated=bool(truncated),
-                    info=to_meta_map(info),
+                    reward=reward,
+                    terminated=terminated,
+                    truncated=truncated,
+                    info=info_map(info),
                     action_warning=action_candidate,
                     obs_warning=obs_candidate,
                 )

@@ -56,7 +56,7 @@ class Ended(NamedTuple):
     truncated: bool
     end_ns: int
 
-    def record(self, final_info: spaces_v1.MetaMap) -> env_v1.EpisodeMetadata:
+    def record(self, final_info: spaces_v1.MetaMap | None) -> env_v1.EpisodeMetadata:
         return self.episode.record(
             self.end_ns,
             terminated=self.terminated,

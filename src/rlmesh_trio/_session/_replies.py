@@ -31,7 +31,7 @@ class Replies:
 
     def place_warnings(
         self, op: Op, results: Sequence[ResetResult | StepResult]
-    ) -> tuple[list[spaces_v1.MetaMap], list[Candidate]]:
+    ) -> tuple[list[spaces_v1.MetaMap | None], list[Candidate]]:
         """Put conformance entries into the lane maps; return the maps and the list N."""
         candidates = []
         for result in results:
@@ -53,12 +53,17 @@ class Replies:
         return maps, fresh
 
     def infos(
-        self, maps: list[spaces_v1.MetaMap], fresh: list[Candidate], done: Sequence[bool] | None
-    ) -> spaces_v1.MetaMap:
+        self,
+        maps: list[spaces_v1.MetaMap | None],
+        fresh: list[Candidate],
+        done: Sequence[bool] | None,
+    ) -> spaces_v1.MetaMap | None:
         if len(maps) == 1:
             return maps[0]
         infos = batch_infos(maps, done)
         if fresh:
+            if infos is None:
+                infos = spaces_v1.MetaMap()
             infos.entries[CONFORMANCE_KEY] = warning_value(fresh)
         return infos
 
@@ -193,7 +198,8 @@ class Replies:
         )
 
 
-def _with_warning(info: spaces_v1.MetaMap, warnings: list[Candidate]) -> spaces_v1.MetaMap:
-    """``info`` with the conformance entry, a new map: the lane's own is not the
-    session's to change (a recorder keeps it by reference, on another thread)."""
-    return spaces_v1.MetaMap(entries={**info.entries, CONFORMANCE_KEY: warning_value(warnings)})
+def _with_warning(info: spaces_v1.MetaMap | None, warnings: list[Candidate]) -> spaces_v1.MetaMap:
+    """``info`` (None: none) with the conformance entry, a new map: the lane's own is
+    not the session's to change (a recorder keeps it by reference, on another thread)."""
+    entries = {} if info is None else info.entries
+    return spaces_v1.MetaMap(entries={**entries, CONFORMANCE_KEY: warning_value(warnings)})

@@ -54,15 +54,17 @@ _FALSE = spaces_v1.MetaValue(bool=False)
 
 
 def batch_infos(
-    infos: Sequence[spaces_v1.MetaMap], done: Sequence[bool] | None
-) -> spaces_v1.MetaMap:
+    infos: Sequence[spaces_v1.MetaMap | None], done: Sequence[bool] | None
+) -> spaces_v1.MetaMap | None:
     """Combine the info maps of the lanes of one reply (SPEC §5.3).
 
     One lane: its map, unchanged (the same object). Several lanes: ``{"final_info":
     [map, ...] in the given order, "_final_info": [bool, ...]}`` where the mask is ``done``
     (a step's ``terminated or truncated`` per lane) or all ``True`` when ``done`` is None
     (a reset). Every lane has an entry, also when its map is empty. No lanes: an empty map.
-    Raises ``ValueError`` when ``done`` does not have one flag per info map.
+    Raises ``ValueError`` when ``done`` does not have one flag per info map. A lane
+    whose env gave no info (None) has an empty map there; when no lane gave one, there
+    are no infos (None), as the reference answers.
     """
     if done is not None and len(done) != len(infos):
         raise ValueError(f"batch_infos: {len(infos)} info maps but {len(done)} done flags")
@@ -70,6 +72,11 @@ def batch_infos(
         return spaces_v1.MetaMap()
     if len(infos) == 1:
         return infos[0]
+    missing = sum(1 for info in infos if info is None)
+    if missing:
+        if missing == len(infos):
+            return None
+        infos = [spaces_v1.MetaMap() if info is None else info for info in infos]
     maps = spaces_v1.MetaList(items=[spaces_v1.MetaValue(map=info) for info in infos])
     mask = [True] * len(infos) if done is None else done
     flags = spaces_v1.MetaList(items=[_TRUE if flag else _FALSE for flag in mask])

@@ -220,9 +220,12 @@ def decode_frame(reply: Reply) -> np.ndarray[Any, Any] | None:
 
 
 def lane_infos(infos: dict[str, Any], k: int) -> list[dict[str, Any]]:
-    """Each lane's own info map from a reply covering ``k`` lanes (SPEC §5.3)."""
+    """Each lane's own info map from a reply covering ``k`` lanes (SPEC §5.3). No infos
+    at all is no lane's (a server sends none when no lane's env gave one)."""
     if k == 1:
         return [infos]
+    if not infos:
+        return [{} for _ in range(k)]
     lanes = infos.get("final_info")
     if not isinstance(lanes, list) or len(lanes) != k:
         raise malformed(f"a {k}-lane reply's infos have no {k}-entry final_info list")
