@@ -197,7 +197,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.soak is not None:
             print(soak(args.soak, args.every, args.lanes, root))
         else:
-            print(compare(args.env, args.rounds, args.lanes, args.seeds, args.video, root, args.ours_src))
+            print(
+                compare(
+                    args.env, args.rounds, args.lanes, args.seeds, args.video, root, args.ours_src
+                )
+            )
     return 0
 
 
