@@ -1,10 +1,12 @@
 """PNG encoding of a rendered frame (SPEC §7.10).
 
-The reference answers ``render`` with the env's RGB array as an 8-bit RGB PNG, and the
-0.1.0 clients decode it back to an ``HxWx3`` array. So every frame we accept is sent as
-8-bit RGB: an RGBA frame loses its alpha channel, a gray frame (``HxW`` or ``HxWx1``) is
-replicated into three equal channels. Pure function, safe on any thread (runs on the
-lane thread, where its time counts as ``encode_ns``).
+As the reference encodes it (compared frame by frame with rlmesh 0.1.0): an ``HxWx3``
+frame is an 8-bit RGB PNG, ``HxWx4`` an RGBA one and ``HxW`` a gray one (rlmesh's client
+decodes each back to the same shape); any other shape (``HxWx1``, two or five channels,
+a stack of frames) is no frame (an empty render reply). A frame of another dtype is cast
+to ``uint8`` as numpy casts (floats truncated, integers wrapped, ``True`` is 1). Pure
+function, safe on any thread (runs on the lane thread, where its time counts as
+``encode_ns``).
 """
 
 from __future__ import annotations
@@ -21,52 +23,34 @@ request, so speed matters more than size; the reference also writes its PNG stre
 zlib's "fastest" flag (its header is ``78 01``)."""
 
 
-def encode_png(frame: Any) -> bytes:
-    """Encode one frame as an 8-bit RGB PNG and return the file's bytes.
+_COLOR_MODES = {3: "RGB", 4: "RGBA"}
+"""PNG mode of an ``HxWxC`` frame by its channels."""
 
-    Accepted: an ``HxWx3`` (RGB) or ``HxWx4`` (RGBA, alpha dropped) array, or a gray
-    ``HxW`` / ``HxWx1`` array, of dtype ``uint8`` or ``bool`` (``True`` = 255), or of
-    another integer dtype whose values all lie in ``[0, 255]``. Anything else (float
-    frames, other shapes, an empty frame) raises ``ValueError``; an object numpy cannot
-    turn into an array of numbers raises ``TypeError``.
+
+def encode_png(frame: Any) -> bytes | None:
+    """Encode one frame as an 8-bit PNG and return the file's bytes, or None for a
+    frame of no shape a PNG of the reference holds (see the module's docstring).
+
+    An empty frame raises ``RuntimeError``, one numpy cannot cast to ``uint8`` numpy's
+    error (``ValueError`` for text), with the reference's texts.
     """
     array = np.asarray(frame)
-    rgb = _as_rgb_uint8(array)
-    height, width = rgb.shape[0], rgb.shape[1]
-    image = Image.frombuffer("RGB", (width, height), rgb.tobytes(), "raw", "RGB", 0, 1)
+    if array.dtype != np.uint8:  # the reference's cast, and its errors
+        with np.errstate(invalid="ignore", over="ignore"):
+            array = array.astype(np.uint8)
+    if array.ndim == 2:
+        mode = "L"
+    elif array.ndim == 3 and array.shape[2] in _COLOR_MODES:
+        mode = _COLOR_MODES[array.shape[2]]
+    else:
+        return None
+    if array.shape[1] == 0:
+        raise RuntimeError("Zero width not allowed")
+    if array.shape[0] == 0:
+        raise RuntimeError("Zero height not allowed")
+    height, width = array.shape[0], array.shape[1]
+    data = np.ascontiguousarray(array).tobytes()
+    image = Image.frombuffer(mode, (width, height), data, "raw", mode, 0, 1)
     buffer = io.BytesIO()
     image.save(buffer, format="PNG", compress_level=PNG_COMPRESS_LEVEL)
     return buffer.getvalue()
-
-
-def _as_rgb_uint8(array: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.uint8]]:
-    if array.dtype.kind not in "biu":
-        if array.dtype.kind in "OUSV":
-            raise TypeError(f"render frame must be a numeric array, got dtype {array.dtype}")
-        raise ValueError(
-            f"render frame must have an integer dtype (uint8 RGB), got dtype {array.dtype}"
-        )
-    if array.ndim == 3 and array.shape[2] == 1:
-        array = array[:, :, 0]
-    if array.ndim == 2:
-        array = np.repeat(array[:, :, np.newaxis], 3, axis=2)
-    elif array.ndim == 3 and array.shape[2] == 4:
-        array = array[:, :, :3]
-    elif not (array.ndim == 3 and array.shape[2] == 3):
-        raise ValueError(
-            "render frame must be an HxWx3 RGB, HxWx4 RGBA or HxW gray array, "
-            f"got shape {array.shape}"
-        )
-    if array.shape[0] == 0 or array.shape[1] == 0:
-        raise ValueError(f"render frame is empty (shape {array.shape})")
-    if array.dtype == np.uint8:
-        return np.ascontiguousarray(array)
-    if array.dtype.kind == "b":
-        return np.ascontiguousarray(array.astype(np.uint8) * np.uint8(255))
-    low, high = int(array.min()), int(array.max())
-    if low < 0 or high > 255:
-        raise ValueError(
-            f"render frame of dtype {array.dtype} has values outside [0, 255] "
-            f"(min {low}, max {high})"
-        )
-    return np.ascontiguousarray(array.astype(np.uint8))

@@ -527,3 +527,46 @@ class NoArgResetEnv(SeedOnlyResetEnv):
 
 def make_no_arg_reset() -> NoArgResetEnv:
     return NoArgResetEnv()
+
+
+FRAME_KINDS: dict[str, Any] = {
+    "rgb": np.arange(5 * 7 * 3, dtype=np.uint8).reshape(5, 7, 3),
+    "rgba": np.arange(5 * 7 * 4, dtype=np.uint8).reshape(5, 7, 4),
+    "gray": np.arange(5 * 7, dtype=np.uint8).reshape(5, 7),
+    "gray-with-channel-axis": np.arange(5 * 7, dtype=np.uint8).reshape(5, 7, 1),
+    "two-channels": np.zeros((2, 2, 2), np.uint8),
+    "five-channels": np.zeros((2, 2, 5), np.uint8),
+    "stack": [np.zeros((2, 2, 3), np.uint8)] * 2,
+    "float": np.linspace(0.0, 3.5, 2 * 2 * 3).reshape(2, 2, 3),
+    "int64-past-255": np.arange(0, 5 * 7 * 3 * 3, 3, dtype=np.int64).reshape(5, 7, 3),
+    "uint16": np.full((2, 2, 3), 1000, np.uint16),
+    "negative": np.full((2, 2, 3), -5, np.int32),
+    "bool": np.ones((2, 2, 3), bool),
+    "text": "ab\ncd",
+    "empty": np.zeros((0, 0, 3), np.uint8),
+}
+"""What :class:`FramesEnv` can render, by name."""
+
+
+class FramesEnv(AnswersEnv):
+    """Renders the frame its last reset's options name (``{"frame": kind}``, of
+    :data:`FRAME_KINDS`): every shape and dtype a render may return, to compare how the
+    two servers encode them."""
+
+    metadata: dict[str, Any] = {"render_modes": ["rgb_array"], "render_fps": 4}
+
+    def __init__(self, render_mode: str | None = "rgb_array") -> None:
+        super().__init__()
+        self.render_mode = render_mode
+        self._frame = "rgb"
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Any:
+        self._frame = str((options or {}).get("frame", "rgb"))
+        return super().reset(seed=seed, options=options)
+
+    def render(self) -> Any:
+        return FRAME_KINDS[self._frame]
+
+
+def make_frames() -> FramesEnv:
+    return FramesEnv()

@@ -39,6 +39,7 @@ ENTRYPOINTS: dict[str, str] = {
     "image": "support.envs:make_image",
     "hang": "support.envs:make_hang",
     "answers": "support.envs:make_answers",
+    "frames": "support.envs:make_frames",
     "seed_only_reset": "support.envs:make_seed_only_reset",
     "no_arg_reset": "support.envs:make_no_arg_reset",
 }

@@ -206,14 +206,17 @@ def malformed(message: str) -> EndpointError:
 
 
 def decode_frame(reply: Reply) -> np.ndarray[Any, Any] | None:
-    """A render reply's PNG as an ``(H, W, 3)`` uint8 array (None: nothing rendered)."""
+    """A render reply's PNG as a uint8 array of its own shape, as rlmesh's client gives
+    it: ``(H, W, 3)`` for RGB, ``(H, W, 4)`` for RGBA, ``(H, W)`` for gray; other PNG
+    modes as RGB (None: nothing rendered)."""
     if reply.frame is None:
         return None
     from PIL import Image
 
     try:
         with Image.open(io.BytesIO(reply.frame)) as image:
-            frame: np.ndarray[Any, Any] = np.asarray(image.convert("RGB"), dtype=np.uint8).copy()
+            decoded = image if image.mode in ("RGB", "RGBA", "L") else image.convert("RGB")
+            frame: np.ndarray[Any, Any] = np.asarray(decoded, dtype=np.uint8).copy()
             return frame
     except Exception as exc:
         raise malformed(f"render frame is not a readable PNG: {exc}") from None

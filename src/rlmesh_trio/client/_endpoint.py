@@ -259,8 +259,9 @@ class Endpoint:
     async def render(
         self, lane: int = 0, *, timeout_ms: int | None = None
     ) -> np.ndarray[Any, Any] | None:
-        """Lane ``lane``'s frame as an ``(H, W, 3)`` uint8 array; None if the env renders
-        nothing (no render mode). The 0.1.0 servers render lane 0 only."""
+        """Lane ``lane``'s frame as an ``(H, W, 3)`` uint8 array (``(H, W, 4)`` for an RGBA
+        frame, ``(H, W)`` for a gray one); None if the env renders nothing (no render
+        mode). The 0.1.0 servers render lane 0 only."""
         state = self._joined()
         lanes_of([lane], state.contract.num_envs)
         rid = state.next_id()

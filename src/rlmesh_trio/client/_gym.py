@@ -437,9 +437,9 @@ class Env(gym.Env):
 
     ``reset(seed=...)`` also seeds the adapter's own ``np_random`` (as ``gymnasium.Env``
     does), the env's own randomness lives on the server. ``render()`` returns the
-    server's frame as an ``(H, W, 3)`` array (``render_mode`` from the contract;
-    ``render_mode=``, which ``gymnasium.make`` passes when asked for one, must be the
-    served env's). :meth:`step` before this client's own :meth:`reset` raises
+    server's frame as an ``(H, W, 3)`` array (RGBA: 4 channels; gray: ``(H, W)``;
+    ``render_mode`` from the contract; ``render_mode=``, which ``gymnasium.make``
+    passes when asked for one, must be the served env's). :meth:`step` before this client's own :meth:`reset` raises
     ``gymnasium.error.ResetNeeded`` (nothing sent). Every other keyword
     (``auth_token``, ``tls``, ``request_timeout_seconds``, the connection's
     ``*_seconds``, and the deprecated 0.1 names) as :class:`VectorEnv` takes it.
