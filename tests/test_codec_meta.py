@@ -373,6 +373,17 @@ def test_refusals_match_the_reference(value: object, error: type[Exception], tex
     assert str(caught_in_map.value) == text
 
 
+def test_a_key_of_the_info_itself_is_refused_in_the_references_words() -> None:
+    """The reference words a bad key of the top map as PyO3 does (None: ``'None' is
+    not...``), one of a nested map as above (``'NoneType' object is not...``)."""
+    with pytest.raises(TypeError) as none_key:
+        to_meta_map({None: 1})
+    assert str(none_key.value) == "'None' is not an instance of 'str'"
+    with pytest.raises(TypeError) as int_key:
+        to_meta_map({1: 1})
+    assert str(int_key.value) == "'int' object is not an instance of 'str'"
+
+
 def test_errors_from_the_value_itself_propagate() -> None:
     class BrokenToList:
         def tolist(self) -> object:

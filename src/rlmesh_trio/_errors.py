@@ -293,6 +293,13 @@ def env_error(verb: str, exc: BaseException) -> tuple[EnvErrorCode, str, bool]:
     return EnvErrorCode.INTERNAL, message, False
 
 
+def not_instance(value: object, target: str) -> TypeError:
+    """The reference's refusal of a value of the wrong type, in its words."""
+    if value is None:
+        return TypeError(f"'None' is not an instance of '{target}'")
+    return TypeError(f"'{type(value).__qualname__}' object is not an instance of '{target}'")
+
+
 STR_FAILED = "<exception str() failed>"
 """What stands for the message of an exception whose ``str()`` raises (the reference's
 words)."""

@@ -23,7 +23,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from .._errors import ActionError
+from .._errors import ActionError, not_instance
 from ._conformance import BoxBounds, TextRules
 
 _U64: Final = struct.Struct("<Q")
@@ -127,9 +127,7 @@ def _text_str(value: Any) -> str:
         return value
     if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind == "U":
         return str(value[()])
-    if value is None:
-        raise TypeError("'None' is not an instance of 'str'")
-    raise TypeError(f"'{type(value).__name__}' object is not an instance of 'str'")
+    raise not_instance(value, "str")
 
 
 def _length_error(got: int, n: int, per_lane: int) -> ActionError:

@@ -40,6 +40,7 @@ from typing import Any, Final, TypeVar
 import betterproto2
 import numpy as np
 
+from .._errors import not_instance
 from .._proto.rlmesh.spaces import v1 as spaces_v1
 
 __all__ = ["from_meta_map", "from_meta_value", "to_meta_map", "to_meta_value"]
@@ -127,10 +128,6 @@ def _int_overflow(value: int) -> OverflowError:
         f"metadata integer {value} does not fit int64; RLMesh metadata integers must be in "
         "[-2**63, 2**63) -- store a larger value as a string instead"
     )
-
-
-def _not_an_instance(obj: object, expected: str) -> TypeError:
-    return TypeError(f"'{type(obj).__name__}' object is not an instance of '{expected}'")
 
 
 def _push_path(exc: BaseException, segment: str) -> None:
@@ -223,12 +220,14 @@ def _encode_items(items: list[Any] | tuple[Any, ...]) -> list[spaces_v1.MetaValu
     return out
 
 
-def _encode_entries(mapping: Mapping[Any, Any]) -> dict[str, spaces_v1.MetaValue]:
+def _encode_entries(
+    mapping: Mapping[Any, Any], top: bool = False
+) -> dict[str, spaces_v1.MetaValue]:
     get = _ENCODERS.get
     entries: dict[str, spaces_v1.MetaValue] = {}
     for key, item in mapping.items():
         if type(key) is not str or not key.isascii():
-            key = _check_key(key)
+            key = _check_key(key, top)
         try:
             encode = get(type(item))
             entries[key] = encode(item) if encode is not None else _encode_other(item)
@@ -238,9 +237,14 @@ def _encode_entries(mapping: Mapping[Any, Any]) -> dict[str, spaces_v1.MetaValue
     return entries
 
 
-def _check_key(key: object) -> str:
+def _check_key(key: object, top: bool) -> str:
+    """A map's key: a ``str`` (the reference's refusal texts differ by depth: a None key
+    of the top map is ``'None' is not...``, one of a nested map ``'NoneType' object is
+    not...``)."""
     if not isinstance(key, str):
-        raise _not_an_instance(key, "str")
+        if top:
+            raise not_instance(key, "str")
+        raise TypeError(f"'{type(key).__name__}' object is not an instance of 'str'")
     key.encode("utf-8")  # surrogates: UnicodeEncodeError, exactly as the reference
     return str.__str__(key)
 
@@ -389,11 +393,11 @@ def to_meta_map(mapping: Mapping[str, object]) -> spaces_v1.MetaMap:
     ``MetaMap`` (never shared: callers may add entries); an empty dict is cheap.
     """
     if not isinstance(mapping, dict):
-        raise _not_an_instance(mapping, "dict")
+        raise not_instance(mapping, "dict")
     if not mapping:
         return _MetaMap()
     try:
-        return _new_map(_encode_entries(mapping))
+        return _new_map(_encode_entries(mapping, top=True))
     except _REFUSALS as exc:
         _annotate(exc, "$")
         raise

@@ -46,7 +46,7 @@ import betterproto2
 import gymnasium as gym
 import numpy as np
 
-from .._errors import ActionError, UnsupportedSpaceError
+from .._errors import ActionError, UnsupportedSpaceError, not_instance
 from .._proto.rlmesh.spaces import v1 as spaces_v1
 from ._conformance import ACTION, OBSERVATION, Candidate, make_candidate
 from ._leaves import (
@@ -331,7 +331,7 @@ class _DictNode:
 
     def gather(self, value: Any, out: list[Any]) -> None:
         if not isinstance(value, Mapping):
-            raise TypeError(f"'{type(value).__name__}' object is not an instance of 'dict'")
+            raise not_instance(value, "dict")
         for key, child in self.items:
             try:
                 item = value[key]
@@ -351,7 +351,7 @@ class _TupleNode:
 
     def gather(self, value: Any, out: list[Any]) -> None:
         if not isinstance(value, (tuple, list)):
-            raise TypeError(f"'{type(value).__name__}' object is not an instance of 'tuple'")
+            raise not_instance(value, "tuple")
         if len(value) != len(self.children):
             raise ValueError(f"Tuple space expected {len(self.children)} items, got {len(value)}")
         for child, item in zip(self.children, value, strict=True):

@@ -14,7 +14,7 @@ import numpy as np
 import outcome
 
 from .._codec import Candidate, SpaceCodec, to_meta_map
-from .._errors import PolicyViolation
+from .._errors import PolicyViolation, not_instance
 from .._jobs import (
     CallJob,
     Job,
@@ -43,12 +43,6 @@ logger = logging.getLogger("rlmesh_trio.lanes")
 # ``None`` is no info (its reply has none). ``reset()`` gives ``(observation, info)``
 # when it returns a pair whose second item is a mapping or None, else the observation
 # alone. Each refusal is the reference's text.
-
-
-def not_instance(value: Any, target: str) -> TypeError:
-    if value is None:
-        return TypeError(f"'None' is not an instance of '{target}'")
-    return TypeError(f"'{type(value).__qualname__}' object is not an instance of '{target}'")
 
 
 def step_flag(value: Any) -> bool:
