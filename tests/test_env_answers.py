@@ -7,18 +7,15 @@ tests/reference/test_error_rows.py (the ``env-answer-*`` and ``reset-*`` rows)."
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import numpy as np
 import pytest
 import trio
 from support import envs
+from support.serving import served
 
-from rlmesh_trio import ServeOptions, serve_env
 from rlmesh_trio._lanes._work import real_number, reset_parts, step_flag, step_parts
 from rlmesh_trio.client import Env, EnvError, VectorEnv
 
@@ -27,26 +24,9 @@ pytestmark = pytest.mark.timeout(120)
 ISOLATION = ["thread", pytest.param("process", id="process-lanes")]
 
 
-@asynccontextmanager
-async def served(make_env: Any, num_envs: int, isolation: str) -> AsyncIterator[str]:
-    async with trio.open_nursery() as nursery:
-        info = await nursery.start(
-            functools.partial(
-                serve_env,
-                make_env,
-                num_envs=num_envs,
-                options=ServeOptions(lane_isolation=isolation, close_timeout_seconds=5.0),
-            )
-        )
-        try:
-            yield info.address
-        finally:
-            nursery.cancel_scope.cancel()
-
-
 @pytest.mark.parametrize("isolation", ISOLATION)
 async def test_odd_but_valid_answers_reach_the_client(isolation: str) -> None:
-    async with served(envs.make_answers, 2, isolation) as address:
+    async with served(envs.make_answers, 2, lane_isolation=isolation) as address:
 
         def drive() -> list[Any]:
             seen: list[Any] = []
@@ -84,7 +64,7 @@ async def test_odd_but_valid_answers_reach_the_client(isolation: str) -> None:
 async def test_a_bad_answer_is_the_references_error_and_an_unprintable_one_too(
     isolation: str,
 ) -> None:
-    async with served(envs.make_answers, 1, isolation) as address:
+    async with served(envs.make_answers, 1, lane_isolation=isolation) as address:
 
         def drive(kind: str) -> str:
             with Env(address) as env:
@@ -111,7 +91,7 @@ async def test_a_bad_answer_is_the_references_error_and_an_unprintable_one_too(
 
 
 async def test_reset_passes_what_the_request_carries(caplog: pytest.LogCaptureFixture) -> None:
-    async with served(envs.make_seed_only_reset, 1, "thread") as address:
+    async with served(envs.make_seed_only_reset, 1) as address:
 
         def drive() -> dict[str, Any]:
             with Env(address) as env:

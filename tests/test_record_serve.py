@@ -14,8 +14,8 @@ import functools
 import importlib.util
 import json
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from support.recording import (
     put_blocked,
     replay_equal,
 )
+from support.serving import served
 
 from rlmesh_trio import ServeOptions, serve_env
 from rlmesh_trio._record import CUT_INFO_KEY
@@ -49,28 +50,6 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture(autouse=True)
 def minari_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return private_minari_root(tmp_path, monkeypatch)
-
-
-@asynccontextmanager
-async def served(
-    make_env: Any, num_envs: int = 2, env_kwargs: dict[str, Any] | None = None, **options: Any
-) -> AsyncIterator[str]:
-    """``serve_env`` under a nursery; leaving the block stops the server (the recorders
-    are closed before ``serve_env`` returns)."""
-    async with trio.open_nursery() as nursery:
-        info = await nursery.start(
-            functools.partial(
-                serve_env,
-                make_env,
-                num_envs=num_envs,
-                env_kwargs=env_kwargs,
-                options=ServeOptions(**{"close_timeout_seconds": 2.0, **options}),
-            )
-        )
-        try:
-            yield info.address
-        finally:
-            nursery.cancel_scope.cancel()
 
 
 def replays(seed: int | None, actions: Any, observations: Any) -> bool:
