@@ -109,13 +109,22 @@ def info_map(info: Any) -> MetaMap | None:
     return None if info is None else to_meta_map(info)
 
 
+_TAKES_OPTIONS: dict[type, bool] = {}
+""":func:`takes_options` by env class (reading a signature costs more than a reset)."""
+
+
 def takes_options(env: gym.Env[Any, Any]) -> bool:
     """Whether ``env.reset`` takes ``options=`` (a parameter of that name or ``**``)."""
-    try:
-        parameters = inspect.signature(env.reset).parameters.values()
-    except (TypeError, ValueError):  # no signature to read: let the call say
-        return True
-    return any(p.name == "options" or p.kind is p.VAR_KEYWORD for p in parameters)
+    known = _TAKES_OPTIONS.get(type(env))
+    if known is None:
+        try:
+            parameters = inspect.signature(env.reset).parameters.values()
+        except (TypeError, ValueError):  # no signature to read: let the call say
+            known = True
+        else:
+            known = any(p.name == "options" or p.kind is p.VAR_KEYWORD for p in parameters)
+        _TAKES_OPTIONS[type(env)] = known
+    return known
 
 
 class Split:
