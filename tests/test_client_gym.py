@@ -213,6 +213,37 @@ def test_env_render_and_nested_spaces(servers: ServerPool, kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_vector_env_actions_that_do_not_fit_are_refused_before_sending(
+    servers: ServerPool, kind: str
+) -> None:
+    """Batched Dict actions with a key missing, or of no batch shape at all: a
+    recoverable ``INVALID_ACTION`` raised by the client (nothing sent), then the same
+    session steps on as gymnasium's ``SyncVectorEnv`` over the same envs does."""
+    server = servers.get(kind, ServerConfig(entrypoint="support.envs:make_nested", num_envs=2))  # type: ignore[arg-type]
+    remote = VectorEnv(server.address)
+    local = SyncVectorEnv([lambda: WireInfos(envs.make_nested()) for _ in range(2)])
+    try:
+        same(local.reset(seed=3), remote.reset(seed=3))
+        good = remote.action_space.sample()
+        missing = {key: value for key, value in good.items() if key != "buttons"}
+        for bad, text in [
+            (missing, "no key 'buttons'"),
+            ([1, 2], "list indices must be integers"),
+            (5, "not subscriptable"),
+            (None, "not subscriptable"),
+        ]:
+            with pytest.raises(EnvError) as info:
+                remote.step(bad)
+            assert (info.value.code, info.value.is_recoverable) == (ErrorCode.INVALID_ACTION, True)
+            assert info.value.message.startswith("actions do not fit the action space: ")
+            assert text in info.value.message
+        same(local.step(good), remote.step(good))
+    finally:
+        remote.close()
+        local.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_env_fatal_error_then_closed(servers: ServerPool, kind: str) -> None:
     server = servers.fresh(kind, ServerConfig(entrypoint="support.envs:make_boom"))  # type: ignore[arg-type]
     env = Env(server.address)

@@ -44,8 +44,9 @@ ACTION_ERRORS = (ValueError, TypeError, KeyError, IndexError)
 
 def invalid_actions(exc: BaseException) -> EnvError:
     """Actions the client cannot encode: ``INVALID_ACTION``, recoverable, nothing sent."""
+    what = f"no key {exc}" if isinstance(exc, KeyError) else str(exc)
     return EnvError(
-        f"actions do not fit the action space: {exc}",
+        f"actions do not fit the action space: {what}",
         code=ErrorCode.INVALID_ACTION,
         is_recoverable=True,
     )

@@ -37,7 +37,7 @@ from ._autoreset import (
     take_reset_mask,
 )
 from ._blocking import BlockingEndpoint
-from ._codecs import decode_frame, step_arrays, timeout_of
+from ._codecs import ACTION_ERRORS, decode_frame, invalid_actions, step_arrays, timeout_of
 from ._core import JoinStream, check_options
 from ._errors import EndpointError, EnvError, lane_crash
 from ._messages import Episode, Reply, render_builder, reset_builder, step_builder
@@ -342,7 +342,10 @@ class VectorEnv(gym.vector.VectorEnv):
         fast = self._state.codecs.fast_action is not None
         if fast and isinstance(actions, np.ndarray) and actions.shape[:1] == (n,):
             return None
-        rows = list(iterate(self.action_space, actions))
+        try:
+            rows = list(iterate(self.action_space, actions))
+        except ACTION_ERRORS as exc:
+            raise invalid_actions(exc) from exc
         if len(rows) != n:
             raise ValueError(f"expected {n} actions, got {len(rows)}")
         return rows
