@@ -244,6 +244,31 @@ def test_vector_env_actions_that_do_not_fit_are_refused_before_sending(
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_seeds_the_wire_cannot_carry_are_refused_before_sending(
+    servers: ServerPool, kind: str
+) -> None:
+    """Seeds cross as int64: 2**64 would reach the env as 0 and 2**63 as -2**63 (a fatal
+    error there). Refused by the client, nothing sent; the largest int64 seed is served."""
+    two = servers.get(kind, ServerConfig(entrypoint="support.envs:make_cartpole", num_envs=2))  # type: ignore[arg-type]
+    one = servers.get(kind, ServerConfig(entrypoint="support.envs:make_cartpole", num_envs=1))  # type: ignore[arg-type]
+    vector, env = VectorEnv(two.address), Env(one.address)
+    try:
+        for seed in (2**64, 2**63 - 1, [0, 2**63], [-(2**63) - 1, None]):
+            with pytest.raises(ValueError, match="does not fit the protocol's int64 seeds"):
+                vector.reset(seed=seed)  # type: ignore[arg-type]
+        with pytest.raises(TypeError):
+            vector.reset(seed=[1.5, 2])  # type: ignore[list-item]
+        with pytest.raises(ValueError, match="does not fit the protocol's int64 seeds"):
+            env.reset(seed=2**63)
+        local = SyncVectorEnv([envs.make_cartpole, envs.make_cartpole])
+        same(local.reset(seed=2**63 - 2)[0], vector.reset(seed=2**63 - 2)[0])
+        same(envs.make_cartpole().reset(seed=2**63 - 1)[0], env.reset(seed=2**63 - 1)[0])
+    finally:
+        vector.close()
+        env.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_env_fatal_error_then_closed(servers: ServerPool, kind: str) -> None:
     server = servers.fresh(kind, ServerConfig(entrypoint="support.envs:make_boom"))  # type: ignore[arg-type]
     env = Env(server.address)

@@ -538,6 +538,7 @@ def test_big_replies_reopen_the_clients_window(servers: ServerPool, kind: str) -
         spaces.Box(-1.0, 1.0, (2, 3), np.float32),
         spaces.Box(0, 255, (4,), np.uint8),
         spaces.Box(0, 1, (3,), np.bool_),
+        spaces.Box(-1.0, 1.0, (), np.float32),
         spaces.Discrete(5, start=-2),
         spaces.MultiBinary((2, 2)),
         spaces.MultiDiscrete([3, 4]),
@@ -547,7 +548,7 @@ def test_big_replies_reopen_the_clients_window(servers: ServerPool, kind: str) -
 def test_the_fixed_leaf_fast_path_equals_the_general_codec(space: gym.spaces.Space[Any]) -> None:
     """Single-leaf spaces skip the per-lane conversion; the bytes and the batches must be
     exactly those of the general path (the package codec + gymnasium's batching)."""
-    from rlmesh_trio.client._codecs import Codecs
+    from rlmesh_trio.client._codecs import Codecs, _own
     from rlmesh_trio.client._contract import Contract
 
     codecs = Codecs(Contract("X-v0", 3, None, "DISABLED", {}, {}, space, space))
@@ -567,6 +568,14 @@ def test_the_fixed_leaf_fast_path_equals_the_general_codec(space: gym.spaces.Spa
         )
         assert fast.dtype == slow.dtype and fast.shape == slow.shape and np.array_equal(fast, slow)
         assert fast.flags.writeable
+        # Each lane's value as the env hands it: a 0-d array for a Box of shape ().
+        for mine, owned in zip(
+            codecs.observations(general, 3),
+            [_own(space, v) for v in codecs.observation.decode(general, 3)],
+            strict=True,
+        ):
+            assert type(mine) is type(owned) and np.array_equal(mine, owned)
+            assert np.asarray(mine).dtype == np.asarray(owned).dtype
     # Values the fast path does not take go through the general conversion and checks.
     if isinstance(space, spaces.Discrete):
         assert codecs.encode_actions([1.0, 2.0, 0.0], 3) == codecs.action.encode_batch([1, 2, 0])
@@ -575,6 +584,34 @@ def test_the_fixed_leaf_fast_path_equals_the_general_codec(space: gym.spaces.Spa
     assert (info.value.code, info.value.is_recoverable) == (ErrorCode.INVALID_ACTION, True)
     with pytest.raises(Exception, match="malformed reply"):
         codecs.observation_batch([b"\x00"], 3)
+
+
+@pytest.mark.parametrize(
+    ("space", "wide"),
+    [
+        (spaces.Box(-5, 5, (2,), np.int8), [[300, -129], [256, 1]]),
+        (spaces.Box(0, 1000, (2,), np.uint16), [[-1, 70000], [1, 2]]),
+        (spaces.Box(-5, 5, (2,), np.int32), [[2**31, 0], [0, 0]]),
+    ],
+    ids=lambda v: str(getattr(v, "dtype", "")),
+)
+def test_integer_actions_the_wire_dtype_cannot_hold_are_refused_not_wrapped(
+    space: spaces.Box, wide: list[list[int]]
+) -> None:
+    """An integer Box narrower than the actions' array: values it can hold take the fast
+    path; a value it cannot hold is refused as the general path refuses it (300 sent as
+    an int8 would arrive as 44)."""
+    from rlmesh_trio.client._codecs import Codecs
+    from rlmesh_trio.client._contract import Contract
+
+    codecs = Codecs(Contract("X-v0", 2, None, "DISABLED", {}, {}, space, space))
+    fits = np.array([[1, -1 if space.dtype.kind == "i" else 2], [3, 4]], np.int64)
+    assert codecs.encode_actions(fits, 2) == codecs.action.encode_batch(list(fits))
+    for array in (np.array(wide, np.int64), wide):
+        with pytest.raises(EnvError) as info:
+            codecs.encode_actions(array, 2)
+        assert (info.value.code, info.value.is_recoverable) == (ErrorCode.INVALID_ACTION, True)
+        assert "not representable" in info.value.message
 
 
 def test_the_public_error_codes_are_the_protocols() -> None:

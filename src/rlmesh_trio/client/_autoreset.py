@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
+from ._codecs import wire_seed
+
 __all__ = [
     "AddInfo",
     "LaneReset",
@@ -180,7 +182,7 @@ def seeds_of(seed: int | Sequence[int | None] | None, n: int) -> list[int | None
         raise ValueError(
             f"If seeds are passed as a list the length must match num_envs={n} but got length={len(seeds)}."
         )
-    return seeds
+    return [None if s is None else wire_seed(s) for s in seeds]
 
 
 def take_reset_mask(options: dict[str, Any] | None, n: int) -> np.ndarray[Any, Any] | None:

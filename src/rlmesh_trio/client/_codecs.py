@@ -5,6 +5,7 @@ seed lists, and the client's own deadline past a call's ``timeout_ms``."""
 from __future__ import annotations
 
 import io
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,6 +37,7 @@ __all__ = [
     "seeds_of",
     "step_arrays",
     "timeout_of",
+    "wire_seed",
 ]
 
 ACTION_ERRORS = (ValueError, TypeError, KeyError, IndexError)
@@ -109,8 +111,12 @@ class Codecs:
 
     def observations(self, leaves: Sequence[bytes] | None, k: int) -> list[Any]:
         """Each of the ``k`` lanes' observations (fresh, writable objects)."""
-        if self.fast_observation is not None:
-            return list(self.fast_observation.decode(leaves, k))
+        fast = self.fast_observation
+        if fast is not None:
+            rows = fast.decode(leaves, k)
+            if fast.shape == () and not fast.scalar:  # a Box of shape (): 0-d arrays
+                return [np.array(row) for row in rows]
+            return list(rows)
         try:
             values = self.observation.decode(leaves, k)
         except CodecError as exc:
@@ -129,15 +135,23 @@ class _FixedLeaf:
     """A space that is a single fixed-width wire leaf: the fast path for the common
     Box / Discrete / MultiBinary / MultiDiscrete spaces (no per-lane Python objects)."""
 
-    __slots__ = ("binary", "out", "row_bytes", "shape", "wire")
+    __slots__ = ("binary", "out", "row_bytes", "scalar", "shape", "wire")
 
     def __init__(
-        self, wire: np.dtype[Any], out: np.dtype[Any], shape: tuple[int, ...], binary: bool
+        self,
+        wire: np.dtype[Any],
+        out: np.dtype[Any],
+        shape: tuple[int, ...],
+        binary: bool,
+        *,
+        scalar: bool = False,
     ) -> None:
         self.wire = wire
         self.out = out
         self.shape = shape
         self.binary = binary
+        self.scalar = scalar
+        """A lane's value is a numpy scalar (Discrete), not an array (even of shape ())."""
         self.row_bytes = int(np.prod(shape, dtype=np.int64)) * wire.itemsize
 
     @classmethod
@@ -146,7 +160,7 @@ class _FixedLeaf:
             dtype = np.dtype(space.dtype)
             return cls(dtype.newbyteorder("<"), dtype, tuple(space.shape), dtype == np.bool_)
         if isinstance(space, gym.spaces.Discrete):
-            return cls(np.dtype("<i8"), np.dtype(space.dtype), (), False)
+            return cls(np.dtype("<i8"), np.dtype(space.dtype), (), False, scalar=True)
         if isinstance(space, gym.spaces.MultiDiscrete):
             return cls(np.dtype("<i8"), np.dtype(space.dtype), tuple(space.nvec.shape), False)
         if isinstance(space, gym.spaces.MultiBinary):
@@ -179,6 +193,12 @@ class _FixedLeaf:
             return None
         if self.binary:
             array = array != 0
+        elif not np.can_cast(array.dtype, self.wire) and array.size:
+            # A narrower integer Box (int8 actions given as int64): values the wire
+            # dtype cannot hold go the general path, which refuses them (no wrap-around).
+            limits = np.iinfo(self.wire)
+            if array.min() < limits.min or array.max() > limits.max:
+                return None
         return array.astype(self.wire, copy=False).tobytes()
 
 
@@ -265,13 +285,28 @@ def lanes_of(env_indices: Sequence[int] | None, num_envs: int) -> list[int] | No
     return lanes
 
 
+SEED_BOUND = 2**63
+"""Seeds cross as int64 (SPEC §4): ``-SEED_BOUND <= seed < SEED_BOUND``."""
+
+
+def wire_seed(seed: Any) -> int:
+    """``seed`` as the int the wire carries: TypeError for a non-integer, ValueError for
+    one it cannot carry (sent as it is, 2**64 would reach the env as 0, 2**63 as -2**63)."""
+    value = operator.index(seed)
+    if not -SEED_BOUND <= value < SEED_BOUND:
+        raise ValueError(
+            f"seed {value} does not fit the protocol's int64 seeds (-2**63 <= seed < 2**63)"
+        )
+    return value
+
+
 def seeds_of(seeds: int | Sequence[int | None] | None, k: int) -> list[int]:
     """``None``, an int (``seed + i`` for the i-th addressed lane, as gymnasium), or
     ``k`` ints (all None = unseeded)."""
     if seeds is None:
         return []
     if isinstance(seeds, int | np.integer):
-        return [int(seeds) + i for i in range(k)]
+        return [wire_seed(int(seeds) + i) for i in range(k)]
     values = list(seeds)
     if len(values) != k:
         raise ValueError(f"{len(values)} seeds for {k} lanes")
@@ -281,7 +316,7 @@ def seeds_of(seeds: int | Sequence[int | None] | None, k: int) -> list[int]:
         raise ValueError(
             "seeds must be all ints or all None (the wire cannot seed only some lanes)"
         )
-    return [int(s) for s in values]  # type: ignore[arg-type]
+    return [wire_seed(s) for s in values]
 
 
 REPLY_GRACE = 3.0

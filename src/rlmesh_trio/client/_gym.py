@@ -37,7 +37,14 @@ from ._autoreset import (
     take_reset_mask,
 )
 from ._blocking import BlockingEndpoint
-from ._codecs import ACTION_ERRORS, decode_frame, invalid_actions, step_arrays, timeout_of
+from ._codecs import (
+    ACTION_ERRORS,
+    decode_frame,
+    invalid_actions,
+    step_arrays,
+    timeout_of,
+    wire_seed,
+)
 from ._core import JoinStream, check_options
 from ._errors import EndpointError, EnvError, lane_crash
 from ._messages import Episode, Reply, render_builder, reset_builder, step_builder
@@ -500,7 +507,7 @@ class Env(gym.Env):
     ) -> tuple[Any, dict[str, Any]]:
         super().reset(seed=seed)
         check_options(options)
-        seeds = [] if seed is None else [int(seed)]
+        seeds = [] if seed is None else [wire_seed(seed)]
         reply = self._ep.roundtrip(
             [
                 partial(

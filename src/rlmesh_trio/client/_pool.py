@@ -36,6 +36,7 @@ from ._codecs import (
     reply_deadline,
     step_arrays,
     timeout_of,
+    wire_seed,
 )
 from ._core import JoinStream, Slot, check_options, result_of
 from ._errors import (
@@ -246,7 +247,7 @@ class PoolCore:
         timeout = timeout_of(timeout_ms)
         plan: list[_Plan] = []
         for lane, s in zip(lanes, seeds, strict=True):
-            build = partial(_reset, seeds=[] if s is None else [int(s)], options=options)
+            build = partial(_reset, seeds=[] if s is None else [wire_seed(s)], options=options)
             plan.append((lane, "reset", build, timeout))
         self._submit(plan)
 
