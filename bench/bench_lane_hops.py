@@ -19,6 +19,11 @@ reset by whoever saw it (the proxy thread; in ``direct``, all the vector step's 
 sent, then received). Resolution: clock ticks; keep
 rounds of a second or more.
 
+``--echo``: the floor under all of it, and what observations in shared memory with "a
+byte on the pipe" could save. N bare echo children (a ``recv``, then a ``sendall`` of a
+fixed answer; no env, no codec, no rlmesh-trio) answer messages of 1, 100, 4,096 and
+100,000 bytes in the ``proxy`` and ``direct`` shapes: per vector step, the same columns.
+
 This is a measuring harness, not a server: it reaches into ``ChildLane``'s pipe for the
 shapes the server does not have.
 """
@@ -47,13 +52,121 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+ECHO_SIZES = (1, 100, 4096, 100_000)
+"""``--echo``: the answer sizes (bytes) of the bare echo children."""
+
+ECHO_CHILD = """
+import socket, sys
+sock = socket.socket(fileno=int(sys.argv[1]))
+answer = b"x" * int(sys.argv[2])
+while sock.recv(65536):
+    sock.sendall(answer)
+"""
+
+
+def echo_round(n: int, size: int, shape: str, steps: int) -> tuple[float, float, float]:
+    """One round of N bare echo children answering ``size`` bytes: wall, this process's
+    CPU and the children's CPU, µs per vector step."""
+    import queue
+    import socket
+    import subprocess
+
+    kids: list[tuple[subprocess.Popen[bytes], socket.socket]] = []
+    for _ in range(n):
+        ours, theirs = socket.socketpair()
+        child = subprocess.Popen(
+            [sys.executable, "-c", ECHO_CHILD, str(theirs.fileno()), str(size)],
+            pass_fds=[theirs.fileno()],
+        )
+        theirs.close()
+        kids.append((child, ours))
+    request = b"y" * min(size, 100)
+
+    def receive(sock: socket.socket) -> None:
+        got = 0
+        while got < size:
+            got += len(sock.recv(65536))
+
+    boxes: list[queue.SimpleQueue[int]] = [queue.SimpleQueue() for _ in kids]
+    done: queue.SimpleQueue[int] = queue.SimpleQueue()
+
+    def lane(sock: socket.socket, box: queue.SimpleQueue[int], count: int) -> None:
+        for _ in range(count):
+            box.get()
+            sock.sendall(request)
+            receive(sock)
+            done.put(1)
+
+    def proxy() -> None:
+        for box in boxes:
+            box.put(1)
+        for _ in boxes:
+            done.get()
+
+    def direct() -> None:
+        for _, sock in kids:
+            sock.sendall(request)
+        for _, sock in kids:
+            receive(sock)
+
+    warmup = 100
+    if shape == "proxy":
+        for (_, sock), box in zip(kids, boxes, strict=True):
+            threading.Thread(target=lane, args=(sock, box, warmup + steps), daemon=True).start()
+    step = proxy if shape == "proxy" else direct
+    try:
+        for _ in range(warmup):
+            step()
+        children0 = sum(cpu_seconds(child.pid) for child, _ in kids)
+        cpu0 = time.process_time()
+        started = time.perf_counter()
+        for _ in range(steps):
+            step()
+        wall = time.perf_counter() - started
+        parent = time.process_time() - cpu0
+        children = sum(cpu_seconds(child.pid) for child, _ in kids) - children0
+    finally:
+        for child, sock in kids:
+            sock.close()
+            child.wait(10)
+    per = 1e6 / steps
+    return wall * per, parent * per, children * per
+
+
+def echo(n: int, rounds: int, steps: int) -> int:
+    rows: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
+    for r in range(rounds):
+        for size in ECHO_SIZES:
+            for shape in ("proxy", "direct") if r % 2 == 0 else ("direct", "proxy"):
+                rows.setdefault((shape, size), []).append(echo_round(n, size, shape, steps))
+        print(f"  round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
+    load = os.getloadavg()[0]
+    print(
+        f"\nN = {n} bare echo children: {steps} vector steps per round, median of {rounds}; "
+        f"load (1 min) after: {load:.2f} on {os.cpu_count()} CPUs"
+    )
+    print("µs per vector step      answer bytes    wall   parent CPU   children CPU")
+    for shape in ("proxy", "direct"):
+        for size in ECHO_SIZES:
+            wall, parent, children = (
+                statistics.median(c) for c in zip(*rows[(shape, size)], strict=True)
+            )
+            print(f"{shape:18s} {size:12,d} {wall:7.0f} {parent:12.0f} {children:14.0f}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("env", nargs="?", default="CartPole-v1")
     parser.add_argument("num_envs", nargs="?", type=int, default=8, metavar="N")
     parser.add_argument("--vector-steps", type=int, default=1500, help="per round")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--echo", action="store_true", help="bare echo children instead (the floor; ENV unused)"
+    )
     args = parser.parse_args(argv)
+    if args.echo:
+        return echo(args.num_envs, args.rounds, args.vector_steps)
 
     import gymnasium as gym
 

@@ -91,7 +91,9 @@ REFERENCE_CONTENDERS = ("ref-vector", "ref-rlmesh")
 OURS = ["thread", "process", "unix", "rlmesh"]
 """The contenders served by rlmesh-trio: the ones ``--profile`` samples."""
 SOURCES: dict[str, str] = {}
-"""``--ours-src``: contender key -> the ``src`` directory its thread-lane server runs."""
+"""``--ours-src``: contender key -> the ``src`` directory its server runs."""
+SOURCE_LANES: dict[str, str] = {}
+"""``--ours-src``: contender key -> its server's lane isolation (``--src-lanes``)."""
 
 ACTION_CYCLE = 1024
 """Vector actions sampled beforehand; every contender steps through them in order."""
@@ -151,7 +153,8 @@ def build(key: str, env_id: str, n: int, seed: int, ours_args: tuple[str, ...]) 
         if key.startswith("ref-"):
             server = serve_reference(env_id, n)
         elif key in SOURCES:
-            server = serve_ours(env_id, n, *ours_args, src=SOURCES[key])
+            isolation = ("--lane-isolation", SOURCE_LANES.get(key, "thread"))
+            server = serve_ours(env_id, n, *isolation, *ours_args, src=SOURCES[key])
         elif key == "process":
             server = serve_ours(env_id, n, "--lane-isolation", "process", *ours_args)
         elif key == "unix":  # the same server on a unix socket (a later --address wins)
@@ -603,8 +606,14 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="PATH",
-        help="also a thread-lane server running the package in PATH (a source tree's src "
-        "directory), as its own row; repeat for several (same tree twice: an A/A)",
+        help="also a server running the package in PATH (a source tree's src directory), "
+        "as its own row; repeat for several (same tree twice: an A/A)",
+    )
+    parser.add_argument(
+        "--src-lanes",
+        choices=("thread", "process"),
+        default="thread",
+        help="the lane isolation of the --ours-src servers (default thread)",
     )
     parser.add_argument(
         "--profile", action="store_true", help="py-spy our servers over their measured rounds"
@@ -628,8 +637,9 @@ def main(argv: list[str] | None = None) -> int:
     keys = [k.strip() for k in args.contenders.split(",") if k.strip()]
     for i, src in enumerate(args.ours_src, 1):
         key = f"src{i}"
-        CONTENDERS[key] = f"VectorEnv, thread lanes, src{i} ({src})"
+        CONTENDERS[key] = f"VectorEnv, {args.src_lanes} lanes, src{i} ({src})"
         SOURCES[key] = str(Path(src).resolve())
+        SOURCE_LANES[key] = args.src_lanes
         OURS.append(key)
         keys.append(key)
     if args.ref:
