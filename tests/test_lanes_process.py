@@ -675,3 +675,60 @@ async def test_a_child_that_breaks_its_pipe_is_killed_and_its_lane_rebuilt(
     fresh = pids(out["again"])[0]
     assert fresh != liar
     assert pids(out["step"]) == [pids(out["reset"])[0], fresh]
+
+
+async def test_steps_and_resets_are_written_to_the_child_by_the_poster(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lane waiting for work has its next step or reset written to its child by the
+    thread that posts it (the child runs it while the lane thread wakes); what is too big
+    for that (the echo env's 1.25 MiB actions) is sent by the lane thread. Both are
+    answered the same, and a child that dies on a job written ahead is a dead child."""
+    from rlmesh_trio._lanes._process import ChildLane
+
+    counts = {"ahead": 0, "declined": 0}
+    send_ahead = ChildLane.send_ahead
+
+    def counted(self: ChildLane, job: Any) -> bool:
+        sent = send_ahead(self, job)
+        counts["ahead" if sent else "declined"] += 1
+        return sent
+
+    monkeypatch.setattr(ChildLane, "send_ahead", counted)
+
+    async def crashy_client(address: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        async with wire.WireClient(address) as c, c.join() as j:
+            out["reset"] = await j.call(wire.reset(seeds=[1, 2]))
+            out["steps"] = [await j.call(wire.step(acts(OK, OK))) for _ in range(5)]
+            out["death"] = await j.call(wire.step(acts(SEGFAULT), env_indices=[1]))
+            out["other"] = await j.call(wire.step(acts(OK), env_indices=[0]))
+        return out
+
+    async with served(num_envs=2) as address:
+        out = await on_wire(crashy_client(address))
+    children = pids(out["reset"])
+    assert all(pids(step) == children for step in out["steps"])
+    assert error(out["death"]) == (
+        Code.INTERNAL,
+        "step failed: lane 1 process died (SIGSEGV)",
+        False,
+    )
+    assert out["other"].step is not None
+    assert counts == {"ahead": 2 + 5 * 2 + 1 + 1, "declined": 0}
+
+    from support.envs import EchoEnv, make_echo
+
+    big = np.arange(np.prod(EchoEnv.SHAPE), dtype=np.uint64).astype(np.uint8).reshape(EchoEnv.SHAPE)
+
+    async def echo_client(address: str) -> tuple[env_v1.JoinResponse, env_v1.JoinResponse]:
+        async with wire.WireClient(address) as c, c.join() as j:
+            reset = await j.call(wire.reset(seeds=[0]))
+            return reset, await j.call(wire.step([big.tobytes()]))
+
+    counts.update(ahead=0, declined=0)
+    async with served(num_envs=1, factory=make_echo) as address:
+        reset, step = await on_wire(echo_client(address))
+    assert reset.reset is not None and step.step is not None, step
+    assert step.step.observation.leaves[0] == big.tobytes()
+    assert counts == {"ahead": 1, "declined": 1}

@@ -164,3 +164,49 @@ def test_the_events_move_the_fields_that_go_with_them() -> None:
     lane.proven_healthy()
     assert lane.take_proof()
     assert not lane.take_proof()
+
+
+def test_a_job_is_handed_over_ahead_only_to_a_lane_waiting_on_an_empty_mailbox() -> None:
+    """Process lanes: ``post`` writes the next job to the child when the lane thread
+    waits for it on an empty mailbox (:meth:`Lane.await_job`), at most one job, never
+    while jobs are queued (the child's pipe must see jobs in mailbox order), never once the
+    lane stops or moves (a transition forgets the offer)."""
+    lane = _lane()
+    sent: list[object] = []
+
+    def send(job: object) -> bool:
+        sent.append(job)
+        return True
+
+    first, second = (0, object(), print), (1, object(), print)
+    with lane.lock:
+        lane.serve()
+        lane.await_job(send)  # type: ignore[arg-type]
+        lane.post_ahead(first[1])  # type: ignore[arg-type]
+        lane.mailbox.put(first)  # type: ignore[arg-type]
+        lane.post_ahead(second[1])  # type: ignore[arg-type]  # one job only
+        lane.mailbox.put(second)  # type: ignore[arg-type]
+    assert sent == [first[1]]
+    with lane.lock:
+        assert lane.take_ahead(lane.mailbox.get()) is True
+        assert lane.take_ahead(lane.mailbox.get()) is False  # the lane thread sends it
+        lane.mailbox.put(first)  # type: ignore[arg-type]
+        lane.await_job(send)  # type: ignore[arg-type]  # a job is queued: no offer
+        assert lane.presend is None
+        lane.mailbox.get()
+        # a send that declines (a job too big, not a step or a reset) hands nothing over
+        lane.await_job(lambda job: False)
+        lane.post_ahead(second[1])  # type: ignore[arg-type]
+        assert lane.ahead is None and not lane.take_ahead(second)  # type: ignore[arg-type]
+        # a transition, or the lane closing, withdraws the offer
+        lane.await_job(send)  # type: ignore[arg-type]
+        lane.wedged(LaneWedgedError("lane 0 is wedged"), take=False)
+        assert lane.presend is None
+        lane.serve()
+        lane.await_job(send)  # type: ignore[arg-type]
+        lane.close_mailbox()
+        assert lane.presend is None
+        lane.await_job(send)  # type: ignore[arg-type]  # stopping: no offer
+        assert lane.presend is None
+        assert not lane.take_ahead(STOP)
+    assert sent == [first[1]]

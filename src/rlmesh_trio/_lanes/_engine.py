@@ -464,6 +464,8 @@ class LaneEngine:
             if refusal is not None:
                 # A fresh instance each time: re-raising one object would grow its traceback.
                 raise type(refusal)(str(refusal))
+            if record.presend is not None:  # a process lane waiting for its next job
+                record.post_ahead(job)
             record.mailbox.put(item)
 
     def close(self) -> None:

@@ -32,7 +32,7 @@ import gymnasium as gym
 
 from .._options import LaneIsolation, Policy
 from ._contract import EnvFacts, lane_facts
-from ._lane import Execute, Incarnation, Spawn
+from ._lane import Execute, Incarnation, SendAhead, Spawn
 from ._process import (
     CHILD_STOP_TIMEOUT,
     ChildLane,
@@ -108,6 +108,10 @@ class ProcessIncarnation(Incarnation):
     def executor(self, work: LaneWork) -> Execute:
         assert self._child is not None
         return self._child.execute
+
+    def ahead(self) -> tuple[SendAhead, Execute] | None:
+        assert self._child is not None
+        return self._child.send_ahead, self._child.finish
 
     def interrupt(self) -> bool:
         self._killed = True

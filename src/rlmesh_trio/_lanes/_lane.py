@@ -58,6 +58,10 @@ MailboxItem = Item | Stop
 Execute = Callable[[Job, int], tuple[outcome.Outcome[Any], Phases, bool]]
 """``execute(job, queue_ns) -> (outcome, phases, env_raised)`` (:meth:`LaneWork.execute`)."""
 
+SendAhead = Callable[[Job], bool]
+"""``send_ahead(job) -> sent``: the posting thread hands ``job`` to the env's host at
+once (a process lane's child); the lane thread then only waits for the answer."""
+
 
 class Incarnation:
     """One OS thread of a lane and its env: the bookkeeping, and the protocol."""
@@ -88,6 +92,13 @@ class Incarnation:
     def executor(self, work: LaneWork) -> Execute:
         """The incarnation's thread, after :meth:`build`: how it runs one job."""
         raise NotImplementedError
+
+    def ahead(self) -> tuple[SendAhead, Execute] | None:
+        """The incarnation's thread, after :meth:`build`: ``(send_ahead, finish)`` when a
+        job can be handed to the env's host by the thread that posts it, while this
+        thread is still being woken (:meth:`Lane.await_job`); ``finish(job, queue_ns)``
+        then completes it here. None (the default): every job runs with the executor."""
+        return None
 
     def interrupt(self) -> bool:
         """Any thread: stop the env call that overran. True when it was killed; False
@@ -130,6 +141,7 @@ class Lane:
     __slots__ = (
         "abandoned",
         "accepting",
+        "ahead",
         "attempt",
         "current",
         "faults",
@@ -139,6 +151,7 @@ class Lane:
         "last_cause",
         "lock",
         "mailbox",
+        "presend",
         "proven",
         "rebuilds",
         "refusal",
@@ -167,6 +180,11 @@ class Lane:
         """``perf_counter_ns()`` when ``current`` started (or the rebuild began)."""
         self.running = False
         """The lane thread is up and serving (set at startup, cleared when it exits)."""
+        self.presend: SendAhead | None = None
+        """Set while the lane thread waits on an empty mailbox and its incarnation can
+        take a job ahead (:meth:`await_job`): ``post`` hands the next job over with it."""
+        self.ahead: Job | None = None
+        """The job ``post`` handed over ahead, until the lane thread takes it."""
         self.scope: trio.CancelScope | None = None
         self.state = LaneState.STARTING
         self.refusal: LaneError | None = None
@@ -195,6 +213,7 @@ class Lane:
         old = self.state
         check_transition(self.index, old, new)
         self.state = new
+        self.presend = None
         # One record per state change (docs/supervision.md, "Observing it"); startup and
         # stop, which every lane makes, at DEBUG. Rare: logged under the lane lock.
         quiet = old is LaneState.STARTING or new is LaneState.STOPPED
@@ -308,6 +327,29 @@ class Lane:
         self.since = now
         return True
 
+    def await_job(self, send: SendAhead) -> None:
+        """Lane thread, as it is about to wait on its mailbox: when nothing is queued and
+        the lane is not stopping, the next job ``post`` queues is handed over ahead with
+        ``send`` too (a process lane: written to the child's pipe by the posting thread,
+        so the child runs it while the lane thread wakes). At most one job: the pipe
+        carries one request at a time."""
+        if not self.stopping and self.mailbox.empty():
+            self.presend = send
+
+    def post_ahead(self, job: Job) -> None:
+        """``post``, as it queues ``job``: hand it over ahead if the lane thread waits for
+        it (:meth:`await_job`)."""
+        send, self.presend = self.presend, None
+        if send is not None and send(job):
+            self.ahead = job
+
+    def take_ahead(self, item: MailboxItem) -> bool:
+        """Lane thread, as it takes ``item`` from the mailbox: whether ``item`` was handed
+        over ahead (its answer is then all that is left to wait for)."""
+        ahead, self.ahead = self.ahead, None
+        self.presend = None
+        return ahead is not None and not isinstance(item, Stop) and item[1] is ahead
+
     def end_job(self, item: Item) -> bool:
         """Lane thread: the running ``item`` returned from the env (or was refused without
         running). False when it was taken out meanwhile and answered for the thread (the
@@ -398,6 +440,7 @@ class Lane:
         already = self.stopping
         self.accepting = False
         self.stopping = True
+        self.presend = None
         return already
 
     def take_queued(self) -> list[Item]:

@@ -13,6 +13,14 @@ buffer grows with the bytes that came, a length over :data:`PIPE_MESSAGE_CAP`, b
 a message or bytes that do not unpickle get the child killed, and the job in flight is
 answered as for a child that died, naming the lane and what the child sent.
 
+A step or reset posted while the proxy waits on an empty mailbox is written to the
+child's pipe by the posting thread itself (:meth:`ChildLane.send_ahead`,
+:meth:`._lane.Lane.await_job`): the child runs it while the proxy is still being woken,
+and the proxy only reads the answer (:meth:`ChildLane.finish`). The pipe still carries
+one request at a time, in the mailbox's order (a lane with jobs queued takes none
+ahead), and the env is still touched only by the child. Measured in docs/bench.md
+(issue 32: the server's system CPU per vector step down a quarter).
+
 Why a plain child (``python -m rlmesh_trio._lanechild``, a socketpair carrying pickled
 messages, :class:`PipeEnd`) and not trio-parallel or ``multiprocessing``'s
 ``Process``: a lane needs ONE dedicated process for the env's whole life (GL contexts,
@@ -48,7 +56,7 @@ import gymnasium as gym
 import outcome
 
 from .._errors import LaneError, exception_text
-from .._jobs import Job, Phases, ResetResult, StepJob, StepResult
+from .._jobs import Job, Phases, ResetJob, ResetResult, StepJob, StepResult
 from .._options import Policy
 from .._pipe import PipeEnd, PipeViolation, die_with_parent, start_child
 from .._proto.rlmesh.spaces import v1 as spaces_v1
@@ -60,6 +68,10 @@ logger = logging.getLogger("rlmesh_trio.lanes")
 
 CHILD_STOP_TIMEOUT = 2.0
 """Seconds a child gets to close its env and exit after being asked, before SIGKILL."""
+
+AHEAD_LIMIT: Final = 64 * 1024
+"""The largest job (pickled) that :meth:`ChildLane.send_ahead` writes from the posting
+thread (the transport's): a bigger one is written by the lane's own thread."""
 
 
 class LaneProcessDiedError(LaneError):
@@ -154,6 +166,31 @@ class ChildLane:
             return outcome.Error(self.died(verb_of(job))), Phases(), True
         except Exception as exc:  # the job itself cannot be pickled (a CallJob's lambda)
             return outcome.Error(exc), Phases(), False
+        return self.finish(job, queue_ns)
+
+    def send_ahead(self, job: Job) -> bool:
+        """Any thread, while the proxy waits on an empty mailbox (nothing is in flight on
+        the pipe, and the proxy writes nothing until it takes ``job``): write a step or a
+        reset to the child now, so that the child runs it while the proxy is still being
+        woken. False, and nothing written, for any other job or one over
+        :data:`AHEAD_LIMIT` bytes: the proxy then sends it itself, with :meth:`execute`.
+        True when written, or when the write failed because the child is gone (the proxy's
+        :meth:`finish` then finds it dead)."""
+        if type(job) is not StepJob and type(job) is not ResetJob:
+            return False
+        try:
+            data = pickle.dumps(pack_job(job, 0), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:
+            return False
+        if len(data) > AHEAD_LIMIT:
+            return False
+        with contextlib.suppress(OSError):
+            self._conn.send_pickled(data)
+        return True
+
+    def finish(self, job: Job, queue_ns: int) -> tuple[outcome.Outcome[Any], Phases, bool]:
+        """The proxy: the child's answer to ``job``, once it was written to the pipe (by
+        :meth:`execute` or :meth:`send_ahead`)."""
         message = self._recv()
         if message is None:
             return outcome.Error(self.died(verb_of(job))), Phases(), True

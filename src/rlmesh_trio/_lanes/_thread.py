@@ -200,8 +200,11 @@ class LaneThreads:
         fresh = inc.number > 0  # a rebuilt env: the client has not reset it yet
         recorder = self.recorders[index] if self.recorders else None
         unproven = fresh  # ... nor has it answered a step (the supervisor's storm check)
+        ahead = inc.ahead()  # a process lane: post may write the next job to the child
+        send_ahead, finish = ahead if ahead is not None else (None, execute)
         while True:
             retried = 0
+            sent = False
             item: Item | Stop
             if lane.retry is not None:  # only ever set before this incarnation started
                 with lock:
@@ -210,9 +213,14 @@ class LaneThreads:
                     continue
                 item, retried = pending
             else:
+                if send_ahead is not None and not fresh:  # (a fresh env refuses steps)
+                    with lock:
+                        lane.await_job(send_ahead)
                 item = get()
             picked = perf_counter_ns()
             with lock:
+                if send_ahead is not None:
+                    sent = lane.take_ahead(item)
                 stop = not begin_job(item, picked)
             if stop:
                 if not isinstance(item, Stop):
@@ -223,7 +231,7 @@ class LaneThreads:
             if fresh and isinstance(job, StepJob):
                 self._refuse_unreset(lane, item)
                 continue
-            result, phases, faulted = execute(job, picked - posted)
+            result, phases, faulted = (finish if sent else execute)(job, picked - posted)
             if recorder is not None and not inc.detached:  # issue 33 (an abandoned call's
                 # late result is not recorded); references kept; put may wait (backpressure)
                 if faulted:
