@@ -483,6 +483,10 @@ for _kind in (
     "nan-obs-and-bad-reward",
     "nested-exception",
     "unprintable-exception",
+    "info-none-key",
+    "info-nested-none-key",
+    "info-none-key-in-list",
+    "info-nested-int-key",
 ):
     CASES[f"env-answer-{_kind}"] = Case("answers", 1, ONE_STEP, answering(_kind))
 CASES["env-answer-unprintable-exception-lane-scoped"] = Case(

@@ -447,7 +447,9 @@ class AnswersEnv(gym.Env[np.ndarray, int]):
     ``info["TimeLimit.truncated"]``); ``nan-obs-and-bad-reward`` (which is told first);
     an info of None (``info-none``, ``info-none-done``); exceptions named by their
     qualified name (``nested-exception``) or whose text cannot be had
-    (``unprintable-exception``). Reset kinds: ``plain``, ``obs-only`` (no info),
+    (``unprintable-exception``); info keys that are no ``str`` at some depth
+    (``info-none-key``, ``info-nested-none-key``, ``info-none-key-in-list``,
+    ``info-nested-int-key``). Reset kinds: ``plain``, ``obs-only`` (no info),
     ``one-tuple``, ``info-none``.
     """
 
@@ -489,6 +491,10 @@ class AnswersEnv(gym.Env[np.ndarray, int]):
             "nan-obs-and-bad-reward": (np.full(2, np.nan, np.float32), "x", False, False, {}),
             "info-none": (obs, 1.0, False, False, None),
             "info-none-done": (obs, 1.0, True, False, None),
+            "info-none-key": (obs, 1.0, False, False, {None: 1}),
+            "info-nested-none-key": (obs, 1.0, False, False, {"k": {"j": {None: 1}}}),
+            "info-none-key-in-list": (obs, 1.0, False, False, {"k": [{"a": 1, None: 2}]}),
+            "info-nested-int-key": (obs, 1.0, False, False, {"k": {3: 1}}),
         }
         if self._step_kind == "nested-exception":
             raise Outer.Inner("inner")

@@ -220,14 +220,12 @@ def _encode_items(items: list[Any] | tuple[Any, ...]) -> list[spaces_v1.MetaValu
     return out
 
 
-def _encode_entries(
-    mapping: Mapping[Any, Any], top: bool = False
-) -> dict[str, spaces_v1.MetaValue]:
+def _encode_entries(mapping: Mapping[Any, Any]) -> dict[str, spaces_v1.MetaValue]:
     get = _ENCODERS.get
     entries: dict[str, spaces_v1.MetaValue] = {}
     for key, item in mapping.items():
         if type(key) is not str or not key.isascii():
-            key = _check_key(key, top)
+            key = _check_key(key)
         try:
             encode = get(type(item))
             entries[key] = encode(item) if encode is not None else _encode_other(item)
@@ -237,14 +235,11 @@ def _encode_entries(
     return entries
 
 
-def _check_key(key: object, top: bool) -> str:
-    """A map's key: a ``str`` (the reference's refusal texts differ by depth: a None key
-    of the top map is ``'None' is not...``, one of a nested map ``'NoneType' object is
-    not...``)."""
+def _check_key(key: object) -> str:
+    """A map's key: a ``str``. Refused in the reference's words at every depth (a None
+    key: ``'None' is not an instance of 'str'``, an int: ``'int' object is not...``)."""
     if not isinstance(key, str):
-        if top:
-            raise not_instance(key, "str")
-        raise TypeError(f"'{type(key).__name__}' object is not an instance of 'str'")
+        raise not_instance(key, "str")
     key.encode("utf-8")  # surrogates: UnicodeEncodeError, exactly as the reference
     return str.__str__(key)
 
@@ -397,7 +392,7 @@ def to_meta_map(mapping: Mapping[str, object]) -> spaces_v1.MetaMap:
     if not mapping:
         return _MetaMap()
     try:
-        return _new_map(_encode_entries(mapping, top=True))
+        return _new_map(_encode_entries(mapping))
     except _REFUSALS as exc:
         _annotate(exc, "$")
         raise
