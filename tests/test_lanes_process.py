@@ -732,3 +732,38 @@ async def test_steps_and_resets_are_written_to_the_child_by_the_poster(
     assert reset.reset is not None and step.step is not None, step
     assert step.step.observation.leaves[0] == big.tobytes()
     assert counts == {"ahead": 1, "declined": 1}
+
+
+async def test_a_job_written_ahead_when_the_lane_stops_is_answered_with_its_result(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The lane stops between a step being written to its child and the lane thread
+    taking it: the child runs it anyway, so the lane thread reads the child's answer and
+    gives it (not ``stopped before answering``), and the child then exits when asked
+    (its answer does not sit unread in the pipe)."""
+    from rlmesh_trio._lanes._lane import Lane
+
+    post_ahead = Lane.post_ahead
+    stopped: list[int] = []
+
+    def post_then_stop(self: Lane, job: Any) -> None:
+        post_ahead(self, job)
+        if self.ahead is not None and self.index == 1:  # the lock is held: as a close would
+            self.close_mailbox()
+            stopped.append(self.index)
+
+    async def client(address: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        async with wire.WireClient(address) as c, c.join() as j:
+            out["reset"] = await j.call(wire.reset(seeds=[1, 2]))
+            monkeypatch.setattr(Lane, "post_ahead", post_then_stop)
+            out["step"] = await j.call(wire.step(acts(OK), env_indices=[1]))
+        return out
+
+    async with served(num_envs=2) as address:
+        out = await on_wire(client(address))
+    assert stopped == [1]
+    assert out["step"].step is not None, out["step"]
+    assert pids(out["step"]) == pids(out["reset"])[1:]
+    assert not [r for r in caplog.records if "did not exit" in r.getMessage()]
+    await wait_gone(pids(out["reset"]))

@@ -45,6 +45,7 @@ import logging
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -71,7 +72,8 @@ CHILD_STOP_TIMEOUT = 2.0
 
 AHEAD_LIMIT: Final = 64 * 1024
 """The largest job (pickled) that :meth:`ChildLane.send_ahead` writes from the posting
-thread (the transport's): a bigger one is written by the lane's own thread."""
+thread (the transport's), if the socket's send buffer is large enough (a quarter of it):
+a bigger one is written by the lane's own thread."""
 
 
 class LaneProcessDiedError(LaneError):
@@ -135,6 +137,12 @@ class ChildLane:
         self._broken: str | None = None  # what the child sent that broke its pipe
         self._lock = threading.Lock()
         self._process, ours = start_child("rlmesh_trio._lanechild", f"lane {index}.{number}")
+        # What send_ahead may write without ever blocking the poster (the pipe is empty
+        # then): a quarter of the socket's send buffer (Linux reports twice what it
+        # holds; macOS's default is 8 KiB), at most AHEAD_LIMIT.
+        self._ahead_limit = min(
+            AHEAD_LIMIT, ours.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 4
+        )
         self._conn = PipeEnd(ours)
         self._conn.send((list(sys.path), pickle.dumps(factory), policy))
 
@@ -175,14 +183,23 @@ class ChildLane:
         woken. False, and nothing written, for any other job or one over
         :data:`AHEAD_LIMIT` bytes: the proxy then sends it itself, with :meth:`execute`.
         True when written, or when the write failed because the child is gone (the proxy's
-        :meth:`finish` then finds it dead)."""
-        if type(job) is not StepJob and type(job) is not ResetJob:
+        :meth:`finish` then finds it dead).
+
+        The poster holds the lane's lock meanwhile: the job is written only if it fits
+        the socket's empty send buffer (a quarter of it, at most :data:`AHEAD_LIMIT`), so
+        the write never waits for the child. The child starts it at once: its phases say
+        it waited 0 ns in the lane's queue, which is what happened."""
+        limit = self._ahead_limit
+        if type(job) is StepJob:
+            if sum(len(leaf) for leaf in job.leaves) > limit:
+                return False  # not even pickled here: the proxy sends it
+        elif type(job) is not ResetJob:
             return False
         try:
             data = pickle.dumps(pack_job(job, 0), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:
             return False
-        if len(data) > AHEAD_LIMIT:
+        if len(data) > limit:
             return False
         with contextlib.suppress(OSError):
             self._conn.send_pickled(data)

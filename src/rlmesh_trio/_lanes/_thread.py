@@ -223,12 +223,17 @@ class LaneThreads:
                     sent = lane.take_ahead(item)
                 stop = not begin_job(item, picked)
             if stop:
-                if not isinstance(item, Stop):
+                if sent:  # the child has it already: its answer is read, and given
+                    assert not isinstance(item, Stop)
+                    result, phases, _faulted = finish(item[1], picked - item[0])
+                    answer(index, item, result, phases)
+                elif not isinstance(item, Stop):
                     answer(index, item, outcome.Error(stopped_error(index)), Phases())
                 return
             assert not isinstance(item, Stop)
             posted, job, _reply = item
             if fresh and isinstance(job, StepJob):
+                assert not sent  # (a fresh env takes no job ahead: await_job is not called)
                 self._refuse_unreset(lane, item)
                 continue
             result, phases, faulted = (finish if sent else execute)(job, picked - posted)
