@@ -52,6 +52,14 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def post_and_wait(boxes: list[queue.SimpleQueue[int]], done: queue.SimpleQueue[int]) -> None:
+    """The ``proxy`` shape's vector step: wake every lane thread, wait for each answer."""
+    for box in boxes:
+        box.put(1)
+    for _ in boxes:
+        done.get()
+
+
 ECHO_SIZES = (1, 100, 4096, 100_000)
 """``--echo``: the answer sizes (bytes) of the bare echo children."""
 
@@ -67,7 +75,6 @@ while sock.recv(65536):
 def echo_round(n: int, size: int, shape: str, steps: int) -> tuple[float, float, float]:
     """One round of N bare echo children answering ``size`` bytes: wall, this process's
     CPU and the children's CPU, µs per vector step."""
-    import queue
     import socket
     import subprocess
 
@@ -97,11 +104,7 @@ def echo_round(n: int, size: int, shape: str, steps: int) -> tuple[float, float,
             receive(sock)
             done.put(1)
 
-    def proxy() -> None:
-        for box in boxes:
-            box.put(1)
-        for _ in boxes:
-            done.get()
+    proxy = functools.partial(post_and_wait, boxes, done)
 
     def direct() -> None:
         for _, sock in kids:
@@ -210,11 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             reset_if_done(kid, result)
             done.put(1)
 
-    def proxy() -> None:
-        for box in boxes:
-            box.put(1)
-        for _ in boxes:
-            done.get()
+    proxy = functools.partial(post_and_wait, boxes, done)
 
     def direct() -> None:
         for kid in kids:
