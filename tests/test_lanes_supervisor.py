@@ -443,6 +443,49 @@ async def test_the_watchdog_answers_a_hanging_step(mode: str) -> None:
     await wait_for(lambda: not threads_named("-abandoned"))
 
 
+async def test_a_call_wedged_by_its_deadline_and_then_by_the_watchdog_stops_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Policy ``error``: a request's deadline declares the hanging call wedged first,
+    then the lane's own watchdog does. The second declaration took the lane from WEDGED
+    to WEDGED, an illegal move whose error ended ``serve_env`` itself. Now the watchdog
+    takes the jobs without a state change: the other lane and the server serve on, and
+    the wedged lane serves again once its call returns."""
+    ctl = Controller()
+    caplog.set_level(logging.WARNING, logger="rlmesh_trio.lanes")
+
+    def declared() -> int:
+        return sum("has run for" in r.getMessage() for r in caplog.records)
+
+    async def client(address: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        async with wire.joined(address, wire.reset(seeds=[1, 2])) as j:
+            out["hang"] = await j.call(wire.step(acts(HANG), env_indices=[1], timeout_ms=100))
+            async with asyncio.timeout(BOUND):
+                while declared() < 2:  # noqa: ASYNC110 - a log record has no event
+                    await asyncio.sleep(0.01)
+            out["other"] = await j.call(wire.step(acts(0), env_indices=[0]))
+            out["wedged"] = await j.call(wire.step(acts(0), env_indices=[1]))
+            ctl.release.set()
+            async with asyncio.timeout(BOUND):
+                while True:  # the late return puts the lane back in service
+                    again = await j.call(wire.step(acts(0), env_indices=[1]))
+                    if again.step is not None:
+                        break
+                    await asyncio.sleep(0.01)
+            out["again"] = again
+        return out
+
+    async with served(ctl, on_lane_fault="error", lane_timeout_seconds=0.3) as address:
+        out = await on_wire(client(address))
+    assert error(out["hang"]) == (Code.TIMEOUT, "env.step timed out after 100ms", True)
+    assert out["other"].step is not None, out["other"]
+    code, message, _ = error(out["wedged"])
+    assert code == Code.BUSY and message.startswith("lane 1 is wedged"), message
+    assert out["again"].step is not None
+    assert not [r for r in caplog.records if "no transition" in r.getMessage()]
+
+
 @pytest.mark.parametrize("mode", MODES)
 async def test_the_wedge_warning_shows_where_the_env_is_stuck(
     mode: str, caplog: pytest.LogCaptureFixture

@@ -268,10 +268,15 @@ class Lane:
     def wedged(self, refusal: LaneWedgedError, *, take: bool) -> list[Item]:
         """-> WEDGED (policy ``error``): refuse new jobs with ``refusal`` until the call
         returns. ``take``: the running job and the queued ones are taken out (returned,
-        for the caller to answer), as the lane's own watchdog does. The wedge is counted."""
-        self._move(LaneState.WEDGED)
-        self.wedges += 1
-        self.refusal = refusal
+        for the caller to answer), as the lane's own watchdog does. The wedge is counted.
+
+        Already WEDGED (a request's deadline declared the call first, and now the lane's
+        own watchdog does): no state change and no second count; with ``take`` the jobs
+        are taken out all the same."""
+        if self.state is not LaneState.WEDGED:
+            self._move(LaneState.WEDGED)
+            self.wedges += 1
+            self.refusal = refusal
         if not take:
             return []
         self.current = None
