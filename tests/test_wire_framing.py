@@ -85,8 +85,8 @@ def test_a_lying_prefix_allocates_only_what_arrived() -> None:
 @pytest.mark.parametrize(
     ("prefix", "error", "text"),
     [
-        (b"\x01\x00\x00\x00\x01", FrameError, "compressed message but no grpc-encoding"),
-        (b"\x07\x00\x00\x00\x01", FrameError, "invalid compression flag 7"),
+        (b"\x01\x00\x00\x00\x01", FrameError, "compressed-flag but no grpc-encoding"),
+        (b"\x07\x00\x00\x00\x01", FrameError, "invalid compression flag: 7"),
         (b"\x00\x00\x00\x01\x00", MessageTooLarge, "found 256 bytes, the limit is: 255"),
     ],
 )

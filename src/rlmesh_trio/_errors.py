@@ -26,6 +26,7 @@ INVALID_ARGUMENT = 3
 NOT_FOUND = 5
 FAILED_PRECONDITION = 9
 RESOURCE_EXHAUSTED = 8
+OUT_OF_RANGE = 11
 UNIMPLEMENTED = 12
 INTERNAL = 13
 UNAVAILABLE = 14
@@ -191,6 +192,24 @@ class MessageTooLarge(WireError):
         )
         self.length = length
         self.limit = limit
+
+
+UNEXPECTED_EOF = "Unexpected EOF decoding stream."
+"""The reference's ``grpc-message`` for a unary request whose stream ends inside its
+message (a truncated body)."""
+
+MISSING_MESSAGE = "Missing request message."
+"""The reference's ``grpc-message`` for a unary request without a message."""
+
+
+class RequestTooLarge(MappedError):
+    """A Handshake or Shutdown request over the size limit: the reference's answer
+    (``OUT_OF_RANGE``, ``Error, decoded message length too large: ...``)."""
+
+    grpc_status = OUT_OF_RANGE
+
+    def __init__(self, exc: MessageTooLarge) -> None:
+        super().__init__(f"Error, {exc}")
 
 
 # --------------------------------------------------------------------------- requests

@@ -9,9 +9,11 @@ that repeats a pseudo-header or ``authorization`` is never admitted.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import struct
 import time
+import urllib.parse
 from typing import Any
 
 import hpack
@@ -80,6 +82,10 @@ CASES: dict[str, list[Header]] = {
     "no :method": without(":method", block()),
     "no :scheme": without(":scheme", block()),
     "empty :path": block(""),
+    ":path without a leading slash": block(wire.HANDSHAKE[1:]),
+    ":path *": block("*"),
+    ":path as an absolute URI": block("http://localhost" + wire.HANDSHAKE),
+    ":method CONNECT": [(b":method", b"CONNECT"), *block()[1:]],
     # Fields HTTP cannot carry: GOAWAY(PROTOCOL_ERROR) and close.
     "NUL in a value": block(wire.HANDSHAKE, ("x-meta", b"a\x00b")),
     "LF in a value": block(wire.HANDSHAKE, ("x-meta", b"a\nb")),
@@ -89,6 +95,7 @@ CASES: dict[str, list[Header]] = {
     "empty name": block(wire.HANDSHAKE, ("", "v")),
     "non-ASCII name": block(wire.HANDSHAKE, ("x-mé".encode(), "v")),
     "unknown pseudo-header": insert(2, ":protocol-x", "v", block()),
+    "empty :method": [(b":method", b""), *block()[1:]],
     # Served.
     "non-ASCII value (UTF-8)": block(wire.HANDSHAKE, ("x-meta", "café".encode())),
     "non-ASCII value (latin-1)": block(wire.HANDSHAKE, ("x-meta", b"caf\xe9")),
@@ -102,6 +109,14 @@ CASES: dict[str, list[Header]] = {
         wire.HANDSHAKE, ("grpc-timeout", "10S"), ("grpc-timeout", "bogus")
     ),
     "unparseable grpc-timeout": block(wire.HANDSHAKE, ("grpc-timeout", "soon")),
+    # grpc-timeout is not looked at: a deadline already past is no error either.
+    "grpc-timeout 1n": block(wire.HANDSHAKE, ("grpc-timeout", "1n")),
+    "grpc-timeout 0S": block(wire.HANDSHAKE, ("grpc-timeout", "0S")),
+    "grpc-timeout 1u": block(wire.HANDSHAKE, ("grpc-timeout", "1u")),
+    # The :path is routed without its query or fragment.
+    ":path with a query": block(wire.HANDSHAKE + "?x=1"),
+    ":path with an empty query": block(wire.HANDSHAKE + "?"),
+    ":path with a fragment": block(wire.HANDSHAKE + "#f"),
     "no content-type": without("content-type", block()),
     "content-type text/plain": [
         *without("content-type", block()),
@@ -173,6 +188,65 @@ def exchange(
         sock.close()
 
 
+def unary_answer(port: int, payload: bytes, wait: float = 3.0) -> tuple[Any, ...]:
+    """A Handshake whose DATA is ``payload`` as it is (prefix included), then END_STREAM:
+    the trailers' (grpc-status, grpc-message percent-decoded: the reference encodes a
+    space, grpclib does not), or what else ended the stream."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=wait)
+    try:
+        data = PREFACE + SettingsFrame(0).serialize()
+        data += HeadersFrame(1, hpack.Encoder().encode(block()), flags=["END_HEADERS"]).serialize()
+        data += DataFrame(1, payload, flags=["END_STREAM"]).serialize()
+        sock.sendall(data)
+        received = b""
+        decoder = hpack.Decoder()
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            try:
+                chunk = sock.recv(65536)
+            except (TimeoutError, ConnectionResetError):
+                break
+            if not chunk:
+                break
+            received += chunk
+            for frame in _frames(received):
+                if isinstance(frame, RstStreamFrame | GoAwayFrame):
+                    return (type(frame).__name__, frame.error_code)
+                if isinstance(frame, HeadersFrame):
+                    headers = dict(decoder.decode(frame.data))
+                    if "END_STREAM" in frame.flags:  # the message as a client decodes it
+                        message = urllib.parse.unquote(headers.get("grpc-message", ""))
+                        return (headers.get("grpc-status"), message)
+        return ("nothing",)
+    finally:
+        sock.close()
+
+
+UNARY_BODIES = {
+    "compressed flag, no grpc-encoding": b"\x01" + struct.pack(">I", 2) + b"\x0a\x00",
+    "compression flag 2": b"\x02" + struct.pack(">I", 2) + b"\x0a\x00",
+    "truncated message": struct.pack(">?I", False, 10) + b"\x0a\x00",
+    "no message": b"",
+    "a length over 256 MiB": struct.pack(">?I", False, 256 * 1024 * 1024 + 64),
+}
+
+
+@skip_without_ours
+def test_unreadable_unary_messages_get_the_reference_status_and_words(
+    servers: ServerPool,
+) -> None:
+    config = ServerConfig(entrypoint=scripts.ENTRYPOINTS["cartpole"], num_envs=1)
+    ref, ours = servers.pair("ours", config)
+    differences = {}
+    for name, payload in UNARY_BODIES.items():
+        expected = unary_answer(port_of(ref.address), payload)
+        got = unary_answer(port_of(ours.address), payload)
+        assert expected[0] not in ("nothing", "0"), (name, expected)
+        if got != expected:
+            differences[name] = (expected, got)
+    assert differences == {}
+
+
 def port_of(address: str) -> int:
     return int(address.rsplit(":", 1)[1])
 
@@ -190,6 +264,27 @@ def test_header_blocks_get_the_reference_answer(servers: ServerPool) -> None:
             differences[name] = (expected, got)
     assert differences == {}
     assert "Fatal error" not in ours.log() and "Traceback" not in ours.log()
+
+
+@skip_without_ours
+def test_a_join_outlives_its_grpc_timeout_header(servers: ServerPool) -> None:
+    """The reference does not look at ``grpc-timeout``: a Join sent with 200 ms is
+    served past it (a deadline ended it with DEADLINE_EXCEEDED before)."""
+    config = ServerConfig(entrypoint=scripts.ENTRYPOINTS["cartpole"], num_envs=1)
+    ref, ours = servers.pair("ours", config)
+
+    async def session(address: str) -> tuple[str, str]:
+        async with (
+            wire.WireClient(address) as client,
+            client.join(extra_headers=[("grpc-timeout", "200m")]) as join,
+        ):
+            first = await join.call(wire.reset(seeds=[1]))
+            await asyncio.sleep(0.6)  # the header's deadline is what is tested: let it pass
+            second = await join.call(wire.step([wire.i64([1])]))
+            return wire.reply_kind(first), wire.reply_kind(second)
+
+    for server in (ref, ours):
+        assert asyncio.run(session(server.address)) == ("reset", "step"), server
 
 
 @skip_without_ours

@@ -15,11 +15,16 @@ compares them case by case):
   field, a response pseudo-header (``:status``), a connection-specific field, ``te``
   other than ``trailers``, a missing ``:method``, ``:scheme`` or ``:path``, an empty
   ``:path`` -- is a **stream** error: RST_STREAM(PROTOCOL_ERROR), nothing dispatched;
+  A ``:path`` that does not start with ``/`` (``*``, an absolute URI) and
+  ``:method CONNECT`` are malformed too; an empty ``:method`` is a connection error;
 * anything else is served: non-ASCII (obs-text) bytes in a value included, and of a
-  repeated regular field the first one counts (``grpc-timeout``, ``grpc-encoding``).
-  The reference does not look at ``:method``, ``content-type`` or ``te``, and ignores a
-  ``grpc-timeout`` it cannot parse; grpclib would answer 405, 415, 400 or UNKNOWN, so
-  :func:`for_dispatch` gives grpclib the fields it insists on.
+  repeated regular field the first one counts (``grpc-encoding``). The reference does
+  not look at ``:method``, ``content-type`` or ``te``, routes on the ``:path`` without
+  its query or fragment, and ignores ``grpc-timeout`` altogether (a Join with
+  ``grpc-timeout: 1S`` lives on; a Handshake with ``1n`` is answered): grpclib would
+  answer 405, 415, 400, UNIMPLEMENTED, DEADLINE_EXCEEDED or UNKNOWN, so
+  :func:`for_dispatch` gives grpclib the fields it insists on and none it should not
+  act on.
 
 Header values reach us decoded as latin-1 (h2's ``header_encoding``), which maps every
 byte to one character: nothing a peer sends can fail to decode, and the bytes are
@@ -91,36 +96,47 @@ def check_request_headers(headers: list[tuple[str, str]]) -> tuple[Verdict, bool
         for name in (":method", ":scheme", ":path"):
             if name not in pseudo:
                 malformed = True
-        if not malformed and not header_value(headers, ":path"):
+    if not malformed:
+        method = header_value(headers, ":method")
+        if not method:
+            return Verdict.CLOSE_CONNECTION, repeated
+        path = header_value(headers, ":path")
+        if not path or path[0] != "/" or method == "CONNECT":
             malformed = True
     return (Verdict.RESET_STREAM if malformed else Verdict.OK), repeated
-
-
-_TIMEOUT = re.compile(r"\d{1,8}[HMSmun]")
-"""A ``grpc-timeout`` value as the gRPC spec (and the reference) parses it."""
 
 
 def for_dispatch(headers: list[tuple[str, str]], repeated: bool) -> list[tuple[str, str]]:
     """``headers`` (checked :attr:`Verdict.OK`) as grpclib should see them: the first
     field of each repeated name (what the reference reads; grpclib reads the last),
-    ``:method POST``, a gRPC ``content-type``, ``te: trailers``, no unparseable
-    ``grpc-timeout``. The list is returned as it is when nothing needs changing (the
-    0.1.0 clients' headers, SPEC 1.4)."""
-    method = content_type = te = timeout = None
+    ``:method POST``, a gRPC ``content-type``, ``te: trailers``, the ``:path`` without
+    its query or fragment, no ``grpc-timeout``. The list is returned as it is when
+    nothing needs changing (the 0.1.0 clients' headers, SPEC 1.4)."""
+    method = content_type = te = path = None
+    timeout = False
     for name, value in headers:
         if name == ":method":
             method = value
+        elif name == ":path":
+            path = value
         elif name == "content-type" and content_type is None:
             content_type = value
         elif name == "te" and te is None:
             te = value
-        elif name == "grpc-timeout" and timeout is None:
-            timeout = value
+        elif name == "grpc-timeout":
+            timeout = True
     grpc_type = content_type is not None and (
         content_type == "application/grpc" or content_type == "application/grpc+proto"
     )
-    good_timeout = timeout is None or _TIMEOUT.fullmatch(timeout) is not None
-    if not repeated and method == "POST" and grpc_type and te is not None and good_timeout:
+    plain_path = path is not None and "?" not in path and "#" not in path
+    if (
+        not repeated
+        and method == "POST"
+        and grpc_type
+        and te is not None
+        and not timeout
+        and plain_path
+    ):
         return headers
     seen: set[str] = set()
     kept: list[tuple[str, str]] = []
@@ -132,8 +148,10 @@ def for_dispatch(headers: list[tuple[str, str]], repeated: bool) -> list[tuple[s
             value = "POST"
         elif name == "content-type" and not grpc_type:
             value = "application/grpc"
-        elif name == "grpc-timeout" and not good_timeout:
+        elif name == "grpc-timeout":
             continue
+        elif name == ":path" and not plain_path:
+            value = re.split(r"[?#]", value, maxsplit=1)[0]
         kept.append((name, value))
     if content_type is None:
         kept.append(("content-type", "application/grpc"))

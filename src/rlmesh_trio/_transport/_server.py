@@ -37,7 +37,10 @@ from grpclib.server import Stream
 from .._bridge import ToLoop, Worker
 from .._credentials import protect_credentials
 from .._errors import (
+    MISSING_MESSAGE,
     AlreadyJoinedError,
+    MessageTooLarge,
+    RequestTooLarge,
     RlmeshTrioError,
     ServerStoppingError,
     UnknownMethodError,
@@ -509,9 +512,14 @@ class LoopServer:
     async def _read_unary(
         self, stream: Stream[bytes, bytes], limit: int | None = None
     ) -> bytes | bytearray:
-        data = await read_message(stream, self.max_message_bytes if limit is None else limit)
+        try:
+            data = await read_message(stream, self.max_message_bytes if limit is None else limit)
+        except MessageTooLarge as exc:
+            if limit is None:  # an EnvService call: the reference's status and words
+                raise RequestTooLarge(exc) from None
+            raise
         if data is None:
-            raise GRPCError(Status.INTERNAL, "missing request message")
+            raise GRPCError(Status.INTERNAL, MISSING_MESSAGE)
         return data
 
     async def _decode_unary(

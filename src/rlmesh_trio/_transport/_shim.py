@@ -36,7 +36,7 @@ from grpclib.const import Status
 from grpclib.encoding.base import CodecBase
 from grpclib.server import Stream
 
-from .._errors import FrameError
+from .._errors import UNEXPECTED_EOF, FrameError
 from .._wire import PREFIX_SIZE, SMALL_MESSAGE, encode_grpc_message, parse_prefix
 from ._connection import Connection, call_of, h2_stream
 from ._h2frames import put_plain_data
@@ -136,7 +136,7 @@ async def read_message(stream: Stream[Any, Any], limit: int) -> bytes | bytearra
         if length <= SMALL_MESSAGE:
             data: bytes | bytearray = await raw.recv_data(length)
             if len(data) != length:
-                raise FrameError("truncated message")
+                raise FrameError(UNEXPECTED_EOF)
             return data
         # Grown as the body arrives, never sized from the prefix: a prefix that lies
         # about its length costs nothing until the bytes themselves come.
@@ -144,12 +144,12 @@ async def read_message(stream: Stream[Any, Any], limit: int) -> bytes | bytearra
         while len(buffer) < length:
             chunk = await raw.recv_data(min(CHUNK, length - len(buffer)))
             if not chunk:
-                raise FrameError("truncated message")
+                raise FrameError(UNEXPECTED_EOF)
             buffer += chunk
             del chunk
         return buffer
     except AssertionError as exc:  # grpclib's Buffer: EOF inside a message
-        raise FrameError("truncated message") from exc
+        raise FrameError(UNEXPECTED_EOF) from exc
 
 
 def reflection_servicers(service_names: tuple[str, ...], pool: Any) -> tuple[Any, Any]:

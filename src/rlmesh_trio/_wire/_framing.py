@@ -51,9 +51,15 @@ def parse_prefix(prefix: bytes, limit: int) -> int:
         raise FrameError("truncated message prefix")
     flag = prefix[0]
     if flag == 1:
-        raise FrameError("compressed message but no grpc-encoding was negotiated")
+        raise FrameError(
+            "protocol error: received message with compressed-flag but no grpc-encoding "
+            "was specified"
+        )
     if flag != 0:
-        raise FrameError(f"invalid compression flag {flag}")
+        raise FrameError(
+            f"protocol error: received message with invalid compression flag: {flag} "
+            "(valid flags are 0 and 1), while sending request"
+        )
     length = int.from_bytes(prefix[1:5], "big")
     if length > limit:
         raise MessageTooLarge(length, limit)
