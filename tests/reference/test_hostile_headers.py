@@ -127,6 +127,12 @@ CASES: dict[str, list[Header]] = {
     "no :authority": without(":authority", block()),
     "non-ASCII :path": block(wire.HANDSHAKE + "é"),
     "tab in a tolerated value": block(wire.HANDSHAKE, ("user-agent", b"a\tb")),
+    # A header list over 16 KiB (as HTTP/2 counts it): 431 and a reset, the connection
+    # kept; under it, served.
+    "one 16.3 KB field": block(wire.HANDSHAKE, ("x-big", "a" * 16300)),
+    "two 8 KB fields": block(wire.HANDSHAKE, ("x-a", "a" * 8200), ("x-b", "b" * 8200)),
+    "1000 small fields": block(wire.HANDSHAKE, *[(f"x-{i}", "v") for i in range(1000)]),
+    "one 15 KB field": block(wire.HANDSHAKE, ("x-big", "a" * 15000)),
 }
 
 

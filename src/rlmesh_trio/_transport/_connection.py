@@ -59,7 +59,14 @@ from .._errors import CompressedRequestError, UnauthenticatedError
 from .._logging import RateLimit
 from ._flood import ADVERTISED_STREAMS, STREAMS_HARD_LIMIT, Flood, FrameGate
 from ._h2frames import route_frames
-from ._headers import Verdict, check_request_headers, for_dispatch, header_value
+from ._headers import (
+    HEADER_LIST_LIMIT,
+    Verdict,
+    check_request_headers,
+    for_dispatch,
+    header_list_size,
+    header_value,
+)
 from ._privates import direct_data_path, dispatch_events
 from ._reader import RequestReader
 
@@ -171,6 +178,14 @@ class Dispatcher(GrpclibHandler):
             elif self.on_connection_error is not None:
                 self.on_connection_error()
             release_stream()
+            return
+        if header_list_size(headers) > HEADER_LIST_LIMIT:
+            # The reference's answer: 431, then RST_STREAM(PROTOCOL_ERROR); nothing
+            # dispatched, the connection kept.
+            self.on_refused()
+            task = self.loop.create_task(_header_list_too_large(stream, release_stream))
+            self._refusals[stream] = task
+            task.add_done_callback(lambda _: self._refusals.pop(stream, None))
             return
         if stream.id is not None:
             self.last_stream_id = max(self.last_stream_id, stream.id)
@@ -585,3 +600,16 @@ def alpn_is_h2(transport: asyncio.BaseTransport) -> bool:
     §3.2): a client that offered only ``http/1.1``, or nothing, would not speak HTTP/2."""
     ssl_object = transport.get_extra_info("ssl_object")
     return ssl_object is None or ssl_object.selected_alpn_protocol() == "h2"
+
+
+async def _header_list_too_large(stream: H2Stream, release_stream: Callable[[], Any]) -> None:
+    """``:status 431`` (end of stream), then RST_STREAM(PROTOCOL_ERROR): the reference's
+    answer to a request header list over :data:`~._headers.HEADER_LIST_LIMIT`."""
+    try:
+        await stream.send_headers([(":status", "431")], end_stream=True)
+        if stream.closable:
+            stream.reset_nowait(ErrorCodes.PROTOCOL_ERROR)
+    except Exception:
+        log.debug("could not answer a header list over the limit", exc_info=True)
+    finally:
+        release_stream()

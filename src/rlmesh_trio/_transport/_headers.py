@@ -36,10 +36,23 @@ from __future__ import annotations
 import enum
 import re
 
-__all__ = ["HEADER_ENCODING", "Verdict", "check_request_headers", "for_dispatch", "header_value"]
+__all__ = [
+    "HEADER_ENCODING",
+    "HEADER_LIST_LIMIT",
+    "Verdict",
+    "check_request_headers",
+    "for_dispatch",
+    "header_list_size",
+    "header_value",
+]
 
 HEADER_ENCODING = "latin-1"
 """h2's ``header_encoding`` for inbound headers: total (every byte decodes)."""
+
+HEADER_LIST_LIMIT = 16384
+"""The largest request header list the reference serves (hyper's default), counted as
+HTTP/2 counts it (:func:`header_list_size`); a larger one (up to what HPACK decodes
+here) is answered ``:status 431`` and its stream reset, the connection kept."""
 
 REQUEST_PSEUDO = frozenset({":method", ":scheme", ":path", ":authority"})
 
@@ -158,6 +171,11 @@ def for_dispatch(headers: list[tuple[str, str]], repeated: bool) -> list[tuple[s
     if te is None:
         kept.append(("te", "trailers"))
     return kept
+
+
+def header_list_size(headers: list[tuple[str, str]]) -> int:
+    """RFC 9113's size of a header list: each field's name and value lengths plus 32."""
+    return sum(len(name) + len(value) + 32 for name, value in headers)
 
 
 def header_value(headers: list[tuple[str, str]], name: str) -> str | None:
