@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
-from ._codecs import wire_seed
+from ._codecs import expand_seeds
 
 __all__ = [
     "AddInfo",
@@ -172,17 +172,13 @@ def fold_reset(
 def seeds_of(seed: int | Sequence[int | None] | None, n: int) -> list[int | None]:
     """``reset(seed=...)``'s seeds, one per lane, by ``SyncVectorEnv``'s rules (an int:
     lane ``i`` gets ``seed + i``)."""
-    if seed is None:
-        seeds: list[int | None] = [None] * n
-    elif isinstance(seed, int | np.integer):
-        seeds = [int(seed) + i for i in range(n)]
-    else:
-        seeds = list(seed)
-    if len(seeds) != n:
-        raise ValueError(
-            f"If seeds are passed as a list the length must match num_envs={n} but got length={len(seeds)}."
-        )
-    return [None if s is None else wire_seed(s) for s in seeds]
+    return expand_seeds(seed, range(n), _gymnasium_mismatch)
+
+
+def _gymnasium_mismatch(got: int, want: int) -> str:
+    return (
+        f"If seeds are passed as a list the length must match num_envs={want} but got length={got}."
+    )
 
 
 def take_reset_mask(options: dict[str, Any] | None, n: int) -> np.ndarray[Any, Any] | None:

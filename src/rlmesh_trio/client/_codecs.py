@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import io
 import operator
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import gymnasium as gym
 import numpy as np
@@ -29,6 +29,7 @@ __all__ = [
     "REPLY_GRACE",
     "Codecs",
     "decode_frame",
+    "expand_seeds",
     "invalid_actions",
     "lane_infos",
     "lanes_of",
@@ -300,23 +301,39 @@ def wire_seed(seed: Any) -> int:
     return value
 
 
+def _lanes_mismatch(got: int, want: int) -> str:
+    return f"{got} seeds for {want} lanes"
+
+
+def expand_seeds(
+    seed: int | Sequence[int | None] | None,
+    offsets: Sequence[int],
+    mismatch: Callable[[int, int], str] = _lanes_mismatch,
+) -> list[int | None]:
+    """One seed per addressed lane, each one the wire can carry (:func:`wire_seed`):
+    ``None`` for every lane, an int (``seed + offset``, one offset per lane), or a
+    sequence as long as ``offsets`` (else ValueError worded by ``mismatch(got, want)``)."""
+    if seed is None:
+        return [None] * len(offsets)
+    if isinstance(seed, int | np.integer):
+        return [wire_seed(int(seed) + offset) for offset in offsets]
+    values = list(seed)
+    if len(values) != len(offsets):
+        raise ValueError(mismatch(len(values), len(offsets)))
+    return [None if s is None else wire_seed(s) for s in values]
+
+
 def seeds_of(seeds: int | Sequence[int | None] | None, k: int) -> list[int]:
     """``None``, an int (``seed + i`` for the i-th addressed lane, as gymnasium), or
     ``k`` ints (all None = unseeded)."""
-    if seeds is None:
-        return []
-    if isinstance(seeds, int | np.integer):
-        return [wire_seed(int(seeds) + i) for i in range(k)]
-    values = list(seeds)
-    if len(values) != k:
-        raise ValueError(f"{len(values)} seeds for {k} lanes")
+    values = expand_seeds(seeds, range(k))
     if all(s is None for s in values):
         return []
     if any(s is None for s in values):
         raise ValueError(
             "seeds must be all ints or all None (the wire cannot seed only some lanes)"
         )
-    return [wire_seed(s) for s in values]
+    return cast("list[int]", values)
 
 
 REPLY_GRACE = 3.0

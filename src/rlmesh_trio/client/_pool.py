@@ -29,6 +29,7 @@ from gymnasium.vector.utils import batch_space, iterate
 
 from ._codecs import (
     ACTION_ERRORS,
+    expand_seeds,
     invalid_actions,
     lane_infos,
     lanes_of,
@@ -36,7 +37,6 @@ from ._codecs import (
     reply_deadline,
     step_arrays,
     timeout_of,
-    wire_seed,
 )
 from ._core import JoinStream, Slot, check_options, result_of
 from ._errors import (
@@ -235,19 +235,12 @@ class PoolCore:
         self.state.check_open()
         lanes = lanes_of(env_indices, self.num_envs) or list(range(self.num_envs))
         self.check_idle(lanes, "async_reset()")
-        if seed is None:
-            seeds: list[int | None] = [None] * len(lanes)
-        elif isinstance(seed, int | np.integer):
-            seeds = [int(seed) + lane for lane in lanes]
-        else:
-            seeds = list(seed)
-            if len(seeds) != len(lanes):
-                raise ValueError(f"{len(seeds)} seeds for {len(lanes)} lanes")
+        seeds = expand_seeds(seed, lanes)
         check_options(options)
         timeout = timeout_of(timeout_ms)
         plan: list[_Plan] = []
         for lane, s in zip(lanes, seeds, strict=True):
-            build = partial(_reset, seeds=[] if s is None else [wire_seed(s)], options=options)
+            build = partial(_reset, seeds=[] if s is None else [s], options=options)
             plan.append((lane, "reset", build, timeout))
         self._submit(plan)
 
