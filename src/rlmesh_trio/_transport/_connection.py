@@ -36,7 +36,7 @@ import contextvars
 import logging
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import h2.config
@@ -183,9 +183,12 @@ class Dispatcher(GrpclibHandler):
             # The reference's answer: 431, then RST_STREAM(PROTOCOL_ERROR); nothing
             # dispatched, the connection kept.
             self.on_refused()
-            task = self.loop.create_task(_header_list_too_large(stream, release_stream))
-            self._refusals[stream] = task
-            task.add_done_callback(lambda _: self._refusals.pop(stream, None))
+            self._refuse(
+                stream,
+                answer_and_reset(
+                    stream, [(":status", "431")], release_stream, ErrorCodes.PROTOCOL_ERROR
+                ),
+            )
             return
         if stream.id is not None:
             self.last_stream_id = max(self.last_stream_id, stream.id)
@@ -204,9 +207,7 @@ class Dispatcher(GrpclibHandler):
             if encoding is not None and encoding != "identity":
                 error = CompressedRequestError(encoding)
         if error is not None:
-            task = self.loop.create_task(self._admission.refuse(stream, error, release_stream))
-            self._refusals[stream] = task
-            task.add_done_callback(lambda _: self._refusals.pop(stream, None))
+            self._refuse(stream, self._admission.refuse(stream, error, release_stream))
             return
         owner = self.owner
         assert owner is not None and stream.id is not None
@@ -220,6 +221,13 @@ class Dispatcher(GrpclibHandler):
             super().accept(stream, headers, release_stream)
         finally:
             _CALL.reset(token)
+
+    def _refuse(self, stream: H2Stream, answer: Coroutine[Any, Any, None]) -> None:
+        """Answer a stream that is not dispatched, in a task of its own (a client reset
+        cancels it, see :meth:`cancel`)."""
+        task = self.loop.create_task(answer)
+        self._refusals[stream] = task
+        task.add_done_callback(lambda _: self._refusals.pop(stream, None))
 
     def cancel(self, stream: H2Stream) -> None:
         task = self._refusals.pop(stream, None)
@@ -602,14 +610,20 @@ def alpn_is_h2(transport: asyncio.BaseTransport) -> bool:
     return ssl_object is None or ssl_object.selected_alpn_protocol() == "h2"
 
 
-async def _header_list_too_large(stream: H2Stream, release_stream: Callable[[], Any]) -> None:
-    """``:status 431`` (end of stream), then RST_STREAM(PROTOCOL_ERROR): the reference's
-    answer to a request header list over :data:`~._headers.HEADER_LIST_LIMIT`."""
+async def answer_and_reset(
+    stream: H2Stream,
+    headers: list[tuple[str, str]],
+    release_stream: Callable[[], Any],
+    reset_code: ErrorCodes = ErrorCodes.NO_ERROR,
+) -> None:
+    """The only answer a refused stream gets: ``headers`` (end of stream), then
+    RST_STREAM(``reset_code``) if the stream is still open, so nothing more of the
+    request is read; ``release_stream`` in every case."""
     try:
-        await stream.send_headers([(":status", "431")], end_stream=True)
+        await stream.send_headers(headers, end_stream=True)
         if stream.closable:
-            stream.reset_nowait(ErrorCodes.PROTOCOL_ERROR)
+            stream.reset_nowait(reset_code)
     except Exception:
-        log.debug("could not answer a header list over the limit", exc_info=True)
+        log.debug("could not answer a refused stream", exc_info=True)
     finally:
         release_stream()

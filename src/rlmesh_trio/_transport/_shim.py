@@ -38,7 +38,7 @@ from grpclib.server import Stream
 
 from .._errors import UNEXPECTED_EOF, FrameError
 from .._wire import PREFIX_SIZE, SMALL_MESSAGE, encode_grpc_message, parse_prefix
-from ._connection import Connection, call_of, h2_stream
+from ._connection import Connection, answer_and_reset, call_of, h2_stream
 from ._h2frames import put_plain_data
 from ._headers import HEADER_ENCODING
 from ._privates import library_version, server_configuration
@@ -100,23 +100,17 @@ async def send_trailers_only(
     stream: H2Stream, status: int, message: str, release_stream: Callable[[], Any]
 ) -> None:
     """A trailers-only response on an h2 stream grpclib has not wrapped (SPEC §1.5, §1.7)."""
-    try:
-        await stream.send_headers(
-            [
-                (":status", "200"),
-                ("content-type", "application/grpc"),
-                ("grpc-accept-encoding", "identity"),
-                ("grpc-status", str(Status(status).value)),
-                ("grpc-message", encode_grpc_message(message)),
-            ],
-            end_stream=True,
-        )
-        if stream.closable:
-            stream.reset_nowait()
-    except Exception:
-        log.debug("could not send a trailers-only response", exc_info=True)
-    finally:
-        release_stream()
+    await answer_and_reset(
+        stream,
+        [
+            (":status", "200"),
+            ("content-type", "application/grpc"),
+            ("grpc-accept-encoding", "identity"),
+            ("grpc-status", str(Status(status).value)),
+            ("grpc-message", encode_grpc_message(message)),
+        ],
+        release_stream,
+    )
 
 
 async def read_message(stream: Stream[Any, Any], limit: int) -> bytes | bytearray | None:
