@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 import trio
 from support.faulty import RAISE, Controller, Factory
+from support.serving import served
 
-from rlmesh_trio import ServeOptions, serve_env
 from rlmesh_trio._codec import from_meta_map, to_meta_map
 from rlmesh_trio.client import VectorEnv
 
@@ -123,25 +123,14 @@ async def with_server(
     make: Callable[[], gym.Env[Any, Any]],
     num_envs: int,
     client: Callable[[str], T],
-    options: ServeOptions | None = None,
+    **options: Any,
 ) -> T:
-    """Serve ``num_envs`` lanes of ``make`` in this process and run the blocking
-    ``client(address)`` on a worker thread; the server stops when it returns."""
+    """Serve ``num_envs`` lanes of ``make`` in this process (``options``:
+    :class:`ServeOptions` fields) and run the blocking ``client(address)`` on a worker
+    thread; the server stops when it returns."""
     with trio.fail_after(BOUND):
-        async with trio.open_nursery() as nursery:
-            info = await nursery.start(
-                functools.partial(
-                    serve_env,
-                    make,
-                    num_envs=num_envs,
-                    address="tcp://127.0.0.1:0",
-                    options=options,
-                )
-            )
-            try:
-                return await trio.to_thread.run_sync(client, info.address)
-            finally:
-                nursery.cancel_scope.cancel()
+        async with served(make, num_envs, close_timeout_seconds=None, **options) as address:
+            return await trio.to_thread.run_sync(client, address)
 
 
 def same(a: Any, b: Any, path: str = "$") -> None:
@@ -517,7 +506,7 @@ async def test_a_lane_fault_ends_the_episode_as_a_truncation(policy: str) -> Non
             remote.close()
 
     first, before, fault, after = await with_server(
-        Factory(controller), 2, client, ServeOptions(on_lane_fault=policy)
+        Factory(controller), 2, client, on_lane_fault=policy
     )
     assert first.tolist() == [[0.0, 3.0], [0.0, 4.0]]
     obs, rewards, dones, infos = fault
@@ -562,9 +551,7 @@ async def test_a_lane_that_cannot_be_reset_yet_is_reset_at_a_later_step() -> Non
         finally:
             remote.close()
 
-    steps = await with_server(
-        Factory(controller), 2, client, ServeOptions(on_lane_fault="truncate")
-    )
+    steps = await with_server(Factory(controller), 2, client, on_lane_fault="truncate")
     first, *waiting, reset, last = steps
     assert first[2].tolist() == [False, True] and LANE_FAULT in first[3][1]
     stale = first[3][1]["terminal_observation"]

@@ -10,7 +10,6 @@ the server no memory and is killed like a crashed one.
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import pickle
 import re
@@ -22,15 +21,15 @@ import sys
 import threading
 import time
 import tracemalloc
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
 import pytest
 import trio
-from support import crashy, pipe_liar, wire
+from support import crashy, pipe_liar, serving, wire
 from support.crashy import EXIT, HOG, OK, RAISE, SEGFAULT
 
 from rlmesh_trio import ServeOptions, serve_env
@@ -47,23 +46,13 @@ SERVING, NOT_SERVING = b"\x08\x01", b"\x08\x02"
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@asynccontextmanager
-async def served(
+def served(
     num_envs: int = 4, factory: Callable[[], Any] = crashy.make_crashy, **options: Any
-) -> AsyncIterator[str]:
-    async with trio.open_nursery() as nursery:
-        info = await nursery.start(
-            functools.partial(
-                serve_env,
-                factory,
-                num_envs=num_envs,
-                options=ServeOptions(lane_isolation="process", **options),
-            )
-        )
-        try:
-            yield info.address
-        finally:
-            nursery.cancel_scope.cancel()
+) -> AbstractAsyncContextManager[str]:
+    """:func:`support.serving.served` with process lanes and the server's own close
+    timeout unless ``options`` give one."""
+    options.setdefault("close_timeout_seconds", None)
+    return serving.served(factory, num_envs, lane_isolation="process", **options)
 
 
 async def on_wire(coro: Any) -> Any:

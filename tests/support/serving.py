@@ -20,11 +20,12 @@ async def served(
     num_envs: int = 2,
     env_kwargs: dict[str, Any] | None = None,
     *,
-    close_timeout_seconds: float = 2.0,
+    close_timeout_seconds: float | None = 2.0,
     **options: Any,
 ) -> AsyncIterator[str]:
     """``serve_env(make_env, ...)`` under a nursery, with ``options`` as
-    :class:`ServeOptions` fields; yields its address. Leaving the block stops the server
+    :class:`ServeOptions` fields (``close_timeout_seconds=None``: the server's own
+    default); yields its address. Leaving the block stops the server
     (``serve_env`` has closed its lanes and recorders when the block is left)."""
     async with trio.open_nursery() as nursery:
         info = await nursery.start(
