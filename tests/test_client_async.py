@@ -44,9 +44,9 @@ async def server(pool: ServerPool, kind: str, fresh: bool = False, **config: Any
 
 @contextlib.asynccontextmanager
 async def reopened(address: str) -> AsyncIterator[Endpoint]:
-    """``open_endpoint`` right after the previous endpoint on ``address`` closed its
-    connection without ending its Join (a fatal error). A server notices the end of that
-    connection in its own time: until then a new Join is refused as BUSY, so it is
+    """``open_endpoint`` right after the previous session on ``address`` ended. The
+    server frees its one Join slot in its own time after it ended the stream (the
+    reference's is not observable): until then a new Join is refused as BUSY, so it is
     retried (within BOUND), as a user reconnecting would."""
     while True:
         stack = contextlib.AsyncExitStack()
@@ -175,6 +175,13 @@ async def test_a_fatal_env_error_closes_the_endpoint(servers: ServerPool, kind: 
                 await ep.step(np.array([0, 0]))
             assert closed.value.__cause__ is error
             assert ep.closed
+            # The request was lane-scoped, the stream still open: closing it ends the
+            # session on the server and reports its episodes.
+            episodes = await ep.aclose()
+        assert sorted((e.env_index, e.step_count, e.truncated) for e in episodes) == [
+            (0, 0, True),
+            (1, 0, True),
+        ]
         # A recoverable error keeps the session: an action outside the space is refused
         # before it is sent.
         async with reopened(srv.address) as ep:

@@ -377,6 +377,38 @@ async def test_a_fatal_lane_error_closes_the_endpoint(servers: ServerPool, kind:
             assert not isinstance(info.value, LaneError)
             with pytest.raises(EndpointClosedError):
                 await ep.send(np.array([0]), [0])
+            # The requests were lane-scoped: the stream is still open, and closing it
+            # reports both lanes' episodes (lane 1's boom step not counted).
+            episodes = await ep.aclose()
+        assert sorted((e.env_index, e.step_count, e.truncated) for e in episodes) == [
+            (0, 1, True),
+            (1, 0, True),
+        ]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_blocking_close_after_a_fatal_lane_error_reports_the_episodes(
+    servers: ServerPool, kind: str
+) -> None:
+    server = servers.fresh(kind, ServerConfig(entrypoint="support.envs:make_boom", num_envs=2))  # type: ignore[arg-type]
+    env = VectorEnv(server.address, batch_size=2)
+    try:
+        env.async_reset(seed=[0, 1])
+        env.recv()
+        env.send(np.array([0, 0]))
+        env.recv()
+        env.send(np.array([0, envs.BOOM_STEP_ACTION]))
+        with pytest.raises(EnvError) as info:
+            env.recv()
+        assert (info.value.code, info.value.is_recoverable) == (ErrorCode.INTERNAL, False)
+        with pytest.raises(EndpointClosedError):
+            env.send(np.array([0]), [0])
+    finally:
+        env.close()
+    assert sorted((e.env_index, e.step_count, e.truncated) for e in env.final_episodes) == [
+        (0, 2, True),
+        (1, 1, True),
+    ]
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -23,7 +23,7 @@ from .._wire._protocol import HANDSHAKE_PATH, JOIN_PATH
 from ._codecs import late, reply_deadline
 from ._contract import contract_from_handshake
 from ._core import JoinStream, Slot, call_failure, result_of
-from ._errors import ConnectionLostError, EndpointClosedError, EndpointError
+from ._errors import ConnectionLostError, EndpointClosedError, EndpointError, EnvError
 from ._grpc import Call, GrpcConnection
 from ._messages import Episode, Reply, close_request, configure_request, handshake_request
 from ._settings import (
@@ -390,14 +390,21 @@ class BlockingEndpoint:
             return self._closed
         episodes: list[Episode] = []
         state = getattr(self, "state", None)
-        if state is not None and state.failure is None and not state.join.ended:
+        if (
+            state is not None
+            and (state.failure is None or isinstance(state.failure, EnvError))
+            and not state.join.ended
+            and self._conn.lost is None
+        ):
+            # Also after a fatal env error that left the stream open (see aclose).
+            deadline = time.monotonic() + self._close_timeout
             with contextlib.suppress(EndpointError):
                 replies = self.roundtrip(
-                    [lambda rid: close_request(rid, reason)],
-                    ["close"],
-                    deadline=time.monotonic() + self._close_timeout,
+                    [lambda rid: close_request(rid, reason)], ["close"], deadline=deadline
                 )
                 episodes = replies[0].episodes
+                # The server ends the stream after its reply: then a new Join is admitted.
+                self._link.pump(lambda: state.join.ended, deadline, "close")
         if state is not None:
             state.closing = True
             state.fail(EndpointClosedError())

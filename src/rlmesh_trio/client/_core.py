@@ -121,9 +121,13 @@ class JoinStream:
     def next_id(self) -> str:
         return f"rt-{next(self._ids)}"
 
-    def check_open(self) -> None:
-        if self.failure is not None:
-            raise EndpointClosedError(f"the endpoint is closed: {self.failure}") from self.failure
+    def check_open(self, *, closing: bool = False) -> None:
+        """Raise EndpointClosedError unless the endpoint takes requests. ``closing``: the
+        session's Close, which a fatal env error does not stop: the stream is still open
+        when the error was lane-scoped, and ending it frees the server at once."""
+        failure = self.failure
+        if failure is not None and not (closing and isinstance(failure, EnvError)):
+            raise EndpointClosedError(f"the endpoint is closed: {failure}") from failure
         if self.closing:
             raise EndpointClosedError()
 
@@ -138,7 +142,7 @@ class JoinStream:
     ) -> Slot:
         """Queue a request (whole, on the Join stream) and register its slot. ``verb``
         and ``lanes`` (None: every lane; empty: a session request) name it in errors."""
-        self.check_open()
+        self.check_open(closing=verb == "close")
         slot = Slot(wake, verb, range(self.contract.num_envs) if lanes is None else lanes)
         self.pending[request_id] = slot
         try:

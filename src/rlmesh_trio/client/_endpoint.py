@@ -117,6 +117,8 @@ class Endpoint:
         self._ping_interval = ping_interval_seconds
         self._ping_timeout = ping_timeout_seconds
         self._close_timeout = close_timeout_seconds
+        self._received = trio.Event()
+        """Set by the next read (or loss) of the connection: :meth:`_wait_stream_end`."""
         self._reader_done = trio.Event()
         self._closed: list[Episode] | None = None
 
@@ -272,8 +274,10 @@ class Endpoint:
 
     async def aclose(self, reason: str = "client close") -> list[Episode]:
         """Close the session: the server reports every episode not yet reported
-        (interrupted and active ones, ``truncated=True``) and they are returned. Then
-        the connection is closed. Idempotent; bounded by the endpoint's close timeout."""
+        (interrupted and active ones, ``truncated=True``) and they are returned, and ends
+        the Join stream. Then the connection is closed. After a fatal env error that
+        left the stream open (a lane-scoped request's), the session is closed the same
+        way. Idempotent; bounded by the endpoint's close timeout."""
         if self._closed is not None:
             return self._closed
         episodes: list[Episode] = []
@@ -294,6 +298,9 @@ class Endpoint:
                         await self._flush()
                         await self._wait_slot(slot, rid)
                         episodes = result_of(slot, "close").episodes
+                        # The server ends the stream after its reply: once it has, its
+                        # session is over and a new Join is admitted at once.
+                        await self._wait_stream_end(state)
                     except EndpointError:
                         pass
             if state is not None:
@@ -404,6 +411,11 @@ class Endpoint:
             if slot.reply is None and slot.error is None and self._state is not None:
                 self._state.abandon(rid)
 
+    async def _wait_stream_end(self, state: JoinStream) -> None:
+        while not state.join.ended and self._conn.lost is None:
+            self._received = event = trio.Event()
+            await event.wait()
+
     async def _flush(self) -> None:
         """Write whatever the connection has to send; a write never stops half-way.
 
@@ -434,6 +446,7 @@ class Endpoint:
         self._after_receive()
 
     def _after_receive(self) -> None:
+        self._received.set()
         if self._state is not None:
             self._state.process()
         for stream_id, event in list(self._unary.items()):
