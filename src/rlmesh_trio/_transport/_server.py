@@ -511,21 +511,33 @@ class LoopServer:
 
     async def _read_unary(
         self, stream: Stream[bytes, bytes], limit: int | None = None
-    ) -> bytes | bytearray:
+    ) -> bytes | bytearray | None:
+        """The request's next message; None at its end."""
         try:
-            data = await read_message(stream, self.max_message_bytes if limit is None else limit)
+            return await read_message(stream, self.max_message_bytes if limit is None else limit)
         except MessageTooLarge as exc:
             if limit is None:  # an EnvService call: the reference's status and words
                 raise RequestTooLarge(exc) from None
             raise
-        if data is None:
-            raise GRPCError(Status.INTERNAL, MISSING_MESSAGE)
-        return data
 
     async def _decode_unary(
         self, stream: Stream[bytes, bytes], decode: Callable[[Any], Any], limit: int | None = None
     ) -> Any:
+        """The request of a unary call, read to the end of the request stream.
+
+        Messages after the first are read and decoded as the first one is, then
+        dropped: the reference's answer to one that is cut short, flagged compressed,
+        too long or undecodable is that error's status, not the reply.
+        """
         data = await self._read_unary(stream, limit)
+        if data is None:
+            raise GRPCError(Status.INTERNAL, MISSING_MESSAGE)
+        request = await self._decoded(data, decode)
+        while (more := await self._read_unary(stream, limit)) is not None:
+            await self._decoded(more, decode)
+        return request
+
+    async def _decoded(self, data: bytes | bytearray, decode: Callable[[Any], Any]) -> Any:
         if len(data) > OFF_LOOP_DECODE_BYTES:
             return await self.off_loop(lambda d, num_envs: decode(d), data, 0)
         return decode(data)
