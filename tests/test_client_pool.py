@@ -251,15 +251,15 @@ def test_recv_returns_the_lanes_that_finish_first(servers: ServerPool, kind: str
     try:
         env.async_reset()
         assert sorted(int(env.recv()[4]["env_id"][0]) for _ in range(3)) == [0, 1, 2]
-        # Lane 0 sleeps 0.4 s, lanes 1 and 2 not at all: they come back first, and
+        # Lane 0 sleeps 2 s, lanes 1 and 2 not at all: they come back first, and
         # lane 0 is refused while its step is in flight.
-        env.send(np.array([4, 0, 0]), [0, 1, 2])
+        env.send(np.array([20, 0, 0]), [0, 1, 2])
         with pytest.raises(LaneBusyError, match=r"lanes \[0\]"):
             env.send(np.array([0]), [0])
         firsts = {int(env.recv()[4]["env_id"][0]) for _ in range(2)}
         assert firsts == {1, 2}
         _obs, rewards, *_, infos = env.recv()
-        assert infos["env_id"].tolist() == [0] and rewards.tolist() == [4.0]
+        assert infos["env_id"].tolist() == [0] and rewards.tolist() == [20.0]
     finally:
         env.close()
 

@@ -10,6 +10,7 @@ that repeats a pseudo-header or ``authorization`` is never admitted.
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
 import struct
 import time
@@ -26,7 +27,7 @@ from hyperframe.frame import (
     RstStreamFrame,
     SettingsFrame,
 )
-from support import scripts, wire
+from support import h2raw, scripts, wire
 from support.params import skip_without_ours
 from support.refserver import ServerConfig, ServerPool
 
@@ -276,6 +277,8 @@ def test_a_join_outlives_its_grpc_timeout_header(servers: ServerPool) -> None:
             first = await join.call(wire.reset(seeds=[1]))
             await asyncio.sleep(0.6)  # the header's deadline is what is tested: let it pass
             second = await join.call(wire.step([wire.i64([1])]))
+            await join.call(wire.close())  # ended by the server: the next Join is admitted
+            await join.wait_end()
             return wire.reply_kind(first), wire.reply_kind(second)
 
     for server in (ref, ours):
@@ -367,3 +370,47 @@ def test_the_token_is_never_logged_even_at_debug(servers: ServerPool) -> None:
     assert "hpack" in log  # debug logging of the HTTP/2 stack was really on
     assert TOKEN not in log
     assert "<redacted>" in log
+
+
+@skip_without_ours
+def test_a_health_check_is_answered_at_its_first_message(servers: ServerPool) -> None:
+    """The health check (the reference has none) does not wait for its request's end:
+    a probe that never half-closes is answered SERVING all the same."""
+    config = ServerConfig(entrypoint=scripts.ENTRYPOINTS["cartpole"], num_envs=1)
+    server = servers.get("ours", config)
+    with h2raw.Connection(server.address) as conn:
+        conn.start()
+        conn.send(h2raw.headers(1, h2raw.HEALTH_CHECK) + h2raw.data(1, h2raw.grpc_message(b"")))
+        assert conn.wait_answered([1], 10.0)
+        assert conn.stream(1).status == 0
+        assert conn.stream(1).messages() == [b"\x08\x01"]  # SERVING
+
+
+@skip_without_ours
+def test_a_unary_call_waiting_for_its_request_holds_no_stop(servers: ServerPool) -> None:
+    """A Handshake whose request never ends (a message, no END_STREAM; or headers only)
+    waits for it, as the reference's does. A stop does not wait for it: before, the
+    drain and then the close timeout did (here 30 s + 30 s)."""
+    config = ServerConfig(
+        entrypoint=scripts.ENTRYPOINTS["cartpole"],
+        num_envs=1,
+        drain_timeout_seconds=30.0,
+        close_timeout_seconds=30.0,
+    )
+    server = servers.fresh("ours", config)
+    with h2raw.Connection(server.address) as conn:
+        conn.start()
+        message = h2raw.grpc_message(HANDSHAKE_BODY)
+        conn.send(
+            h2raw.headers(1, wire.HANDSHAKE)
+            + h2raw.data(1, message)
+            + h2raw.headers(3, wire.HANDSHAKE)
+            + h2raw.ping(b"is-read!")
+        )
+        assert conn.read_until(lambda: conn.reader.last_ping_ack == b"is-read!", 10.0)
+        assert not conn.stream(1).ended and not conn.stream(3).ended  # both wait
+        started = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.wait_exit(20.0) == 0, server.log()
+        assert time.monotonic() - started < 20.0
+    server.stop()

@@ -32,6 +32,9 @@ from types import TracebackType
 from typing import Any
 from urllib.parse import unquote
 
+import h2.config
+import h2.connection
+import h2.events
 import hpack
 from hpack import NeverIndexedHeaderTuple
 from hyperframe.frame import (
@@ -891,3 +894,45 @@ class Bystander:
                     return
                 self.failures.append(repr(exc))
                 await asyncio.sleep(self.interval)
+
+
+def unary_call(address: str, path: str, payload: bytes, bound: float) -> tuple[Any, ...]:
+    """One unary call on ``path`` whose request stream is ``payload`` (any number of
+    messages), sent as fast as the server's flow-control windows let it (h2's own state
+    machine, as a real client would);
+    ("status", grpc-status) when answered, ("reset", code) / ("goaway", code) / ("eof",)
+    / ("nothing",) otherwise."""
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    conn.send_headers(1, request_fields(path))
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host.removeprefix("tcp://"), int(port)), timeout=bound)
+    deadline = time.monotonic() + bound
+    sent = 0
+    try:
+        while time.monotonic() < deadline:
+            while sent < len(payload):
+                window = conn.local_flow_control_window(1)
+                n = min(window, conn.max_outbound_frame_size, len(payload) - sent)
+                if n <= 0:
+                    break
+                conn.send_data(1, payload[sent : sent + n], end_stream=sent + n == len(payload))
+                sent += n
+            sock.sendall(conn.data_to_send())
+            data = sock.recv(1 << 16)
+            if not data:
+                return ("eof",)
+            for event in conn.receive_data(data):
+                if isinstance(event, h2.events.TrailersReceived | h2.events.ResponseReceived):
+                    status = dict(event.headers).get(b"grpc-status")
+                    if status is not None:
+                        return ("status", int(status))
+                elif isinstance(event, h2.events.StreamReset):
+                    return ("reset", event.error_code)
+                elif isinstance(event, h2.events.ConnectionTerminated):
+                    return ("goaway", event.error_code)
+                elif isinstance(event, h2.events.DataReceived):
+                    conn.acknowledge_received_data(event.flow_controlled_length, 1)
+        return ("nothing",)
+    finally:
+        sock.close()

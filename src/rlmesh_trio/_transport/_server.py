@@ -24,6 +24,7 @@ import hmac
 import logging
 import socket
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -90,6 +91,14 @@ log = logging.getLogger("rlmesh_trio.transport")
 HEALTH_MAX_BYTES = 4096
 """The largest HealthCheckRequest read (a service name of a few KiB); a bigger one is
 RESOURCE_EXHAUSTED before its body is buffered. The health check needs no token."""
+
+UNARY_SLICE_SECONDS = 0.002
+"""Reading the messages after a unary request's first gives the loop back this often,
+for :data:`UNARY_PAUSE_SECONDS` (a timer: under uvloop, ``sleep(0)`` lets no other
+connection's bytes in, measured: a client of a 8 MB Handshake stalled another's steps
+for a second)."""
+
+UNARY_PAUSE_SECONDS = 0.001
 
 GOAWAY_GAP = 0.05
 """Seconds between the two GOAWAY frames of a stop (like the reference: first with
@@ -183,6 +192,7 @@ class LoopServer:
         self.join: JoinCall | None = None
         self._busy: set[JoinCall] = set()  # Join sessions with work in flight
         self._unary_calls = 0
+        self._unary_reading = 0  # of those, the ones waiting for their request's data
         self._idle_handle: asyncio.TimerHandle | None = None
         self._trim_handle: asyncio.TimerHandle | None = None
         self._tls: ReloadingServerContext | None = None
@@ -316,7 +326,7 @@ class LoopServer:
                 log.info(
                     "drain bound of %.3g s expired with %d stream(s) open",
                     options.drain_timeout,
-                    self._unary_calls + (self.join is not None),
+                    self._in_flight() + (self.join is not None),
                 )
         self.reading = False
         if self.join is not None:
@@ -343,11 +353,16 @@ class LoopServer:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(server.wait_closed(), left(CUT_TIMEOUT))
 
+    def _in_flight(self) -> int:
+        """Unary calls being answered (not the ones waiting for their client's request:
+        the stop cuts those)."""
+        return self._unary_calls - self._unary_reading
+
     def _streams_done(self) -> bool:
-        return not self._unary_calls and self.join is None
+        return not self._in_flight() and self.join is None
 
     def _nothing_in_flight(self) -> bool:
-        return not self._unary_calls and (self.join is None or self.join.idle)
+        return not self._in_flight() and (self.join is None or self.join.idle)
 
     async def _until(self, condition: Callable[[], bool]) -> None:
         while not condition():
@@ -512,29 +527,50 @@ class LoopServer:
     async def _read_unary(
         self, stream: Stream[bytes, bytes], limit: int | None = None
     ) -> bytes | bytearray | None:
-        """The request's next message; None at its end."""
+        """The request's next message; None at its end. A call waiting here for its
+        client holds no stop: :meth:`_in_flight`."""
+        self._unary_reading += 1
+        self._changed.set()
         try:
             return await read_message(stream, self.max_message_bytes if limit is None else limit)
         except MessageTooLarge as exc:
             if limit is None:  # an EnvService call: the reference's status and words
                 raise RequestTooLarge(exc) from None
             raise
+        finally:
+            self._unary_reading -= 1
+            self._changed.set()
 
     async def _decode_unary(
-        self, stream: Stream[bytes, bytes], decode: Callable[[Any], Any], limit: int | None = None
+        self,
+        stream: Stream[bytes, bytes],
+        decode: Callable[[Any], Any],
+        limit: int | None = None,
+        *,
+        to_the_end: bool = True,
     ) -> Any:
-        """The request of a unary call, read to the end of the request stream.
+        """The request of a unary call, read to the end of the request stream
+        (``to_the_end``; else its first message only).
 
         Messages after the first are read and decoded as the first one is, then
         dropped: the reference's answer to one that is cut short, flagged compressed,
-        too long or undecodable is that error's status, not the reply.
+        too long or undecodable is that error's status, not the reply. Reading them
+        gives the loop back every :data:`UNARY_SLICE_SECONDS` (grpclib's buffered reads
+        do not), so a request of a million messages stalls no other call.
         """
         data = await self._read_unary(stream, limit)
         if data is None:
             raise GRPCError(Status.INTERNAL, MISSING_MESSAGE)
         request = await self._decoded(data, decode)
-        while (more := await self._read_unary(stream, limit)) is not None:
-            await self._decoded(more, decode)
+        if to_the_end:
+            # A wall clock, not the loop's: uvloop's time() stands still within a callback.
+            slice_end = time.monotonic() + UNARY_SLICE_SECONDS
+            while (more := await self._read_unary(stream, limit)) is not None:
+                if more:
+                    await self._decoded(more, decode)
+                if time.monotonic() >= slice_end:
+                    await asyncio.sleep(UNARY_PAUSE_SECONDS)
+                    slice_end = time.monotonic() + UNARY_SLICE_SECONDS
         return request
 
     async def _decoded(self, data: bytes | bytearray, decode: Callable[[Any], Any]) -> Any:
@@ -559,7 +595,11 @@ class LoopServer:
 
     async def _health_check(self, stream: Stream[bytes, bytes]) -> None:
         # Bounded to a few KiB: the health check needs no token, so it is anyone's.
-        service = await self._decode_unary(stream, decode_health_request, HEALTH_MAX_BYTES)
+        # Answered at its first message: the reference has no health service to follow,
+        # and a probe's answer waits for nothing (more is never read).
+        service = await self._decode_unary(
+            stream, decode_health_request, HEALTH_MAX_BYTES, to_the_end=False
+        )
         if service not in ("", SERVICE_NAME):
             raise UnknownServiceError(service)
         unhealthy = self.closing or not self.lanes.healthy
