@@ -309,10 +309,14 @@ def expand_seeds(
     seed: int | Sequence[int | None] | None,
     offsets: Sequence[int],
     mismatch: Callable[[int, int], str] = _lanes_mismatch,
+    *,
+    some_unseeded: bool = True,
 ) -> list[int | None]:
     """One seed per addressed lane, each one the wire can carry (:func:`wire_seed`):
     ``None`` for every lane, an int (``seed + offset``, one offset per lane), or a
-    sequence as long as ``offsets`` (else ValueError worded by ``mismatch(got, want)``)."""
+    sequence as long as ``offsets`` (else ValueError worded by ``mismatch(got, want)``).
+    ``some_unseeded=False``: a sequence mixing None and seeds is a ValueError (checked
+    before the seeds themselves)."""
     if seed is None:
         return [None] * len(offsets)
     if isinstance(seed, int | np.integer):
@@ -320,19 +324,19 @@ def expand_seeds(
     values = list(seed)
     if len(values) != len(offsets):
         raise ValueError(mismatch(len(values), len(offsets)))
+    if not some_unseeded and None in values and any(s is not None for s in values):
+        raise ValueError(
+            "seeds must be all ints or all None (the wire cannot seed only some lanes)"
+        )
     return [None if s is None else wire_seed(s) for s in values]
 
 
 def seeds_of(seeds: int | Sequence[int | None] | None, k: int) -> list[int]:
     """``None``, an int (``seed + i`` for the i-th addressed lane, as gymnasium), or
     ``k`` ints (all None = unseeded)."""
-    values = expand_seeds(seeds, range(k))
-    if all(s is None for s in values):
-        return []
+    values = expand_seeds(seeds, range(k), some_unseeded=False)
     if any(s is None for s in values):
-        raise ValueError(
-            "seeds must be all ints or all None (the wire cannot seed only some lanes)"
-        )
+        return []  # all of them
     return cast("list[int]", values)
 
 
