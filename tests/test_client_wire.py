@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import functools
 import pickle
+import time
 from typing import Any
 
 import gymnasium as gym
 import h2.config
 import h2.connection
+import h2.events
 import numpy as np
 import pytest
 import trio
@@ -25,7 +27,7 @@ from rlmesh_trio._proto.rlmesh.core import v1 as core_v1
 from rlmesh_trio._proto.rlmesh.env import v1 as env_v1
 from rlmesh_trio._proto.rlmesh.spaces import v1 as spaces_v1
 from rlmesh_trio._wire import DecodeError, decode_join_request, encode_join_response, frame
-from rlmesh_trio._wire._protocol import JOIN_PATH
+from rlmesh_trio._wire._protocol import HANDSHAKE_PATH, JOIN_PATH
 from rlmesh_trio.client import (
     ConnectionLostError,
     EndpointClosedError,
@@ -761,3 +763,168 @@ def test_data_frames_written_past_h2_as_h2_writes_them(monkeypatch: pytest.Monke
     direct = _grpc._DIRECT_DATA and isinstance(getattr(probe._h2, "_data_to_send", None), bytearray)
     if direct:
         assert through_h2 <= 1 and len(calls) > through_h2 + 3
+
+
+# ---- close waits for the server's end of the Join ------------------------------------
+
+
+def _lanes_handshake() -> bytes:
+    """A 2-lane endpoint as rlmesh-trio serves one (autoreset DISABLED: the client
+    autoresets)."""
+    response = env_v1.HandshakeResponse.parse(handshake(capabilities={"subset_step": "true"}))
+    assert response.env_contract is not None
+    response.env_contract.autoreset_mode = core_v1.AutoresetMode.DISABLED
+    return bytes(response)
+
+
+class _LateEnder:
+    """A one-connection server (h2, on Trio) that answers the Handshake, Configure and
+    Close, then ends the Join stream ``end_after`` seconds after its Close reply (None:
+    never). It notes when it ended the stream and when the client closed."""
+
+    def __init__(self, end_after: float | None) -> None:
+        self.end_after = end_after
+        self.ended_at: float | None = None
+        self.client_gone_at: float | None = None
+        self._answering: set[int] = set()  # streams whose response headers went out
+
+    async def serve(self, listener: trio.SocketListener) -> None:
+        async with listener, await listener.accept() as stream:
+            await self._serve(stream)
+
+    async def _serve(self, stream: trio.SocketStream) -> None:
+        conn = h2.connection.H2Connection(
+            h2.config.H2Configuration(client_side=False, header_encoding="utf-8")
+        )
+        conn.initiate_connection()
+        paths: dict[int, str] = {}
+        buffers: dict[int, bytes] = {}
+        async with trio.open_nursery() as nursery:
+            try:
+                await stream.send_all(conn.data_to_send())
+                while data := await stream.receive_some(65536):
+                    for event in conn.receive_data(data):
+                        if isinstance(event, h2.events.RequestReceived):
+                            paths[event.stream_id] = dict(event.headers)[":path"]
+                            buffers[event.stream_id] = b""
+                        elif isinstance(event, h2.events.DataReceived):
+                            conn.acknowledge_received_data(
+                                event.flow_controlled_length, event.stream_id
+                            )
+                            buffers[event.stream_id] += event.data
+                            if paths[event.stream_id] == JOIN_PATH:
+                                self._join(conn, event.stream_id, buffers, nursery, stream)
+                        elif (
+                            isinstance(event, h2.events.StreamEnded)
+                            and paths.get(event.stream_id) == HANDSHAKE_PATH
+                        ):
+                            self._reply(conn, event.stream_id, _lanes_handshake(), end=True)
+                    await stream.send_all(conn.data_to_send())
+            except trio.BrokenResourceError:
+                pass
+            self.client_gone_at = trio.current_time()
+            nursery.cancel_scope.cancel()
+
+    def _join(
+        self,
+        conn: h2.connection.H2Connection,
+        stream_id: int,
+        buffers: dict[int, bytes],
+        nursery: trio.Nursery,
+        stream: trio.SocketStream,
+    ) -> None:
+        data = buffers[stream_id]
+        while len(data) >= 5 and len(data) >= 5 + int.from_bytes(data[1:5], "big"):
+            size = int.from_bytes(data[1:5], "big")
+            request = env_v1.JoinRequest().parse(data[5 : 5 + size])
+            data = data[5 + size :]
+            response = env_v1.JoinResponse(request_id=request.request_id)
+            if request.configure is not None:
+                response.configure = env_v1.ConfigureEnvResponse()
+            else:
+                assert request.close is not None, request
+                response.close = env_v1.CloseEnvsResponse()
+                nursery.start_soon(self._end_later, conn, stream_id, stream)
+            self._reply(conn, stream_id, bytes(response), end=False)
+        buffers[stream_id] = data
+
+    def _reply(
+        self, conn: h2.connection.H2Connection, stream_id: int, message: bytes, *, end: bool
+    ) -> None:
+        if stream_id not in self._answering:
+            self._answering.add(stream_id)
+            conn.send_headers(stream_id, [(":status", "200"), ("content-type", "application/grpc")])
+        conn.send_data(stream_id, frame(message))
+        if end:
+            conn.send_headers(stream_id, [("grpc-status", "0")], end_stream=True)
+
+    async def _end_later(
+        self, conn: h2.connection.H2Connection, stream_id: int, stream: trio.SocketStream
+    ) -> None:
+        if self.end_after is None:
+            await trio.sleep_forever()
+        await trio.sleep(self.end_after)
+        conn.send_headers(stream_id, [("grpc-status", "0")], end_stream=True)
+        self.ended_at = trio.current_time()
+        await stream.send_all(conn.data_to_send())
+
+
+CLOSE_TIMEOUTS = {0.5: 5.0, None: 1.5}
+"""The client's close timeout for a server that ends the Join 0.5 s after its Close reply
+(generous), and for one that never does (what the close then takes)."""
+
+
+@pytest.mark.parametrize("end_after", [0.5, None])
+async def test_aclose_waits_for_the_servers_end_of_the_join_within_its_timeout(
+    end_after: float | None,
+) -> None:
+    """After the Close reply, the connection is closed only once the server ended the
+    Join (then its session is over: a new Join is admitted at once), or at the close
+    timeout if it never does."""
+    server = _LateEnder(end_after)
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.serve, listeners[0])
+            timeout = CLOSE_TIMEOUTS[end_after]
+            async with open_endpoint(f"127.0.0.1:{port}", close_timeout_seconds=timeout) as ep:
+                started = trio.current_time()
+                assert await ep.aclose() == []
+                took = trio.current_time() - started
+    assert server.client_gone_at is not None
+    if end_after is None:
+        assert server.ended_at is None
+        assert 1.5 <= took < 1.5 + 5.0  # the close timeout (and the 1 s shutdown bound)
+    else:
+        assert server.ended_at is not None
+        assert server.client_gone_at >= server.ended_at
+        assert end_after <= took < 5.0
+
+
+@pytest.mark.parametrize("end_after", [0.5, None])
+async def test_blocking_close_waits_for_the_servers_end_of_the_join_within_its_timeout(
+    end_after: float | None,
+) -> None:
+    server = _LateEnder(end_after)
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+
+    def session() -> float:
+        envs = VectorEnv(f"127.0.0.1:{port}", close_timeout_seconds=CLOSE_TIMEOUTS[end_after])
+        started = time.monotonic()
+        envs.close()
+        return time.monotonic() - started
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.serve, listeners[0])
+            took = await trio.to_thread.run_sync(session)
+    assert server.client_gone_at is not None
+    if end_after is None:
+        assert server.ended_at is None
+        assert 1.5 <= took < 1.5 + 5.0
+    else:
+        assert server.ended_at is not None
+        assert server.client_gone_at >= server.ended_at
+        assert end_after <= took < 5.0
