@@ -40,6 +40,7 @@ from rlmesh_trio.client import (
     _grpc,
     open_endpoint,
 )
+from rlmesh_trio.client._codecs import seeds_of
 from rlmesh_trio.client._contract import contract_from_handshake
 from rlmesh_trio.client._core import JoinStream, Slot
 from rlmesh_trio.client._grpc import GrpcConnection
@@ -928,3 +929,29 @@ async def test_blocking_close_waits_for_the_servers_end_of_the_join_within_its_t
         assert server.ended_at is not None
         assert server.client_gone_at >= server.ended_at
         assert end_after <= took < 5.0
+
+
+SEED_CASES = [
+    # (seeds for 3 lanes, what the Trio endpoint sends or the error it raises)
+    (None, []),
+    (5, [5, 6, 7]),
+    (np.int64(2), [2, 3, 4]),
+    ([None, None, None], []),
+    ((1, 2, 3), [1, 2, 3]),
+    ([None, 1.5, 2], (ValueError, "all ints or all None")),  # the mix, before the seeds
+    ([None, None, 2**64], (ValueError, "all ints or all None")),
+    ([1, 2], (ValueError, "2 seeds for 3 lanes")),
+    ([1, 2, 2**63], (ValueError, "does not fit the protocol's int64 seeds")),
+    ([1, 2, 1.5], (TypeError, "float")),
+    (2**63 - 2, (ValueError, "does not fit")),  # the third lane's seed is 2**63
+]
+
+
+@pytest.mark.parametrize(("seeds", "expected"), SEED_CASES)
+def test_the_endpoints_seeds(seeds: Any, expected: Any) -> None:
+    if isinstance(expected, list):
+        assert seeds_of(seeds, 3) == expected
+    else:
+        error, words = expected
+        with pytest.raises(error, match=words):
+            seeds_of(seeds, 3)

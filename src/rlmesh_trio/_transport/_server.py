@@ -95,7 +95,7 @@ RESOURCE_EXHAUSTED before its body is buffered. The health check needs no token.
 UNARY_SLICE_SECONDS = 0.002
 """Reading the messages after a unary request's first gives the loop back this often,
 for :data:`UNARY_PAUSE_SECONDS` (a timer: under uvloop, ``sleep(0)`` lets no other
-connection's bytes in, measured: a client of a 8 MB Handshake stalled another's steps
+connection's bytes in, measured: a client's 8 MB Handshake stalled another's steps
 for a second)."""
 
 UNARY_PAUSE_SECONDS = 0.001

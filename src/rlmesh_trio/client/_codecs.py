@@ -324,7 +324,7 @@ def expand_seeds(
     values = list(seed)
     if len(values) != len(offsets):
         raise ValueError(mismatch(len(values), len(offsets)))
-    if not some_unseeded and None in values and any(s is not None for s in values):
+    if not some_unseeded and any(s is None for s in values) and any(s is not None for s in values):
         raise ValueError(
             "seeds must be all ints or all None (the wire cannot seed only some lanes)"
         )
