@@ -90,10 +90,11 @@ def _join_once(address: str, lanes: int) -> None:
 def nothing_sent(env: Env | VectorEnv) -> Iterator[None]:
     """Fail the test if ``env`` makes a request meanwhile (every request of the blocking
     driver takes an id from its Join state and is queued there)."""
-    state = env._ep.state
+    states = [env._ep.state] if isinstance(env, Env) else [p.state for p in env._parts]
     with pytest.MonkeyPatch.context() as patch:
-        for name in ("next_id", "submit", "submit_many"):
-            patch.setattr(state, name, partial(_refused, name))
+        for state in states:
+            for name in ("next_id", "submit", "submit_many"):
+                patch.setattr(state, name, partial(_refused, name))
         yield
 
 

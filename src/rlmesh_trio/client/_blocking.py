@@ -17,6 +17,7 @@ import socket
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from .._tls import TlsSetting, check_alpn
 from .._wire._protocol import HANDSHAKE_PATH, JOIN_PATH
@@ -36,7 +37,7 @@ from ._settings import (
     transport_failure,
 )
 
-__all__ = ["BlockingConnection", "BlockingEndpoint", "unary_result"]
+__all__ = ["BlockingConnection", "BlockingEndpoint", "Submitted", "unary_result"]
 
 _READ_SIZE = 256 * 1024
 _QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)
@@ -65,6 +66,9 @@ class BlockingConnection:
             target.authority, metadata(auth_token), tls=self._tls is not None
         )
         self.after: Callable[[], None] = _noop
+        self.reads = 0
+        """How many reads :meth:`pump` has fed to the connection (a vector over several
+        endpoints waits for the next read of whichever socket has data)."""
         self._quickack = False
         self.sock: socket.socket | None = self._connect(connect_timeout_seconds)
 
@@ -104,6 +108,10 @@ class BlockingConnection:
             secure.close()
             raise ConnectionLostError(str(exc)) from None
         return secure
+
+    @property
+    def ping_interval_seconds(self) -> float:
+        return self._ping_interval
 
     def flush(self, deadline: float | None = None) -> None:
         data = self.conn.data_to_send()
@@ -158,6 +166,7 @@ class BlockingConnection:
             if data and self._quickack:  # see _endpoint._quickack
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.IPPROTO_TCP, _QUICKACK, 1)  # type: ignore[arg-type]
+            self.reads += 1
             conn.receive(data)
             if conn.pings_acked > acked:
                 ping_deadline = None
@@ -226,6 +235,16 @@ def _holds(address: str) -> bool:
     # A function of its own: no strong reference to an endpoint outlives it (the
     # collector must find the garbage ones unreferenced).
     return any(str(ep.target) == address for ep in list(_OPEN))
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """Requests written by :meth:`BlockingEndpoint.submit_each`, not yet answered."""
+
+    slots: list[tuple[str, Slot]]
+    kinds: list[str]
+    deadline: float | None
+    timeout_ms: int | None
 
 
 class BlockingEndpoint:
@@ -332,6 +351,22 @@ class BlockingEndpoint:
         the grace gets :class:`RequestTimeoutError` (its reply abandoned). ``lanes``: the
         lanes each request addresses (None: every lane; omitted: none, a session
         request), to name them in errors."""
+        return self.finish(
+            self.submit_each(builders, kinds, timeout_ms=timeout_ms, lanes=lanes, deadline=deadline)
+        )
+
+    def submit_each(
+        self,
+        builders: Sequence[object],
+        kinds: Sequence[str],
+        *,
+        deadline: float | None = None,
+        timeout_ms: int | None = None,
+        lanes: Sequence[Sequence[int] | None] | None = None,
+    ) -> Submitted:
+        """The first half of :meth:`roundtrip_each`: the requests written, not waited
+        for (:meth:`finish` reads their answers). A vector env over several endpoints
+        submits to each before it finishes any, so that they all work at once."""
         state = self.state
         if timeout_ms:
             limit = reply_deadline(timeout_ms)
@@ -345,10 +380,17 @@ class BlockingEndpoint:
             addressed = () if lanes is None else lanes[i]
             slots.append((rid, state.submit(build(rid), rid, _noop, verb=kind, lanes=addressed)))
         self._link.flush()
+        return Submitted(slots, list(kinds), deadline, timeout_ms)
+
+    def finish(self, submitted: Submitted) -> list[Reply | EndpointError]:
+        """The second half of :meth:`roundtrip_each`: read until every request of
+        ``submitted`` is answered (or its deadline passed); each one's reply or error."""
+        state = self.state
+        slots, kinds, timeout_ms = submitted.slots, submitted.kinds, submitted.timeout_ms
         try:
             self._link.pump(
                 lambda: all(s.reply is not None or s.error is not None for _, s in slots),
-                deadline,
+                submitted.deadline,
                 "request",
             )
         except ConnectionLostError:
@@ -384,6 +426,11 @@ class BlockingEndpoint:
                 raise
         if self._conn.lost is not None:
             self.state.process()  # the pending requests fail with the connection
+
+    @property
+    def link(self) -> BlockingConnection:
+        """The connection (its socket, for a wait over several endpoints)."""
+        return self._link
 
     def close(self, reason: str = "client close") -> list[Episode]:
         if self._closed is not None:

@@ -12,20 +12,22 @@ a :class:`VectorEnv` (``num_envs=`` checked against the endpoint's lanes).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, SupportsFloat
+from typing import Any, SupportsFloat, TypeVar, cast
 
 import gymnasium as gym
 import numpy as np
 from gymnasium.error import ResetNeeded
 from gymnasium.vector import AutoresetMode
-from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
+from gymnasium.vector.utils import batch_space, iterate
 
 from .._deprecation import Rename, renamed_kwargs
 from .._tls import TlsSetting
 from ._answers import StepResult, fold_arrays, per_lane_reset, step_answers
 from ._autoreset import (
+    AddInfo,
     LaneReset,
     StepPlan,
     VectorLanes,
@@ -36,7 +38,7 @@ from ._autoreset import (
     seeds_of,
     take_reset_mask,
 )
-from ._blocking import BlockingEndpoint
+from ._blocking import BlockingEndpoint, Submitted
 from ._codecs import (
     ACTION_ERRORS,
     decode_frame,
@@ -46,7 +48,14 @@ from ._codecs import (
     wire_seed,
 )
 from ._core import JoinStream, check_options
-from ._errors import EndpointError, EnvError, lane_crash
+from ._errors import (
+    ConnectionLostError,
+    EndpointClosedError,
+    EndpointError,
+    EnvError,
+    lane_crash,
+)
+from ._gather import Gathering, addresses_of, passed_over
 from ._messages import Episode, Reply, render_builder, reset_builder, step_builder
 from ._pool import Batch, BlockingPool
 from ._settings import (
@@ -58,8 +67,9 @@ from ._settings import (
     request_timeout_ms,
     seconds_of_ms,
 )
+from ._span import SpanningPool
 
-__all__ = ["Env", "VectorEnv"]
+__all__ = ["Connection", "Env", "VectorEnv", "open_endpoints"]
 
 
 OLD_ADAPTER_KEYWORDS: dict[str, Rename] = {
@@ -81,31 +91,318 @@ def _check_render_mode(address: str, asked: str | None, served: str | None) -> N
         )
 
 
-def _open(
-    address: str,
-    auth_token: str | None,
-    tls: TlsSetting,
-    timeouts: tuple[float, float, float, float],
-) -> BlockingEndpoint:
-    """The adapters' connection; ``timeouts``: connect, ping interval, ping timeout, close."""
-    connect, interval, ping, close = timeouts
-    return BlockingEndpoint(
-        address,
-        auth_token=auth_token,
-        tls=tls,
-        connect_timeout_seconds=connect,
-        ping_interval_seconds=interval,
-        ping_timeout_seconds=ping,
-        close_timeout_seconds=close,
-    )
+@dataclass(frozen=True)
+class Connection:
+    """How the adapters connect to each endpoint: the bearer token, TLS and the
+    connection's timeouts (as :func:`~rlmesh_trio.client.open_endpoint` takes them)."""
+
+    auth_token: str | None = None
+    tls: TlsSetting = None
+    connect_timeout_seconds: float = DEFAULT_CONNECT_TIMEOUT_SECONDS
+    ping_interval_seconds: float = DEFAULT_PING_INTERVAL_SECONDS
+    ping_timeout_seconds: float = DEFAULT_PING_TIMEOUT_SECONDS
+    close_timeout_seconds: float = DEFAULT_CLOSE_TIMEOUT_SECONDS
+
+    def open(self, address: str) -> BlockingEndpoint:
+        return BlockingEndpoint(
+            address,
+            auth_token=self.auth_token,
+            tls=self.tls,
+            connect_timeout_seconds=self.connect_timeout_seconds,
+            ping_interval_seconds=self.ping_interval_seconds,
+            ping_timeout_seconds=self.ping_timeout_seconds,
+            close_timeout_seconds=self.close_timeout_seconds,
+        )
+
+
+def open_endpoints(
+    address: str | Sequence[str] | None, want: int | None, connection: Connection
+) -> list[tuple[str, BlockingEndpoint]]:
+    """The endpoints a client joins: ``address`` (else ``RLMESH_TRIO_ADDRESS``), one
+    address as it is, a list gathered whole endpoint by whole endpoint until ``want``
+    lanes are held (None: every endpoint of the list) -- see :mod:`._gather`."""
+    addresses = addresses_of(address)
+    if len(addresses) == 1:
+        return [(addresses[0], connection.open(addresses[0]))]
+    gathering = Gathering(addresses, want)
+    taken: list[tuple[str, BlockingEndpoint]] = []
+    try:
+        for each in addresses:
+            if gathering.done:
+                break
+            try:
+                ep = connection.open(each)
+            except EndpointError as exc:
+                why = passed_over(exc)
+                if why is None:
+                    raise
+                gathering.refused(each, why)
+                continue
+            if gathering.offered(each, ep.state.contract.num_envs):
+                taken.append((each, ep))
+            else:
+                ep.close()
+        gathering.check()
+    except BaseException:
+        for _, ep in taken:
+            ep.close()
+        raise
+    return taken
+
+
+Answer = Reply | EndpointError
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Request:
+    """Requests a part sends together (one write) and whose answers it waits for."""
+
+    builders: list[Any]
+    kinds: list[str]
+    lanes: list[Sequence[int]]
+
+
+Rounds = Generator[Request, list[Answer], T]
+"""A part's share of a reset or a step: it yields the requests of each round trip,
+gets their answers back, and returns its result. The requests go out only once every
+part has made its own (a part that cannot make them raises before anything is sent)."""
+
+
+class InfoCalls:
+    """An ``add_info`` that records its calls (lane, info) for the VectorEnv to replay
+    with its own ``_add_info``, lanes moved by the part's offset: the same calls in the
+    same order as ``SyncVectorEnv`` makes them over the whole vector."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, dict[str, Any]]] = []
+
+    def __call__(self, infos: dict[str, Any], info: dict[str, Any], lane: int) -> dict[str, Any]:
+        self.calls.append((lane, info))
+        return infos
+
+
+class _Part:
+    """One endpoint's lanes in a :class:`VectorEnv`: its connection, its lanes' state
+    (``SyncVectorEnv``'s, lane by lane) and the rounds of requests its lanes' share of a
+    reset or a step takes. ``offset``: its first lane's index in the vector."""
+
+    def __init__(
+        self,
+        address: str,
+        ep: BlockingEndpoint,
+        offset: int,
+        mode: AutoresetMode,
+        timeout_ms: int,
+        batch_size: int | None,
+    ) -> None:
+        self.address = address
+        self.ep = ep
+        self.offset = offset
+        self.mode = mode
+        self.timeout_ms = timeout_ms
+        self.state: JoinStream = ep.state
+        contract = self.state.contract
+        if contract.autoreset_mode != "DISABLED":
+            raise ValueError(
+                f"{address} autoresets on the server ({contract.autoreset_mode}); "
+                "VectorEnv needs a lane endpoint (autoreset DISABLED)"
+            )
+        if contract.num_envs > 1 and not contract.subset_step:
+            raise ValueError(f"{address} does not take lane-scoped requests (no subset_step)")
+        self.contract = contract
+        self.num_envs = contract.num_envs
+        self.lanes = VectorLanes(self.num_envs)
+        # The lanes are the pool's book too; they hold no reference back to the env.
+        self.pool = BlockingPool(ep, self.lanes, batch_size=batch_size, autoreset_mode=mode)
+
+    @property
+    def name(self) -> str:
+        last = self.offset + self.num_envs - 1
+        lanes = f"lane {last}" if last == self.offset else f"lanes {self.offset}..{last}"
+        return f"the endpoint at {self.address} ({lanes} of the vector)"
+
+    def run(self, rounds: Rounds[T]) -> T:
+        """Drive ``rounds`` on this part's connection alone."""
+        try:
+            request = next(rounds)
+            while True:
+                answers = self.ep.roundtrip_each(
+                    request.builders, request.kinds, timeout_ms=self.timeout_ms, lanes=request.lanes
+                )
+                request = rounds.send(answers)
+        except StopIteration as stop:
+            return cast(T, stop.value)
+
+    # ---- rounds -----------------------------------------------------------------------
+
+    def resets(
+        self, lanes: Sequence[int], seeds: Sequence[int | None], options: dict[str, Any] | None
+    ) -> Rounds[dict[int, LaneReset]]:
+        """Lane-scoped resets of ``lanes`` (one request for the seeded lanes, one for the
+        unseeded), sent together; each lane's observation and info."""
+        seeded = [(lane, s) for lane, s in zip(lanes, seeds, strict=True) if s is not None]
+        unseeded = [lane for lane, s in zip(lanes, seeds, strict=True) if s is None]
+        groups: list[tuple[list[int], list[int]]] = []
+        if seeded:
+            groups.append(([lane for lane, _ in seeded], [int(s) for _, s in seeded]))
+        if unseeded:
+            groups.append((unseeded, []))
+        if not groups:
+            return {}
+        everyone = len(groups) == 1 and groups[0][0] == list(range(self.num_envs))
+        builders = [
+            partial(
+                reset_builder,
+                seeds=group_seeds,
+                options=options,
+                timeout_ms=self.timeout_ms,
+                lanes=[] if everyone else group,  # all lanes alike: one whole-vector reset
+            )
+            for group, group_seeds in groups
+        ]
+        answers = yield Request(builders, ["reset"] * len(builders), [g for g, _ in groups])
+        out: dict[int, LaneReset] = {}
+        for (group, _), answer in zip(groups, answers, strict=True):
+            if isinstance(answer, EndpointError):
+                raise answer
+            out.update(per_lane_reset(self.state.codecs, group, answer))
+        return out
+
+    def reset(
+        self,
+        seeds: Sequence[int | None],
+        options: dict[str, Any] | None,
+        mask: np.ndarray[Any, Any] | None,
+        add_info: AddInfo,
+    ) -> Rounds[dict[str, Any]]:
+        """This part's share of ``reset()``: its ``seeds`` and ``mask`` (None: every lane)."""
+        n = self.num_envs
+        lanes = list(range(n)) if mask is None else [i for i in range(n) if mask[i]]
+        results = yield from self.resets(lanes, [seeds[i] for i in lanes], options)
+        return fold_reset(self.lanes, results, mask, add_info)
+
+    def step(self, actions: Any, rows: list[Any] | None, add_info: AddInfo) -> Rounds[StepResult]:
+        """This part's share of ``step()``: ``actions`` its lanes' batch (used when
+        ``rows`` is None), else ``rows`` one action per lane."""
+        plan = plan_step(self.mode, self.lanes.done)
+        answers = yield self._step_request(plan, actions, rows)
+        for answer in answers:
+            if isinstance(answer, EndpointError) and not lane_crash(answer):
+                raise answer
+        lanes, codecs = self.lanes, self.state.codecs
+        folded = fold_arrays(lanes, codecs, self.mode, plan, answers, add_info)
+        if folded is not None:
+            return folded
+        stepped, reset = step_answers(lanes, codecs, plan, answers)
+        done = same_step_resets(self.mode, plan, stepped)
+        finished = (yield from self.resets(done, [None] * len(done), None)) if done else {}
+        infos = fold_step(lanes, stepped, reset, finished, add_info)
+        return (
+            codecs.batch(lanes.obs),
+            np.copy(lanes.rewards),
+            np.copy(lanes.terminations),
+            np.copy(lanes.truncations),
+            infos,
+        )
+
+    def _step_request(self, plan: StepPlan, actions: Any, rows: list[Any] | None) -> Request:
+        """The step's one round trip: a step of ``plan.step_lanes`` (whole-vector when
+        every lane steps: the same on a lane endpoint, and the form every server handles
+        fastest) beside a lane-scoped reset of ``plan.reset_lanes``."""
+        step_lanes, reset_lanes = plan.step_lanes, plan.reset_lanes
+        codecs = self.state.codecs
+        request = Request([], [], [])
+        if step_lanes:
+            whole = len(step_lanes) == self.num_envs
+            if rows is None:
+                subset = actions if whole else actions[step_lanes]
+                leaves = codecs.encode_actions(subset, len(step_lanes))
+            else:
+                leaves = codecs.encode_actions_rows([rows[i] for i in step_lanes])
+            request.builders.append(
+                partial(
+                    step_builder,
+                    leaves=leaves,
+                    timeout_ms=self.timeout_ms,
+                    lanes=[] if whole else step_lanes,
+                )
+            )
+            request.kinds.append("step")
+            request.lanes.append(step_lanes)
+        if reset_lanes:
+            request.builders.append(
+                partial(
+                    reset_builder,
+                    seeds=[],
+                    options=None,
+                    timeout_ms=self.timeout_ms,
+                    lanes=reset_lanes,
+                )
+            )
+            request.kinds.append("reset")
+            request.lanes.append(reset_lanes)
+        return request
+
+    def render(self) -> list[Any]:
+        """Each lane's frame; None for a lane the server cannot render."""
+        frames: list[Any] = []
+        for lane in range(self.num_envs):
+            try:
+                reply = self.ep.roundtrip(
+                    [partial(render_builder, lane=lane)], ["render"], lanes=[[lane]]
+                )[0]
+            except EnvError as exc:
+                if not exc.is_recoverable:
+                    raise
+                frames.append(None)
+                continue
+            frames.append(decode_frame(reply))
+        return frames
+
+    def close(self) -> list[Episode]:
+        """Close the session; the episodes it reported, their lanes the vector's."""
+        return [
+            replace(episode, env_index=episode.env_index + self.offset)
+            for episode in self.ep.close()
+        ]
+
+
+def _same_contract(first: _Part, other: _Part) -> None:
+    """Every endpoint of one vector serves the same env: spaces, render mode, metadata."""
+    a, b = first.contract, other.contract
+    for what, mine, theirs in (
+        ("observation space", a.observation_space, b.observation_space),
+        ("action space", a.action_space, b.action_space),
+        ("render_mode", a.render_mode, b.render_mode),
+        ("env id", a.env_id, b.env_id),
+    ):
+        if mine != theirs:
+            raise ValueError(
+                f"the endpoints of one VectorEnv must serve the same env: {first.address} "
+                f"has {what} {mine!r}, {other.address} has {theirs!r}"
+            )
 
 
 class VectorEnv(gym.vector.VectorEnv):
-    """A ``gymnasium.vector.VectorEnv`` whose sub-envs are the lanes of an endpoint.
+    """A ``gymnasium.vector.VectorEnv`` whose sub-envs are the lanes of one endpoint, or
+    of several endpoints side by side.
+
+    ``address``: one address; a list of addresses (or one string of comma-separated
+    ones); or None, which reads ``RLMESH_TRIO_ADDRESS`` (one address or a
+    comma-separated list: what ``gymnasium.make_vec("rlmesh_trio/Remote-v0",
+    num_envs=N)`` uses). With a list, whole endpoints are gathered in list order until
+    they hold ``num_envs`` lanes (None: every endpoint of the list); an endpoint whose
+    Join session another client holds, or that cannot be reached, is passed over, and
+    when the rest cannot make up the count :class:`EndpointsUnavailableError` names each
+    endpoint and why it was not taken. The vector's lanes are the endpoints' lanes in
+    list order; every reset and step goes to all of them at once (one Join each) and
+    comes back as one batch, exactly as ``SyncVectorEnv`` over the same envs. An
+    endpoint lost mid-way is raised naming it, the others closed.
 
     ``autoreset_mode``: ``NEXT_STEP`` (default), ``SAME_STEP`` or ``DISABLED``, with the
     semantics of gymnasium's ``SyncVectorEnv`` (DISABLED: reset finished lanes with
-    ``reset(options={"reset_mask": mask})``). The endpoint must be a lane endpoint
+    ``reset(options={"reset_mask": mask})``). Each endpoint must be a lane endpoint
     (autoreset DISABLED on the server, the ``subset_step`` capability when it has more
     than one lane). ``request_timeout_seconds`` is sent with every reset and step as
     the wire's ``timeout_ms`` (whole milliseconds, as rlmesh's ``RemoteEnv`` sends it;
@@ -121,21 +418,23 @@ class VectorEnv(gym.vector.VectorEnv):
 
     ``batch_size`` (1..num_envs, default num_envs): how many lanes :meth:`recv` returns
     after :meth:`async_reset` / :meth:`send`, EnvPool's way of stepping the lanes that
-    are ready (docs/client.md). With ``batch_size < num_envs``, :meth:`step` is refused
-    (it would wait for every lane: that is what the pool avoids); with
-    ``batch_size == num_envs`` it works as ever once no lane is in flight.
+    are ready (docs/client.md), across every endpoint of the vector. With
+    ``batch_size < num_envs``, :meth:`step` is refused (it would wait for every lane:
+    that is what the pool avoids); with ``batch_size == num_envs`` it works as ever once
+    no lane is in flight.
 
-    ``num_envs`` (what ``gymnasium.make_vec`` passes; default: whatever the endpoint
-    serves) must equal the endpoint's lane count, else a ``ValueError`` naming both.
-    ``render_mode`` (None: the served env's) must be the served env's. A constructor
-    that raises has closed its connection first. :meth:`step` before this client's own
-    :meth:`reset` of every lane raises ``gymnasium.error.ResetNeeded`` (nothing sent).
+    ``num_envs`` (what ``gymnasium.make_vec`` passes; default: whatever the endpoints
+    serve) must equal the endpoint's lane count when one address is given, else a
+    ``ValueError`` naming both. ``render_mode`` (None: the served env's) must be the
+    served env's. A constructor that raises has closed its connections first.
+    :meth:`step` before this client's own :meth:`reset` of every lane raises
+    ``gymnasium.error.ResetNeeded`` (nothing sent).
     """
 
     @renamed_kwargs(**OLD_ADAPTER_KEYWORDS)
     def __init__(
         self,
-        address: str,
+        address: str | Sequence[str] | None = None,
         *,
         num_envs: int | None = None,
         autoreset_mode: str | AutoresetMode = AutoresetMode.NEXT_STEP,
@@ -158,53 +457,59 @@ class VectorEnv(gym.vector.VectorEnv):
             isinstance(num_envs, bool) or not isinstance(num_envs, int | np.integer)
         ):
             raise TypeError(f"num_envs must be an int, not {type(num_envs).__name__}")
-        self._timeout_ms = request_timeout_ms(request_timeout_seconds)
-        self._ep = _open(
-            address,
+        timeout_ms = request_timeout_ms(request_timeout_seconds)
+        connection = Connection(
             auth_token,
             tls,
-            (
-                connect_timeout_seconds,
-                ping_interval_seconds,
-                ping_timeout_seconds,
-                close_timeout_seconds,
-            ),
+            connect_timeout_seconds,
+            ping_interval_seconds,
+            ping_timeout_seconds,
+            close_timeout_seconds,
         )
+        want = None if num_envs is None else int(num_envs)
+        joined = open_endpoints(address, want, connection)
+        self._parts: list[_Part] = []
         try:
-            self._setup(address, num_envs, mode, batch_size, render_mode)
+            self._setup(joined, want, mode, timeout_ms, batch_size, render_mode)
         except BaseException:
             # Nothing held past a failed constructor (its traceback keeps ``self``).
-            self._ep.close()
+            for _, ep in joined:
+                ep.close()
             raise
 
     def _setup(
         self,
-        address: str,
+        joined: list[tuple[str, BlockingEndpoint]],
         num_envs: int | None,
         mode: AutoresetMode,
+        timeout_ms: int,
         batch_size: int | None,
         render_mode: str | None,
     ) -> None:
-        self._state: JoinStream = self._ep.state
-        contract = self._state.contract
-        if contract.autoreset_mode != "DISABLED":
+        single = len(joined) == 1
+        offset = 0
+        for address, ep in joined:
+            part = _Part(address, ep, offset, mode, timeout_ms, batch_size if single else None)
+            self._parts.append(part)
+            offset += part.num_envs
+        first = self._parts[0]
+        for part in self._parts[1:]:
+            _same_contract(first, part)
+        contract = first.contract
+        if num_envs is not None and num_envs != offset:
             raise ValueError(
-                f"{address} autoresets on the server ({contract.autoreset_mode}); "
-                "VectorEnv needs a lane endpoint (autoreset DISABLED)"
-            )
-        if contract.num_envs > 1 and not contract.subset_step:
-            raise ValueError(f"{address} does not take lane-scoped requests (no subset_step)")
-        if num_envs is not None and int(num_envs) != contract.num_envs:
-            raise ValueError(
-                f"num_envs={int(num_envs)}, but the endpoint at {address} serves "
+                f"num_envs={num_envs}, but the endpoint at {first.address} serves "
                 f"{contract.num_envs} lanes: a VectorEnv drives all of an endpoint's lanes "
                 f"(pass num_envs={contract.num_envs}; gymnasium.make_vec's default is 1)"
             )
-        _check_render_mode(address, render_mode, contract.render_mode)
+        _check_render_mode(first.address, render_mode, contract.render_mode)
+        self._single = first if single else None
         self.final_episodes: list[Episode] = []
-        """What the server reported at :meth:`close` (episodes still running then)."""
+        """What the servers reported at :meth:`close` (episodes still running then)."""
+        self.addresses = [part.address for part in self._parts]
+        """The endpoints this vector joined, in lane order."""
         self.autoreset_mode = mode
-        self.num_envs = contract.num_envs
+        self.num_envs = offset
         self.metadata = dict(contract.metadata)
         self.metadata["autoreset_mode"] = mode
         self.render_mode = contract.render_mode
@@ -213,52 +518,88 @@ class VectorEnv(gym.vector.VectorEnv):
         self.observation_space = batch_space(self.single_observation_space, self.num_envs)
         self.action_space = batch_space(self.single_action_space, self.num_envs)
         self.spec = None
-        self._lanes = VectorLanes(self.num_envs)
-        # The lanes are the pool's book too; they hold no reference back to the env.
-        self._pool = BlockingPool(self._ep, self._lanes, batch_size=batch_size, autoreset_mode=mode)
+        self._pool = None if single else SpanningPool(self._parts, batch_size, mode)
 
-    # ---- requests ---------------------------------------------------------------------
+    # ---- running the parts ----------------------------------------------------------------
 
-    def _resets(
-        self, lanes: Sequence[int], seeds: Sequence[int | None], options: dict[str, Any] | None
-    ) -> dict[int, LaneReset]:
-        """Lane-scoped resets of ``lanes`` (one request for the seeded lanes, one for the
-        unseeded), sent together; each lane's observation and info."""
-        seeded = [(lane, s) for lane, s in zip(lanes, seeds, strict=True) if s is not None]
-        unseeded = [lane for lane, s in zip(lanes, seeds, strict=True) if s is None]
-        groups: list[tuple[list[int], list[int]]] = []
-        if seeded:
-            groups.append(([lane for lane, _ in seeded], [int(s) for _, s in seeded]))
-        if unseeded:
-            groups.append((unseeded, []))
-        everyone = len(groups) == 1 and groups[0][0] == list(range(self.num_envs))
-        builders = [
-            partial(
-                reset_builder,
-                seeds=group_seeds,
-                options=options,
-                timeout_ms=self._timeout_ms,
-                lanes=[] if everyone else group,  # all lanes alike: one whole-vector reset
-            )
-            for group, group_seeds in groups
-        ]
-        replies = self._ep.roundtrip(
-            builders,
-            ["reset"] * len(builders),
-            timeout_ms=self._timeout_ms,
-            lanes=[group for group, _ in groups],
+    def _together(self, rounds: list[Rounds[T]]) -> list[T]:
+        """Drive every part's rounds at once: each round's requests written to every
+        endpoint before any answer is read. A part's failure is raised once every other
+        part's requests are answered (nothing left in flight), naming its endpoint; a
+        fatal one closes the others."""
+        parts = self._parts
+        results: list[Any] = [None] * len(parts)
+        live: dict[int, Request] = {}
+        try:
+            for i, each in enumerate(rounds):  # every part's requests made, none sent yet
+                try:
+                    live[i] = next(each)
+                except StopIteration as stop:
+                    results[i] = stop.value
+        except BaseException:
+            for each in rounds:
+                each.close()
+            raise
+        failures: dict[int, BaseException] = {}
+        while live:
+            sent: dict[int, Submitted] = {}
+            for i, request in live.items():
+                try:
+                    sent[i] = parts[i].ep.submit_each(
+                        request.builders,
+                        request.kinds,
+                        timeout_ms=parts[i].timeout_ms,
+                        lanes=request.lanes,
+                    )
+                except EndpointError as exc:
+                    failures[i] = exc
+            live = {}
+            for i, submitted in sent.items():
+                try:
+                    live[i] = rounds[i].send(parts[i].ep.finish(submitted))
+                except StopIteration as stop:
+                    results[i] = stop.value
+                except EndpointError as exc:
+                    failures[i] = exc
+        if failures:
+            self._fail(failures)
+        return results
+
+    def _fail(self, failures: dict[int, BaseException]) -> None:
+        i = min(failures)
+        exc = failures[i]
+        part = self._parts[i]
+        fatal = any(
+            not (isinstance(e, EndpointError) and e.is_recoverable) for e in failures.values()
         )
-        out: dict[int, LaneReset] = {}
-        for (group, _), reply in zip(groups, replies, strict=True):
-            out.update(per_lane_reset(self._state.codecs, group, reply))
-        return out
+        if fatal:
+            # The vector cannot go on without those lanes: the others end their sessions.
+            self.close()
+        if isinstance(exc, ConnectionLostError | EndpointClosedError):
+            raise ConnectionLostError(f"{part.name} was lost: {exc}") from exc
+        exc.add_note(f"from {part.name}")
+        raise exc
+
+    def _replayed(self, calls: list[InfoCalls]) -> dict[str, Any]:
+        infos: dict[str, Any] = {}
+        for part, recorded in zip(self._parts, calls, strict=True):
+            for lane, info in recorded.calls:
+                infos = self._add_info(infos, info, lane + part.offset)
+        return infos
+
+    def _observations(self) -> Any:
+        rows = [row for part in self._parts for row in part.lanes.obs]
+        return self._parts[0].state.codecs.batch(rows)
 
     # ---- EnvPool API (docs/client.md) -----------------------------------------------------
 
     @property
     def batch_size(self) -> int:
         """How many lanes :meth:`recv` returns."""
-        return self._pool.core.batch_size
+        if self._single is not None:
+            return self._single.pool.core.batch_size
+        assert self._pool is not None
+        return self._pool.batch_size
 
     def async_reset(
         self,
@@ -272,7 +613,12 @@ class VectorEnv(gym.vector.VectorEnv):
         once; :meth:`recv` returns them (reward 0, not done). ``seed``: None, an int
         (lane ``i`` gets ``seed + i``, as :meth:`reset`), or one per addressed lane.
         ``timeout_ms``: default the ``request_timeout`` given at construction."""
-        self._pool.reset(env_indices, seed, options, self._timeout_of(timeout_ms))
+        timeout = self._timeout_of(timeout_ms)
+        if self._single is not None:
+            self._single.pool.reset(env_indices, seed, options, timeout)
+            return
+        assert self._pool is not None
+        self._pool.reset(env_indices, seed, options, timeout)
 
     def send(
         self,
@@ -286,16 +632,34 @@ class VectorEnv(gym.vector.VectorEnv):
         is reset instead (NEXT_STEP: its action ignored; SAME_STEP: with the step;
         DISABLED: refused until :meth:`async_reset` for it). A lane with a request in
         flight or a result not yet received is refused (``LaneBusyError``)."""
-        self._pool.send(actions, env_indices, self._timeout_of(timeout_ms))
+        timeout = self._timeout_of(timeout_ms)
+        if self._single is not None:
+            self._single.pool.send(actions, env_indices, timeout)
+            return
+        assert self._pool is not None
+        self._pool.send(actions, env_indices, timeout)
 
     def recv(self) -> Batch:
         """The next ``batch_size`` lanes that finished (all that are in flight if
         fewer), batched in lane order, ``infos["env_id"]`` naming them. A lane's error
         is raised (``LaneError`` for a recoverable one: that lane is idle again)."""
+        if self._single is not None:
+            return self._single.pool.recv()
+        assert self._pool is not None
         return self._pool.recv()
 
     def _timeout_of(self, timeout_ms: int | None) -> int:
-        return self._timeout_ms if timeout_ms is None else timeout_of(timeout_ms)
+        return self._parts[0].timeout_ms if timeout_ms is None else timeout_of(timeout_ms)
+
+    def _check_whole_step(self, what: str) -> None:
+        if self._single is not None:
+            if what == "step()":
+                self._single.pool.core.check_whole_step()
+            else:
+                self._single.pool.core.check_idle(None, what)
+            return
+        assert self._pool is not None
+        self._pool.check_whole(what)
 
     # ---- gymnasium API -----------------------------------------------------------------
 
@@ -306,47 +670,67 @@ class VectorEnv(gym.vector.VectorEnv):
         options: dict[str, Any] | None = None,
     ) -> tuple[Any, dict[str, Any]]:
         n = self.num_envs
-        self._pool.core.check_idle(None, "reset()")
+        self._check_whole_step("reset()")
         seeds = seeds_of(seed, n)
         check_options(options)
         mask = take_reset_mask(options, n)
-        lanes = list(range(n)) if mask is None else [i for i in range(n) if mask[i]]
-        results = self._resets(lanes, [seeds[i] for i in lanes], options)
-        infos = fold_reset(self._lanes, results, mask, self._add_info)
-        return self._observations(), infos
+        single = self._single
+        if single is not None:
+            infos = single.run(single.reset(seeds, options, mask, self._add_info))
+            return self._observations(), infos
+        calls = [InfoCalls() for _ in self._parts]
+        self._together(
+            [
+                part.reset(
+                    seeds[part.offset : part.offset + part.num_envs],
+                    options,
+                    None if mask is None else mask[part.offset : part.offset + part.num_envs],
+                    recorded,
+                )
+                for part, recorded in zip(self._parts, calls, strict=True)
+            ]
+        )
+        return self._observations(), self._replayed(calls)
 
     def step(self, actions: Any) -> StepResult:
-        self._pool.core.check_whole_step()
-        never = self._lanes.never_reset()
+        self._check_whole_step("step()")
+        never = [i + part.offset for part in self._parts for i in part.lanes.never_reset()]
         if never:
             raise ResetNeeded(
                 f"Cannot call VectorEnv.step() before this client reset every lane "
                 f"(lanes {never} were never reset by it): call reset() first"
             )
         rows = self._action_rows(actions)
-        plan = plan_step(self.autoreset_mode, self._lanes.done)
-        answers = self._step_request(plan, actions, rows)
-        lanes, codecs = self._lanes, self._state.codecs
-        folded = fold_arrays(lanes, codecs, self.autoreset_mode, plan, answers, self._add_info)
-        if folded is not None:
-            return folded
-        stepped, reset = step_answers(lanes, codecs, plan, answers)
-        done = same_step_resets(self.autoreset_mode, plan, stepped)
-        finished = self._resets(done, [None] * len(done), None) if done else {}
-        infos = fold_step(lanes, stepped, reset, finished, self._add_info)
+        single = self._single
+        if single is not None:
+            return single.run(single.step(actions, rows, self._add_info))
+        calls = [InfoCalls() for _ in self._parts]
+        self._together(
+            [
+                part.step(
+                    None
+                    if rows is not None
+                    else actions[part.offset : part.offset + part.num_envs],
+                    None if rows is None else rows[part.offset : part.offset + part.num_envs],
+                    recorded,
+                )
+                for part, recorded in zip(self._parts, calls, strict=True)
+            ]
+        )
+        parts = self._parts
         return (
             self._observations(),
-            np.copy(lanes.rewards),
-            np.copy(lanes.terminations),
-            np.copy(lanes.truncations),
-            infos,
+            np.concatenate([part.lanes.rewards for part in parts]),
+            np.concatenate([part.lanes.terminations for part in parts]),
+            np.concatenate([part.lanes.truncations for part in parts]),
+            self._replayed(calls),
         )
 
     def _action_rows(self, actions: Any) -> list[Any] | None:
         """None when ``actions`` is a batch the fast action codec encodes whole; else one
         action per lane (their count checked)."""
         n = self.num_envs
-        fast = self._state.codecs.fast_action is not None
+        fast = self._parts[0].state.codecs.fast_action is not None
         if fast and isinstance(actions, np.ndarray) and actions.shape[:1] == (n,):
             return None
         try:
@@ -357,88 +741,23 @@ class VectorEnv(gym.vector.VectorEnv):
             raise ValueError(f"expected {n} actions, got {len(rows)}")
         return rows
 
-    def _step_request(
-        self, plan: StepPlan, actions: Any, rows: list[Any] | None
-    ) -> list[Reply | EndpointError]:
-        """The step's one round trip: a step of ``plan.step_lanes`` (whole-vector when
-        every lane steps: the same on a lane endpoint, and the form every server handles
-        fastest) beside a lane-scoped reset of ``plan.reset_lanes``; their answers, in that
-        order. An error other than a lane's crash is raised."""
-        step_lanes, reset_lanes = plan.step_lanes, plan.reset_lanes
-        codecs = self._state.codecs
-        builders: list[Any] = []
-        kinds: list[str] = []
-        addressed: list[Sequence[int]] = []
-        if step_lanes:
-            whole = len(step_lanes) == self.num_envs
-            if rows is None:
-                subset = actions if whole else actions[step_lanes]
-                leaves = codecs.encode_actions(subset, len(step_lanes))
-            else:
-                leaves = codecs.encode_actions_rows([rows[i] for i in step_lanes])
-            builders.append(
-                partial(
-                    step_builder,
-                    leaves=leaves,
-                    timeout_ms=self._timeout_ms,
-                    lanes=[] if whole else step_lanes,
-                )
-            )
-            kinds.append("step")
-            addressed.append(step_lanes)
-        if reset_lanes:
-            builders.append(
-                partial(
-                    reset_builder,
-                    seeds=[],
-                    options=None,
-                    timeout_ms=self._timeout_ms,
-                    lanes=reset_lanes,
-                )
-            )
-            kinds.append("reset")
-            addressed.append(reset_lanes)
-        answers = self._ep.roundtrip_each(
-            builders, kinds, timeout_ms=self._timeout_ms, lanes=addressed
-        )
-        for answer in answers:
-            if isinstance(answer, EndpointError) and not lane_crash(answer):
-                raise answer
-        return answers
-
-    def _observations(self) -> Any:
-        if self._state.codecs.fast_observation is not None:
-            return np.stack(self._lanes.obs)
-        space = self.single_observation_space
-        out: Any = create_empty_array(space, self.num_envs)
-        return concatenate(space, self._lanes.obs, out)
-
     def render(self) -> tuple[Any, ...] | None:
         """Each lane's frame; None for a lane the server cannot render (the 0.1.0
         servers render lane 0 of a multi-lane endpoint only)."""
         if self.render_mode is None:
             return None
-        frames: list[Any] = []
-        for lane in range(self.num_envs):
-            try:
-                reply = self._ep.roundtrip(
-                    [partial(render_builder, lane=lane)], ["render"], lanes=[[lane]]
-                )[0]
-            except EnvError as exc:
-                if not exc.is_recoverable:
-                    raise
-                frames.append(None)
-                continue
-            frames.append(decode_frame(reply))
-        return tuple(frames)
+        return tuple(frame for part in self._parts for frame in part.render())
 
     def close_extras(self, **kwargs: Any) -> None:
-        self.final_episodes = self._ep.close()
+        episodes: list[Episode] = []
+        for part in getattr(self, "_parts", ()):
+            episodes.extend(part.close())
+        self.final_episodes = episodes
 
     def __del__(self) -> None:
         # Not gymnasium's (1.1-1.2: close(), a Close round trip waiting up to
-        # close_timeout_seconds, from the collector on any thread): the endpoint's own
-        # finalizer drops the connection without a request and without waiting.
+        # close_timeout_seconds, from the collector on any thread): the endpoints' own
+        # finalizers drop the connections without a request and without waiting.
         pass
 
 
@@ -453,6 +772,11 @@ class Env(gym.Env):
     ``gymnasium.error.ResetNeeded`` (nothing sent). Every other keyword
     (``auth_token``, ``tls``, ``request_timeout_seconds``, the connection's
     ``*_seconds``, and the deprecated 0.1 names) as :class:`VectorEnv` takes it.
+
+    ``address``: as :class:`VectorEnv` takes it (None: ``RLMESH_TRIO_ADDRESS``). From a
+    list, the first one-lane endpoint in list order that admits this client is taken
+    (so ``gymnasium.make`` called N times in a row takes endpoints 0..N-1);
+    :attr:`address` says which.
     """
 
     metadata: dict[str, Any] = {"render_modes": ["rgb_array"]}
@@ -462,7 +786,7 @@ class Env(gym.Env):
     @renamed_kwargs(**OLD_ADAPTER_KEYWORDS)
     def __init__(
         self,
-        address: str,
+        address: str | Sequence[str] | None = None,
         *,
         render_mode: str | None = None,
         auth_token: str | None = None,
@@ -474,23 +798,23 @@ class Env(gym.Env):
         close_timeout_seconds: float = DEFAULT_CLOSE_TIMEOUT_SECONDS,
     ) -> None:
         self._timeout_ms = request_timeout_ms(request_timeout_seconds)
-        self._ep = _open(
-            address,
+        connection = Connection(
             auth_token,
             tls,
-            (
-                connect_timeout_seconds,
-                ping_interval_seconds,
-                ping_timeout_seconds,
-                close_timeout_seconds,
-            ),
+            connect_timeout_seconds,
+            ping_interval_seconds,
+            ping_timeout_seconds,
+            close_timeout_seconds,
         )
+        ((self.address, self._ep),) = open_endpoints(address, 1, connection)
         self._state: JoinStream = self._ep.state
         contract = self._state.contract
         try:
             if contract.num_envs != 1:
-                raise ValueError(f"{address} has {contract.num_envs} lanes; use VectorEnv for it")
-            _check_render_mode(address, render_mode, contract.render_mode)
+                raise ValueError(
+                    f"{self.address} has {contract.num_envs} lanes; use VectorEnv for it"
+                )
+            _check_render_mode(self.address, render_mode, contract.render_mode)
         except BaseException:
             self._ep.close()
             raise

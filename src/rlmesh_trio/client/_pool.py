@@ -29,6 +29,7 @@ from gymnasium.vector.utils import batch_space, iterate
 
 from ._codecs import (
     ACTION_ERRORS,
+    Codecs,
     expand_seeds,
     invalid_actions,
     lane_infos,
@@ -59,6 +60,7 @@ __all__ = [
     "LaneBook",
     "PoolCore",
     "autoreset_mode_of",
+    "batch_of",
 ]
 
 ENV_ID_KEY = "env_id"
@@ -381,31 +383,24 @@ class PoolCore:
 
     def take(self) -> Batch:
         """The next batch (its lanes in lane order); a lane's error is raised first."""
+        return batch_of(self.state.codecs, self.take_results(self.wanted()))
+
+    def take_results(self, k: int) -> list[tuple[int, _Result]]:
+        """The first ``k`` lanes that finished, in lane order, with their results; a
+        lane's error is raised first."""
         for lane, item in self.ready.items():
             if isinstance(item, BaseException):
                 del self.ready[lane]
                 raise item
-        k = self.wanted()
         if k == 0:
             self.state.check_open()
             raise RuntimeError("recv(): no lane is in flight; send() or reset first")
-        lanes = sorted(list(self.ready)[:k])
-        results: list[_Result] = []
-        for lane in lanes:
+        taken: list[tuple[int, _Result]] = []
+        for lane in sorted(list(self.ready)[:k]):
             item = self.ready.pop(lane)
             assert not isinstance(item, BaseException)
-            results.append(item)
-        observations = self.state.codecs.batch([r[0] for r in results])
-        rewards = np.array([r[1] for r in results], dtype=np.float64)
-        terminated = np.array([r[2] for r in results], dtype=np.bool_)
-        truncated = np.array([r[3] for r in results], dtype=np.bool_)
-        batcher = _InfoBatch(k)
-        infos: dict[str, Any] = {}
-        for j, (lane, result) in enumerate(zip(lanes, results, strict=True)):
-            for info in result[4]:
-                infos = batcher.add(infos, info, j)
-            infos = batcher.add(infos, {ENV_ID_KEY: np.int32(lane)}, j)
-        return observations, rewards, terminated, truncated, infos
+            taken.append((lane, item))
+        return taken
 
     # ---- the face's own requests ----------------------------------------------------------
 
@@ -429,6 +424,23 @@ class PoolCore:
         for j, (lane, row) in enumerate(zip(lanes, rows, strict=True)):
             self.book.obs[lane] = row
             self.book.done[lane] = bool(finished[j])
+
+
+def batch_of(codecs: Codecs, taken: Sequence[tuple[int, _Result]]) -> Batch:
+    """Lanes' results (``(lane, result)`` in lane order) as one batch, ``infos["env_id"]``
+    naming the lanes."""
+    k = len(taken)
+    observations = codecs.batch([r[0] for _, r in taken])
+    rewards = np.array([r[1] for _, r in taken], dtype=np.float64)
+    terminated = np.array([r[2] for _, r in taken], dtype=np.bool_)
+    truncated = np.array([r[3] for _, r in taken], dtype=np.bool_)
+    batcher = _InfoBatch(k)
+    infos: dict[str, Any] = {}
+    for j, (lane, result) in enumerate(taken):
+        for info in result[4]:
+            infos = batcher.add(infos, info, j)
+        infos = batcher.add(infos, {ENV_ID_KEY: np.int32(lane)}, j)
+    return observations, rewards, terminated, truncated, infos
 
 
 def _reset(
