@@ -107,6 +107,26 @@ def _parse_port(text: str, original: str) -> int:
     return port
 
 
+def endpoint_addresses(address: Address, count: int) -> list[Address]:
+    """The addresses of ``count`` endpoints served from ``address``: one is the address
+    itself; several take consecutive ports from a TCP address's port (port 0: a free port
+    each) or, from ``unix:///dir/name.sock``, the sockets ``name-0.sock``,
+    ``name-1.sock``, ... beside it."""
+    if count == 1:
+        return [address]
+    if isinstance(address, UnixAddress):
+        root, ext = os.path.splitext(address.path)
+        return [UnixAddress(f"{root}-{k}{ext}") for k in range(count)]
+    if address.port == 0:
+        return [address] * count
+    last = address.port + count - 1
+    if last > 65535:
+        raise ValueError(
+            f"{count} endpoints from port {address.port} need ports up to {last}, past 65535"
+        )
+    return [TcpAddress(address.host, address.port + k) for k in range(count)]
+
+
 @dataclass
 class Listener:
     """A bound, listening server socket and the address it really has."""

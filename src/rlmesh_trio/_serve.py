@@ -8,6 +8,7 @@ transport goes first (GOAWAY, drain, cut), then the lanes are closed (mailboxes 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Mapping
@@ -17,7 +18,16 @@ from typing import Any
 import gymnasium as gym
 import trio
 
-from ._address import DEFAULT_ADDRESS, Listener, UnixAddress, bind, is_loopback, parse_address
+from ._address import (
+    DEFAULT_ADDRESS,
+    Address,
+    Listener,
+    UnixAddress,
+    bind,
+    endpoint_addresses,
+    is_loopback,
+    parse_address,
+)
 from ._lanes import LaneEngine
 from ._metrics import ServerMetrics, start_http
 from ._options import STOP_SLACK, Resolved, ServeOptions, resolve
@@ -45,6 +55,17 @@ class ServerInfo:
     """The endpoint serves TLS: clients connect to ``address`` with ``tls=...``."""
     mtls: bool = False
     """Clients must present a certificate signed by the configured client CA."""
+    addresses: tuple[str, ...] = ()
+    """Every endpoint's address, in order (``serve_env(..., endpoints=K)``); one
+    endpoint: ``(address,)``."""
+    metrics_addresses: tuple[str, ...] = ()
+    """Every endpoint's metrics address, in order (when asked for)."""
+
+    def __post_init__(self) -> None:
+        if not self.addresses:
+            object.__setattr__(self, "addresses", (self.address,))
+        if not self.metrics_addresses and self.metrics_address is not None:
+            object.__setattr__(self, "metrics_addresses", (self.metrics_address,))
 
 
 async def serve_env(
@@ -54,6 +75,7 @@ async def serve_env(
     address: str = DEFAULT_ADDRESS,
     options: ServeOptions | None = None,
     env_kwargs: Mapping[str, Any] | None = None,
+    endpoints: int = 1,
     task_status: trio.TaskStatus[ServerInfo] = trio.TASK_STATUS_IGNORED,
 ) -> str:
     """Serve ``num_envs`` copies of a gymnasium env as the lanes of one rlmesh endpoint.
@@ -72,6 +94,16 @@ async def serve_env(
     any env is built), the env factory's own exception (e.g. ``gymnasium.error.Error`` for
     an unknown id), :class:`~rlmesh_trio.ContractMismatchError`, or a codec error for a
     space rlmesh-wire-v1 cannot express.
+
+    ``endpoints=K`` serves K independent endpoints of ``num_envs`` lanes each, in this
+    one Trio tree: each has its own socket, Join session, health, shutdown, idle timeout
+    and metrics, and is a plain rlmesh-wire-v1 endpoint (K sessions at once: one client
+    each). From ``tcp://host:PORT`` they take the K consecutive ports PORT..PORT+K-1
+    (port 0: K free ports), from ``unix:///dir/name.sock`` the sockets
+    ``/dir/name-0.sock`` ... ``name-{K-1}.sock``; a metrics address likewise. Every
+    socket is bound before any env is built. :class:`ServerInfo` lists them all in
+    ``addresses``, ``address`` is the first. It returns once every endpoint stopped.
+    Recording serves one endpoint per process (``ValueError`` with ``endpoints > 1``).
 
     It returns when the server stopped by itself -- a Shutdown RPC was accepted
     (``allow_remote_shutdown``) or the idle timeout expired -- with the reason, e.g.
@@ -93,13 +125,22 @@ async def serve_env(
     usually far sooner. The bound is enforced: a part that overruns it is abandoned.
     """
     resolved = resolve(ServeOptions() if options is None else options)
+    if isinstance(endpoints, bool) or not isinstance(endpoints, int) or endpoints < 1:
+        raise ValueError(f"endpoints must be an int >= 1, got {endpoints!r}")
     parsed = parse_address(address)
     if resolved.tls is not None and isinstance(parsed, UnixAddress):
         raise ValueError(
             f"TLS is served on TCP addresses only, not {address!r}: a unix socket is "
             "guarded by its file permissions (serve it without TLS, or TLS on tcp://)"
         )
+    if endpoints > 1 and resolved.record is not None:
+        raise ValueError(
+            f"recording serves one endpoint per process, not endpoints={endpoints}: "
+            "record from a server of its own (one serve per recorded endpoint)"
+        )
     factory = LaneEngine.factory(make_env, **dict(env_kwargs or {}))
+    if endpoints > 1:
+        return await _serve_endpoints(factory, num_envs, parsed, resolved, endpoints, task_status)
     recording = None
     if resolved.record is not None:
         recording = served_recording(resolved.record, make_env, env_kwargs, num_envs)
@@ -116,6 +157,81 @@ async def serve_env(
     if recording is not None:
         await _close_recording(recording, failed=False)
     return reason
+
+
+async def _serve_endpoints(
+    factory: Callable[[], gym.Env[Any, Any]],
+    num_envs: int,
+    parsed: Address,
+    resolved: Resolved,
+    count: int,
+    task_status: trio.TaskStatus[ServerInfo],
+) -> str:
+    """``count`` endpoints side by side (``serve_env(..., endpoints=count)``): every
+    socket bound first, then each endpoint started in turn (its envs built on its own
+    lanes); the first failure stops the others and is raised plainly."""
+    addresses = endpoint_addresses(parsed, count)
+    metrics: list[str | None] = [None] * count
+    if resolved.metrics_address is not None:
+        metrics = [
+            str(a) for a in endpoint_addresses(parse_address(resolved.metrics_address), count)
+        ]
+    listeners: list[Listener] = []
+    try:
+        for each in addresses:
+            listeners.append(bind(each))
+    except BaseException:
+        for listener in listeners:
+            listener.cleanup()
+        raise
+    reasons: list[str] = ["stopped"] * count
+    failures: list[Exception] = []
+
+    async def one(k: int, *, task_status: trio.TaskStatus[ServerInfo]) -> None:
+        options = dataclasses.replace(resolved, metrics_address=metrics[k])
+        engine = LaneEngine(factory, num_envs, options)
+        try:
+            reasons[k] = await _serve(engine, listeners[k], options, task_status)
+        except Exception as exc:
+            if not failures:
+                failures.append(exc)
+            raise _Stopped from None
+        finally:
+            listeners[k].cleanup()
+
+    infos: list[ServerInfo] = []
+    try:
+        async with trio.open_nursery() as nursery:
+            for k in range(count):
+                infos.append(await nursery.start(one, k))
+            first = infos[0]
+            task_status.started(
+                dataclasses.replace(
+                    first,
+                    addresses=tuple(info.address for info in infos),
+                    metrics_addresses=tuple(
+                        info.metrics_address for info in infos if info.metrics_address
+                    ),
+                )
+            )
+    except BaseException as exc:
+        for listener in listeners:
+            listener.cleanup()
+        if failures and _only_stops(exc):
+            raise failures[0] from None
+        raise
+    return "; ".join(f"endpoint {k}: {reason}" for k, reason in enumerate(reasons))
+
+
+class _Stopped(Exception):
+    """An endpoint of several failed: its failure is raised once all have stopped."""
+
+
+def _only_stops(exc: BaseException) -> bool:
+    """``exc`` is made of errors only (no cancellation or interrupt to pass on)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_only_stops(e) for e in exc.exceptions)
+    return isinstance(exc, Exception)
 
 
 RECORD_CLOSE_TIMEOUT = 120.0

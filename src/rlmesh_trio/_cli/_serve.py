@@ -79,6 +79,18 @@ def add_serve_parser(commands: Any) -> None:
         help="how many envs (lanes) to serve (default: 1)",
     )
     serve.add_argument(
+        "--endpoints",
+        type=int_at_least(1, "--endpoints"),
+        default=1,
+        metavar="K",
+        help=(
+            "serve K independent endpoints of N lanes each (one client each), on K "
+            "consecutive ports from --address's port (port 0: K free ports) or unix "
+            "sockets NAME-0.sock ... NAME-{K-1}.sock; every address is printed in order "
+            "(default: 1)"
+        ),
+    )
+    serve.add_argument(
         "--transport",
         choices=("tcp", "unix"),
         default="tcp",
@@ -95,7 +107,10 @@ def add_serve_parser(commands: Any) -> None:
         "--ready-fd",
         type=fd,
         metavar="FD",
-        help="write the bound address and a newline to this file descriptor, then close it",
+        help=(
+            "write the bound address and a newline (with --endpoints, every address, one "
+            "per line, in order) to this file descriptor, then close it"
+        ),
     )
     serve.add_argument(
         "--allow-remote-shutdown",
@@ -313,6 +328,7 @@ class _Config:
     num_envs: int
     kwargs: dict[str, Any]
     address: str
+    endpoints: int
     options: ServeOptions
     ready_fd: int | None
     log_format: str = "text"
@@ -409,6 +425,7 @@ def _configure(args: argparse.Namespace, address: str) -> _Config:
         num_envs=args.num_envs,
         kwargs=dict(args.kwargs_json or {}),
         address=address,
+        endpoints=args.endpoints,
         options=options,
         ready_fd=args.ready_fd,
         log_format=args.log_format,
@@ -428,6 +445,7 @@ async def _run(config: _Config) -> int:
             address=config.address,
             options=config.options,
             env_kwargs=config.kwargs,
+            endpoints=config.endpoints,
             task_status=task_status,
         )
         stopped.append(reason)
@@ -446,15 +464,21 @@ async def _run(config: _Config) -> int:
                     if name == UNKNOWN_ENV_ID:  # no gymnasium spec: name what was served
                         name = f"{config.label} (no env spec, served as {UNKNOWN_ENV_ID})"
                     secure = " (mTLS)" if info.mtls else " (TLS)" if info.tls else ""
-                    _say(
-                        config,
-                        f"serving {name} x{info.num_envs} {lanes} on {info.address}{secure}",
-                    )
-                    if info.metrics_address is not None:
-                        _say(config, f"metrics on http{info.metrics_address[3:]}/metrics")
+                    count = len(info.addresses)
+                    for k, each in enumerate(info.addresses):
+                        which = f" (endpoint {k} of {count})" if count > 1 else ""
+                        _say(
+                            config,
+                            f"serving {name} x{info.num_envs} {lanes} on {each}{secure}{which}",
+                        )
+                    for each in info.metrics_addresses:
+                        _say(config, f"metrics on http{each[3:]}/metrics")
+                    if count > 1:
+                        # What a client made by id reads (RLMESH_TRIO_ADDRESS): copy it.
+                        _say(config, f"RLMESH_TRIO_ADDRESS={','.join(info.addresses)}")
                     if config.ready_fd is not None:
                         try:
-                            write_ready_fd(config.ready_fd, [info.address])
+                            write_ready_fd(config.ready_fd, list(info.addresses))
                         except OSError as exc:
                             print(
                                 f"{PROG}: error: cannot write to --ready-fd {config.ready_fd}: "
