@@ -8,6 +8,9 @@
   With ``batch_size=k``: ``await ep.send(actions, env_indices)`` and ``await ep.recv()``
   step the lanes that are ready, EnvPool's way (also on :class:`VectorEnv`).
 * :class:`Env` — a synchronous ``gymnasium.Env`` over a one-lane endpoint.
+* The address: one (``tcp://host:port``, ``unix:///path``), a list of several endpoints
+  (a vector spans them; a one-lane client takes the first free one), or none, which
+  reads ``RLMESH_TRIO_ADDRESS`` (what a trainer that builds envs by id uses).
 * :func:`probe` — health, handshake and contract of an endpoint, as a
   :class:`ProbeResult` (what ``rlmesh-trio probe`` prints).
 
@@ -27,6 +30,7 @@ from ._errors import ConnectionLostError as ConnectionLostError
 from ._errors import EndpointClosedError as EndpointClosedError
 from ._errors import EndpointError as EndpointError
 from ._errors import EnvError as EnvError
+from ._gather import EndpointsUnavailableError as EndpointsUnavailableError
 from ._errors import ErrorCode as ErrorCode
 from ._errors import HandshakeError as HandshakeError
 from ._errors import LaneBusyError as LaneBusyError
@@ -45,6 +49,7 @@ __all__ = [
     "Endpoint",
     "EndpointClosedError",
     "EndpointError",
+    "EndpointsUnavailableError",
     "Env",
     "EnvError",
     "Episode",

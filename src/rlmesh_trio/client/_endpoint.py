@@ -32,6 +32,7 @@ from ._core import (
     result_of,
 )
 from ._errors import ConnectionLostError, EndpointClosedError, EndpointError
+from ._gather import Gathering, addresses_of, passed_over
 from ._grpc import GrpcConnection
 from ._messages import (
     Episode,
@@ -537,8 +538,9 @@ def _noop() -> None:
 @renamed_kwargs(**OLD_CONNECTION_KEYWORDS)
 @contextlib.asynccontextmanager
 async def open_endpoint(
-    address: str,
+    address: str | Sequence[str] | None = None,
     *,
+    num_envs: int | None = None,
     auth_token: str | None = None,
     tls: TlsSetting = None,
     connect_timeout_seconds: float = DEFAULT_CONNECT_TIMEOUT_SECONDS,
@@ -572,7 +574,68 @@ async def open_endpoint(
     ``batch_size`` (1..num_envs, default num_envs) and ``autoreset_mode`` (NEXT_STEP
     default, SAME_STEP, DISABLED) shape :meth:`Endpoint.send` / :meth:`Endpoint.recv`,
     the EnvPool-style stepping of the lanes that are ready (docs/client.md).
+
+    ``address`` None reads ``RLMESH_TRIO_ADDRESS``. A list of addresses (or a string
+    of comma-separated ones) joins the first endpoint in list order that admits this
+    client (one whose Join session is taken, or that cannot be reached, is passed
+    over) and, with ``num_envs``, serves exactly that many lanes; when none does,
+    :class:`EndpointsUnavailableError` names each and why. ``num_envs`` with one
+    address is checked too (``ValueError``).
     """
+    addresses = addresses_of(address)
+    if num_envs is not None and (
+        isinstance(num_envs, bool) or not isinstance(num_envs, int) or num_envs < 1
+    ):
+        raise ValueError(f"num_envs must be an int >= 1, got {num_envs!r}")
+    gathering = Gathering(addresses, num_envs)
+    for each in addresses:
+        stack = contextlib.AsyncExitStack()
+        try:
+            ep = await stack.enter_async_context(
+                _open_one(
+                    each,
+                    auth_token=auth_token,
+                    tls=tls,
+                    connect_timeout_seconds=connect_timeout_seconds,
+                    ping_interval_seconds=ping_interval_seconds,
+                    ping_timeout_seconds=ping_timeout_seconds,
+                    close_timeout_seconds=close_timeout_seconds,
+                    batch_size=batch_size,
+                    autoreset_mode=autoreset_mode,
+                )
+            )
+        except EndpointError as exc:
+            why = passed_over(exc) if len(addresses) > 1 else None
+            if why is None:
+                raise
+            gathering.refused(each, why)
+            continue
+        if num_envs is not None and ep.num_envs != num_envs:
+            await stack.aclose()
+            if len(addresses) == 1:
+                raise ValueError(f"num_envs={num_envs}, but {each} serves {ep.num_envs} lanes")
+            gathering.refused(each, f"serves {ep.num_envs} lanes, {num_envs} wanted")
+            continue
+        async with stack:
+            yield ep
+        return
+    gathering.check()
+    raise AssertionError("unreachable: no endpoint taken, yet nothing refused")
+
+
+@contextlib.asynccontextmanager
+async def _open_one(
+    address: str,
+    *,
+    auth_token: str | None,
+    tls: TlsSetting,
+    connect_timeout_seconds: float,
+    ping_interval_seconds: float,
+    ping_timeout_seconds: float,
+    close_timeout_seconds: float,
+    batch_size: int | None,
+    autoreset_mode: str | AutoresetMode,
+) -> AsyncIterator[Endpoint]:
     target = Target.parse(address)
     mode = autoreset_mode_of(autoreset_mode)
     check_timeouts(

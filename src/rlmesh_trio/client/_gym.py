@@ -12,10 +12,10 @@ a :class:`VectorEnv` (``num_envs=`` checked against the endpoint's lanes).
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, SupportsFloat, TypeVar, cast
+from typing import Any, SupportsFloat, TypeVar
 
 import gymnasium as gym
 import numpy as np
@@ -38,7 +38,7 @@ from ._autoreset import (
     seeds_of,
     take_reset_mask,
 )
-from ._blocking import BlockingEndpoint, Submitted
+from ._blocking import BlockingEndpoint
 from ._codecs import (
     ACTION_ERRORS,
     decode_frame,
@@ -47,17 +47,17 @@ from ._codecs import (
     timeout_of,
     wire_seed,
 )
+from ._contract import Contract
 from ._core import JoinStream, check_options
 from ._errors import (
-    ConnectionLostError,
-    EndpointClosedError,
     EndpointError,
     EnvError,
     lane_crash,
 )
 from ._gather import Gathering, addresses_of, passed_over
-from ._messages import Episode, Reply, render_builder, reset_builder, step_builder
+from ._messages import Episode, render_builder, reset_builder, step_builder
 from ._pool import Batch, BlockingPool
+from ._rounds import Request, Rounds, raise_failure, run_alone, run_together
 from ._settings import (
     DEFAULT_CLOSE_TIMEOUT_SECONDS,
     DEFAULT_CONNECT_TIMEOUT_SECONDS,
@@ -69,7 +69,7 @@ from ._settings import (
 )
 from ._span import SpanningPool
 
-__all__ = ["Connection", "Env", "VectorEnv", "open_endpoints"]
+__all__ = ["Connection", "Env", "VectorEnv", "open_endpoints", "same_contract"]
 
 
 OLD_ADAPTER_KEYWORDS: dict[str, Rename] = {
@@ -150,23 +150,7 @@ def open_endpoints(
     return taken
 
 
-Answer = Reply | EndpointError
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class Request:
-    """Requests a part sends together (one write) and whose answers it waits for."""
-
-    builders: list[Any]
-    kinds: list[str]
-    lanes: list[Sequence[int]]
-
-
-Rounds = Generator[Request, list[Answer], T]
-"""A part's share of a reset or a step: it yields the requests of each round trip,
-gets their answers back, and returns its result. The requests go out only once every
-part has made its own (a part that cannot make them raises before anything is sent)."""
 
 
 class InfoCalls:
@@ -224,15 +208,7 @@ class _Part:
 
     def run(self, rounds: Rounds[T]) -> T:
         """Drive ``rounds`` on this part's connection alone."""
-        try:
-            request = next(rounds)
-            while True:
-                answers = self.ep.roundtrip_each(
-                    request.builders, request.kinds, timeout_ms=self.timeout_ms, lanes=request.lanes
-                )
-                request = rounds.send(answers)
-        except StopIteration as stop:
-            return cast(T, stop.value)
+        return run_alone(self.ep, self.timeout_ms, rounds)
 
     # ---- rounds -----------------------------------------------------------------------
 
@@ -312,7 +288,7 @@ class _Part:
         fastest) beside a lane-scoped reset of ``plan.reset_lanes``."""
         step_lanes, reset_lanes = plan.step_lanes, plan.reset_lanes
         codecs = self.state.codecs
-        request = Request([], [], [])
+        request = Request()
         if step_lanes:
             whole = len(step_lanes) == self.num_envs
             if rows is None:
@@ -320,28 +296,28 @@ class _Part:
                 leaves = codecs.encode_actions(subset, len(step_lanes))
             else:
                 leaves = codecs.encode_actions_rows([rows[i] for i in step_lanes])
-            request.builders.append(
+            request.add(
                 partial(
                     step_builder,
                     leaves=leaves,
                     timeout_ms=self.timeout_ms,
                     lanes=[] if whole else step_lanes,
-                )
+                ),
+                "step",
+                step_lanes,
             )
-            request.kinds.append("step")
-            request.lanes.append(step_lanes)
         if reset_lanes:
-            request.builders.append(
+            request.add(
                 partial(
                     reset_builder,
                     seeds=[],
                     options=None,
                     timeout_ms=self.timeout_ms,
                     lanes=reset_lanes,
-                )
+                ),
+                "reset",
+                reset_lanes,
             )
-            request.kinds.append("reset")
-            request.lanes.append(reset_lanes)
         return request
 
     def render(self) -> list[Any]:
@@ -368,9 +344,8 @@ class _Part:
         ]
 
 
-def _same_contract(first: _Part, other: _Part) -> None:
-    """Every endpoint of one vector serves the same env: spaces, render mode, metadata."""
-    a, b = first.contract, other.contract
+def same_contract(a: Contract, a_address: str, b: Contract, b_address: str) -> None:
+    """Every endpoint of one vector serves the same env: spaces, render mode, env id."""
     for what, mine, theirs in (
         ("observation space", a.observation_space, b.observation_space),
         ("action space", a.action_space, b.action_space),
@@ -379,8 +354,8 @@ def _same_contract(first: _Part, other: _Part) -> None:
     ):
         if mine != theirs:
             raise ValueError(
-                f"the endpoints of one VectorEnv must serve the same env: {first.address} "
-                f"has {what} {mine!r}, {other.address} has {theirs!r}"
+                f"the endpoints of one vector must serve the same env: {a_address} has "
+                f"{what} {mine!r}, {b_address} has {theirs!r}"
             )
 
 
@@ -494,7 +469,7 @@ class VectorEnv(gym.vector.VectorEnv):
             offset += part.num_envs
         first = self._parts[0]
         for part in self._parts[1:]:
-            _same_contract(first, part)
+            same_contract(first.contract, first.address, part.contract, part.address)
         contract = first.contract
         if num_envs is not None and num_envs != offset:
             raise ValueError(
@@ -522,63 +497,13 @@ class VectorEnv(gym.vector.VectorEnv):
 
     # ---- running the parts ----------------------------------------------------------------
 
-    def _together(self, rounds: list[Rounds[T]]) -> list[T]:
-        """Drive every part's rounds at once: each round's requests written to every
-        endpoint before any answer is read. A part's failure is raised once every other
-        part's requests are answered (nothing left in flight), naming its endpoint; a
-        fatal one closes the others."""
+    def _together(self, rounds: list[Rounds[Any]]) -> None:
+        """Drive every part's rounds at once (:func:`._rounds.run_together`); a part's
+        failure is raised naming its endpoint, and a fatal one closes the others."""
         parts = self._parts
-        results: list[Any] = [None] * len(parts)
-        live: dict[int, Request] = {}
-        try:
-            for i, each in enumerate(rounds):  # every part's requests made, none sent yet
-                try:
-                    live[i] = next(each)
-                except StopIteration as stop:
-                    results[i] = stop.value
-        except BaseException:
-            for each in rounds:
-                each.close()
-            raise
-        failures: dict[int, BaseException] = {}
-        while live:
-            sent: dict[int, Submitted] = {}
-            for i, request in live.items():
-                try:
-                    sent[i] = parts[i].ep.submit_each(
-                        request.builders,
-                        request.kinds,
-                        timeout_ms=parts[i].timeout_ms,
-                        lanes=request.lanes,
-                    )
-                except EndpointError as exc:
-                    failures[i] = exc
-            live = {}
-            for i, submitted in sent.items():
-                try:
-                    live[i] = rounds[i].send(parts[i].ep.finish(submitted))
-                except StopIteration as stop:
-                    results[i] = stop.value
-                except EndpointError as exc:
-                    failures[i] = exc
+        _, failures = run_together([(p.ep, p.timeout_ms) for p in parts], rounds)
         if failures:
-            self._fail(failures)
-        return results
-
-    def _fail(self, failures: dict[int, BaseException]) -> None:
-        i = min(failures)
-        exc = failures[i]
-        part = self._parts[i]
-        fatal = any(
-            not (isinstance(e, EndpointError) and e.is_recoverable) for e in failures.values()
-        )
-        if fatal:
-            # The vector cannot go on without those lanes: the others end their sessions.
-            self.close()
-        if isinstance(exc, ConnectionLostError | EndpointClosedError):
-            raise ConnectionLostError(f"{part.name} was lost: {exc}") from exc
-        exc.add_note(f"from {part.name}")
-        raise exc
+            raise_failure(failures, [p.name for p in parts], self.close)
 
     def _replayed(self, calls: list[InfoCalls]) -> dict[str, Any]:
         infos: dict[str, Any] = {}

@@ -25,8 +25,9 @@ import copy
 import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import gymnasium as gym
 import numpy as np
@@ -52,7 +53,9 @@ from ._blocking import BlockingEndpoint
 from ._codecs import decode_frame
 from ._contract import Contract
 from ._errors import LANE_FAULT_KEY, EndpointError, EnvError, ErrorCode, lane_crash
+from ._gym import Connection, open_endpoints, same_contract
 from ._messages import Episode, Reply, render_builder, reset_builder, step_builder
+from ._rounds import Request, Rounds, raise_failure, run_alone, run_together
 from ._settings import (
     DEFAULT_CLOSE_TIMEOUT_SECONDS,
     DEFAULT_CONNECT_TIMEOUT_SECONDS,
@@ -67,6 +70,8 @@ LANE_ATTRIBUTES = ("action_space", "metadata", "observation_space", "render_mode
 """What :meth:`RemoteVecEnv.get_attr` answers: what the endpoint's contract says of
 every lane's env."""
 
+T = TypeVar("T")
+
 LaneResult = tuple[Any, float, bool, bool, dict[str, Any]]
 """A lane's part of a step: observation, reward, terminated, truncated, info."""
 
@@ -76,6 +81,208 @@ class RemoteAttributeError(RlmeshTrioError, NotImplementedError, AttributeError)
     on the server, and rlmesh-wire-v1 carries its spaces, render mode and metadata, its
     reset, step and render, nothing else. A ``NotImplementedError`` naming the attribute;
     an ``AttributeError`` too, so that SB3's ``has_attr`` answers False."""
+
+
+class _Share:
+    """One endpoint's lanes of a :class:`RemoteVecEnv` (``offset``: its first lane's
+    index there): the connection, and the rounds of requests its lanes' share of a reset
+    or a step takes. Lanes here are the endpoint's own (0..num_envs-1)."""
+
+    def __init__(
+        self, address: str, ep: BlockingEndpoint, offset: int, timeout_ms: int, last_obs: list[Any]
+    ) -> None:
+        contract = ep.state.contract
+        if contract.autoreset_mode != "DISABLED":
+            raise ValueError(
+                f"{address} autoresets on the server ({contract.autoreset_mode}); "
+                "RemoteVecEnv needs a lane endpoint (autoreset DISABLED)"
+            )
+        if contract.num_envs > 1 and not contract.subset_step:
+            raise ValueError(f"{address} does not take lane-scoped requests (no subset_step)")
+        self.address = address
+        self.ep = ep
+        self.contract = contract
+        self.codecs = ep.state.codecs
+        self.offset = offset
+        self.num_envs = contract.num_envs
+        self.timeout_ms = timeout_ms
+        self._last_obs = last_obs
+        """The vector's last observation of every lane (the RemoteVecEnv's list)."""
+        self.unreset: set[int] = set()
+        """Lanes whose reset after a finished episode failed (a lane fault): reset at the
+        next step."""
+        self.unrenderable: set[int] = set()
+        """Lanes the server refused to render (it renders lane 0 only)."""
+
+    @property
+    def name(self) -> str:
+        last = self.offset + self.num_envs - 1
+        lanes = f"env {last}" if last == self.offset else f"envs {self.offset}..{last}"
+        return f"the endpoint at {self.address} ({lanes} of the VecEnv)"
+
+    def last_obs(self, lane: int) -> Any:
+        return copy.deepcopy(self._last_obs[self.offset + lane])  # SB3 keeps what it is given
+
+    def reset(
+        self, seeds: list[int | None], options: list[dict[str, Any]]
+    ) -> Rounds[dict[int, tuple[Any, dict[str, Any]]]]:
+        """Reset every lane with ``seeds`` and ``options`` (one each); each lane's
+        observation and info."""
+        n = self.num_envs
+        seeded = [s is not None for s in seeds]
+        alike = all(not o for o in options) or all(o is options[0] for o in options)
+        if (all(seeded) or not any(seeded)) and alike:
+            groups = [list(range(n))]  # one whole-vector reset
+        else:
+            groups = [[i] for i in range(n)]  # each lane its own, sent together
+        request = Request()
+        for group in groups:
+            request.add(
+                partial(
+                    reset_builder,
+                    seeds=[int(s) for s in (seeds[i] for i in group) if s is not None],
+                    options=options[group[0]] or None,
+                    timeout_ms=self.timeout_ms,
+                    lanes=[] if len(group) == n else group,
+                ),
+                "reset",
+                group,
+            )
+        answers = yield request
+        out: dict[int, tuple[Any, dict[str, Any]]] = {}
+        for group, answer in zip(groups, answers, strict=True):
+            if isinstance(answer, EndpointError):
+                raise answer
+            out.update(per_lane_reset(self.codecs, group, answer))
+        self.unreset.clear()
+        return out
+
+    def step(
+        self, actions: Any
+    ) -> Rounds[tuple[dict[int, LaneResult], dict[int, tuple[Any, dict[str, Any]]]]]:
+        """Step every lane with ``actions`` (this endpoint's rows) and reset the lanes
+        whose episode ended (one round trip, two when a lane ended): each lane's result,
+        and the first observation and info of the lanes reset."""
+        n = self.num_envs
+        unreset = sorted(self.unreset)
+        stepping = [i for i in range(n) if i not in self.unreset]
+        request = Request()
+        if stepping:
+            request.add(
+                partial(
+                    step_builder,
+                    leaves=self._encode_actions(actions, stepping),
+                    timeout_ms=self.timeout_ms,
+                    lanes=[] if len(stepping) == n else stepping,
+                ),
+                "step",
+                stepping,
+            )
+        for lane in unreset:
+            request.add(self._autoreset_builder(lane), "reset", [lane])
+        answers = yield request
+        for answer in answers:
+            if isinstance(answer, EndpointError) and not lane_crash(answer):
+                raise answer
+        results: dict[int, LaneResult] = {}
+        fresh: dict[int, tuple[Any, dict[str, Any]]] = {}
+        if stepping:
+            results.update(self._stepped(stepping, answers[0]))
+        if unreset:
+            # Lanes whose reset failed at the last step: that episode (one observation
+            # long) ends here too, and the reset is tried again.
+            for lane in unreset:
+                results[lane] = (self.last_obs(lane), 0.0, False, True, {})
+            fresh.update(self._autoreset(unreset, answers[len(answers) - len(unreset) :], results))
+        done = [i for i in stepping if results[i][2] or results[i][3]]
+        if done:
+            # One lane-scoped reset per finished lane, sent together: a lane that cannot
+            # be reset holds up no other.
+            request = Request()
+            for lane in done:
+                request.add(self._autoreset_builder(lane), "reset", [lane])
+            answers = yield request
+            for answer in answers:
+                if isinstance(answer, EndpointError) and not lane_crash(answer):
+                    raise answer
+            fresh.update(self._autoreset(done, answers, results))
+        return results, fresh
+
+    # ---- the wire ------------------------------------------------------------------
+
+    def _encode_actions(self, actions: Any, lanes: list[int]) -> list[bytes]:
+        if isinstance(actions, np.ndarray) and actions.shape[:1] == (self.num_envs,):
+            subset = actions if len(lanes) == self.num_envs else actions[lanes]
+            return self.codecs.encode_actions(subset, len(lanes))
+        return self.codecs.encode_actions_rows([actions[i] for i in lanes])
+
+    def _stepped(self, lanes: list[int], answer: Reply | EndpointError) -> dict[int, LaneResult]:
+        """Each lane's result of a step of ``lanes``; a step answered CRASHED (a lane
+        fault under rebuild): every lane truncated on its last observation, reward 0."""
+        if isinstance(answer, EnvError):
+            return crashed(self.last_obs, lanes, answer)
+        assert isinstance(answer, Reply)
+        return per_lane_step(self.codecs, lanes, answer)
+
+    def _autoreset_builder(self, lane: int) -> Any:
+        """The unseeded reset of one finished lane (SB3 seeds only at ``reset()``)."""
+        return partial(
+            reset_builder,
+            seeds=[],
+            options=None,
+            timeout_ms=self.timeout_ms,
+            lanes=[] if self.num_envs == 1 else [lane],
+        )
+
+    def _autoreset(
+        self,
+        lanes: list[int],
+        answers: Sequence[Reply | EndpointError],
+        results: dict[int, LaneResult],
+    ) -> dict[int, tuple[Any, dict[str, Any]]]:
+        """The resets of finished ``lanes``, one answer each: the first observations and
+        infos of those reset; a lane whose reset failed (a lane fault) is kept for the
+        next step's, its fault in its info."""
+        fresh: dict[int, tuple[Any, dict[str, Any]]] = {}
+        for lane, answer in zip(lanes, answers, strict=True):
+            if isinstance(answer, Reply):
+                self.unreset.discard(lane)
+                fresh.update(per_lane_reset(self.codecs, [lane], answer))
+                continue
+            self.unreset.add(lane)
+            assert isinstance(answer, EnvError)
+            for fault in answer.lane_faults:
+                if fault["lane"] == lane:
+                    results[lane][4].setdefault(LANE_FAULT_KEY, fault)
+        return fresh
+
+    def frames(self, lanes: list[int]) -> list[np.ndarray[Any, Any] | None]:
+        """The lanes' frames, one render request each, sent together; None for a lane
+        the server cannot render (a recoverable refusal, remembered: not asked again)."""
+        asked = [lane for lane in lanes if lane not in self.unrenderable]
+        answers = self.ep.roundtrip_each(
+            [partial(render_builder, lane=lane) for lane in asked],
+            ["render"] * len(asked),
+            lanes=[[lane] for lane in asked],
+        )
+        frames: dict[int, np.ndarray[Any, Any] | None] = {}
+        for lane, answer in zip(asked, answers, strict=True):
+            if isinstance(answer, EndpointError):
+                if not answer.is_recoverable:
+                    raise answer
+                if answer.code == ErrorCode.INVALID_ACTION:
+                    self.unrenderable.add(lane)  # "single-env render only supports 0"
+                frames[lane] = None
+            else:
+                frames[lane] = decode_frame(answer)
+        return [frames.get(lane) for lane in lanes]
+
+    def close(self) -> list[Episode]:
+        """Close the session; the episodes it reported, their lanes the VecEnv's."""
+        return [
+            replace(episode, env_index=episode.env_index + self.offset)
+            for episode in self.ep.close()
+        ]
 
 
 class RemoteVecEnv(VecEnv):
@@ -115,8 +322,9 @@ class RemoteVecEnv(VecEnv):
 
     def __init__(
         self,
-        address: str,
+        address: str | Sequence[str] | None = None,
         *,
+        num_envs: int | None = None,
         auth_token: str | None = None,
         tls: TlsSetting = None,
         request_timeout_seconds: float | None = None,
@@ -125,32 +333,46 @@ class RemoteVecEnv(VecEnv):
         ping_timeout_seconds: float = DEFAULT_PING_TIMEOUT_SECONDS,
         close_timeout_seconds: float = DEFAULT_CLOSE_TIMEOUT_SECONDS,
     ) -> None:
-        self._timeout_ms = request_timeout_ms(request_timeout_seconds)
-        ep = BlockingEndpoint(
-            address,
-            auth_token=auth_token,
-            tls=tls,
-            connect_timeout_seconds=connect_timeout_seconds,
-            ping_interval_seconds=ping_interval_seconds,
-            ping_timeout_seconds=ping_timeout_seconds,
-            close_timeout_seconds=close_timeout_seconds,
+        timeout_ms = request_timeout_ms(request_timeout_seconds)
+        if num_envs is not None and (
+            isinstance(num_envs, bool) or not isinstance(num_envs, int | np.integer)
+        ):
+            raise TypeError(f"num_envs must be an int, not {type(num_envs).__name__}")
+        want = None if num_envs is None else int(num_envs)
+        connection = Connection(
+            auth_token,
+            tls,
+            connect_timeout_seconds,
+            ping_interval_seconds,
+            ping_timeout_seconds,
+            close_timeout_seconds,
         )
-        self._ep = ep
+        joined = open_endpoints(address, want, connection)
+        self._shares: list[_Share] = []
         try:
-            contract = ep.state.contract
-            if contract.autoreset_mode != "DISABLED":
+            self._last_obs: list[Any] = []
+            offset = 0
+            for each, ep in joined:
+                share = _Share(each, ep, offset, timeout_ms, self._last_obs)
+                self._shares.append(share)
+                offset += share.num_envs
+            first = self._shares[0]
+            contract = first.contract
+            for share in self._shares[1:]:
+                same_contract(first.contract, first.address, share.contract, share.address)
+            if want is not None and want != offset:
                 raise ValueError(
-                    f"{address} autoresets on the server ({contract.autoreset_mode}); "
-                    "RemoteVecEnv needs a lane endpoint (autoreset DISABLED)"
+                    f"num_envs={want}, but the endpoint at {first.address} serves "
+                    f"{offset} lanes: a RemoteVecEnv drives all of an endpoint's lanes"
                 )
-            if contract.num_envs > 1 and not contract.subset_step:
-                raise ValueError(f"{address} does not take lane-scoped requests (no subset_step)")
             self.contract: Contract = contract
-            """What the endpoint serves (env id, spaces, lanes, ...)."""
+            """What the endpoints serve (env id, spaces, lanes of the first, ...)."""
+            self.addresses = [share.address for share in self._shares]
+            """The endpoints this VecEnv joined, in the order of its envs."""
             self.final_episodes: list[Episode] = []
-            """What the server reported at :meth:`close` (episodes still running then)."""
-            self._codecs = ep.state.codecs
-            n = contract.num_envs
+            """What the servers reported at :meth:`close` (episodes still running then)."""
+            n = offset
+            self._last_obs.extend([None] * n)
             super().__init__(n, contract.observation_space, contract.action_space)
             self.metadata = copy.deepcopy(contract.metadata)  # the env's, as DummyVecEnv
             self._keys, shapes, dtypes = obs_space_info(self.observation_space)
@@ -159,17 +381,12 @@ class RemoteVecEnv(VecEnv):
             )
             self._buf_dones = np.zeros((n,), dtype=bool)
             self._buf_rews = np.zeros((n,), dtype=np.float32)
-            self._last_obs: list[Any] = [None] * n
-            self._unreset: set[int] = set()
-            """Lanes whose reset after a finished episode failed (a lane fault): reset
-            at the next step."""
             self._started = False
             self._actions: Any = None
             self._tiling = False
-            self._unrenderable: set[int] = set()
-            """Lanes the server refused to render (it renders lane 0 only)."""
         except BaseException:
-            self.close()
+            for _, ep in joined:
+                ep.close()
             raise
 
     # ---- SB3's VecEnv API ----------------------------------------------------------
@@ -177,32 +394,20 @@ class RemoteVecEnv(VecEnv):
     def reset(self) -> VecEnvObs:
         """Reset every lane, with the seeds of :meth:`seed` (``seed + i``) and the options
         of :meth:`set_options` if set (both used once); the infos go to ``reset_infos``."""
-        n = self.num_envs
         seeds, options = list(self._seeds), list(self._options)
-        seeded = [s is not None for s in seeds]
-        alike = all(not o for o in options) or all(o is options[0] for o in options)
-        if (all(seeded) or not any(seeded)) and alike:
-            groups = [list(range(n))]  # one whole-vector reset
-        else:
-            groups = [[i] for i in range(n)]  # each lane its own, sent together
-        builders = [
-            partial(
-                reset_builder,
-                seeds=[int(s) for s in (seeds[i] for i in group) if s is not None],
-                options=options[group[0]] or None,
-                timeout_ms=self._timeout_ms,
-                lanes=[] if len(group) == n else group,
-            )
-            for group in groups
-        ]
-        replies = self._ep.roundtrip(
-            builders, ["reset"] * len(groups), timeout_ms=self._timeout_ms, lanes=groups
+        outcomes = self._run(
+            [
+                share.reset(
+                    seeds[share.offset : share.offset + share.num_envs],
+                    options[share.offset : share.offset + share.num_envs],
+                )
+                for share in self._shares
+            ]
         )
-        for group, reply in zip(groups, replies, strict=True):
-            for lane, (obs, info) in per_lane_reset(self._codecs, group, reply).items():
-                self.reset_infos[lane] = info
-                self._save_obs(lane, obs)
-        self._unreset.clear()
+        for share, out in zip(self._shares, outcomes, strict=True):
+            for lane, (obs, info) in out.items():
+                self.reset_infos[share.offset + lane] = info
+                self._save_obs(share.offset + lane, obs)
         self._started = True
         self._reset_seeds()
         self._reset_options()
@@ -224,56 +429,17 @@ class RemoteVecEnv(VecEnv):
         actions, self._actions = self._actions, None
         if actions is None:
             raise ValueError("step_wait() without step_async(actions)")
-        unreset = sorted(self._unreset)
-        stepping = [i for i in range(n) if i not in self._unreset]
-        builders: list[Any] = []
-        kinds: list[str] = []
-        addressed: list[list[int]] = []
-        if stepping:
-            builders.append(
-                partial(
-                    step_builder,
-                    leaves=self._encode_actions(actions, stepping),
-                    timeout_ms=self._timeout_ms,
-                    lanes=[] if len(stepping) == n else stepping,
-                )
-            )
-            kinds.append("step")
-            addressed.append(stepping)
-        for lane in unreset:
-            builders.append(self._autoreset_builder(lane))
-            kinds.append("reset")
-            addressed.append([lane])
-        answers = self._ep.roundtrip_each(
-            builders, kinds, timeout_ms=self._timeout_ms, lanes=addressed
+        outcomes = self._run(
+            [
+                share.step(actions[share.offset : share.offset + share.num_envs])
+                for share in self._shares
+            ]
         )
-        for answer in answers:
-            if isinstance(answer, EndpointError) and not lane_crash(answer):
-                raise answer
         results: dict[int, LaneResult] = {}
         fresh: dict[int, tuple[Any, dict[str, Any]]] = {}
-        if stepping:
-            results.update(self._stepped(stepping, answers[0]))
-        if unreset:
-            # Lanes whose reset failed at the last step: that episode (one observation
-            # long) ends here too, and the reset is tried again.
-            for lane in unreset:
-                results[lane] = (copy.deepcopy(self._last_obs[lane]), 0.0, False, True, {})
-            fresh.update(self._autoreset(unreset, answers[len(answers) - len(unreset) :], results))
-        done = [i for i in stepping if results[i][2] or results[i][3]]
-        if done:
-            # One lane-scoped reset per finished lane, sent together: a lane that cannot
-            # be reset holds up no other.
-            answers = self._ep.roundtrip_each(
-                [self._autoreset_builder(lane) for lane in done],
-                ["reset"] * len(done),
-                timeout_ms=self._timeout_ms,
-                lanes=[[lane] for lane in done],
-            )
-            for answer in answers:
-                if isinstance(answer, EndpointError) and not lane_crash(answer):
-                    raise answer
-            fresh.update(self._autoreset(done, answers, results))
+        for share, (stepped, reset) in zip(self._shares, outcomes, strict=True):
+            results.update((share.offset + lane, r) for lane, r in stepped.items())
+            fresh.update((share.offset + lane, r) for lane, r in reset.items())
         infos: list[dict[str, Any]] = []
         for i in range(n):
             obs, reward, terminated, truncated, info = results[i]
@@ -291,11 +457,36 @@ class RemoteVecEnv(VecEnv):
         return self._obs_from_buf(), np.copy(self._buf_rews), np.copy(self._buf_dones), infos
 
     def close(self) -> None:
-        """Send Close and drop the connection (again: nothing)."""
-        ep = getattr(self, "_ep", None)
-        if ep is None:
-            return
-        self.final_episodes = ep.close()
+        """Send Close and drop the connections (again: nothing)."""
+        episodes: list[Episode] = []
+        for share in getattr(self, "_shares", ()):
+            episodes.extend(share.close())
+        self.final_episodes = episodes
+
+    def _run(self, rounds: list[Rounds[T]]) -> list[T]:
+        """Every endpoint's share of a reset or step, all at once; an endpoint's failure
+        raised naming it (a fatal one closes the others)."""
+        shares = self._shares
+        if len(shares) == 1:
+            return [run_alone(shares[0].ep, shares[0].timeout_ms, rounds[0])]
+        results, failures = run_together([(s.ep, s.timeout_ms) for s in shares], rounds)
+        if failures:
+            raise_failure(failures, [s.name for s in shares], self.close)
+        return [cast(T, result) for result in results]
+
+    def _frames(self, lanes: list[int]) -> list[np.ndarray[Any, Any] | None]:
+        """The lanes' frames (None for a lane the server cannot render)."""
+        frames: dict[int, np.ndarray[Any, Any] | None] = {}
+        for share in self._shares:
+            mine = [
+                lane - share.offset
+                for lane in lanes
+                if share.offset <= lane < share.offset + share.num_envs
+            ]
+            if mine:
+                for lane, frame in zip(mine, share.frames(mine), strict=True):
+                    frames[share.offset + lane] = frame
+        return [frames.get(lane) for lane in lanes]
 
     def get_images(self) -> Sequence[np.ndarray[Any, Any] | None]:
         """Each lane's frame (``render_mode`` ``rgb_array``); None for a lane the server
@@ -376,75 +567,6 @@ class RemoteVecEnv(VecEnv):
     ) -> list[bool]:
         """False for every lane: the client cannot see the server's wrappers."""
         return [False for _ in self._get_indices(indices)]
-
-    # ---- the wire ------------------------------------------------------------------
-
-    def _encode_actions(self, actions: Any, lanes: list[int]) -> list[bytes]:
-        if isinstance(actions, np.ndarray) and actions.shape[:1] == (self.num_envs,):
-            subset = actions if len(lanes) == self.num_envs else actions[lanes]
-            return self._codecs.encode_actions(subset, len(lanes))
-        return self._codecs.encode_actions_rows([actions[i] for i in lanes])
-
-    def _stepped(self, lanes: list[int], answer: Reply | EndpointError) -> dict[int, LaneResult]:
-        """Each lane's result of a step of ``lanes``; a step answered CRASHED (a lane
-        fault under rebuild): every lane truncated on its last observation, reward 0."""
-        if isinstance(answer, EnvError):  # SB3 keeps what it is given: copies
-            return crashed(lambda lane: copy.deepcopy(self._last_obs[lane]), lanes, answer)
-        assert isinstance(answer, Reply)
-        return per_lane_step(self._codecs, lanes, answer)
-
-    def _autoreset_builder(self, lane: int) -> Any:
-        """The unseeded reset of one finished lane (SB3 seeds only at ``reset()``)."""
-        return partial(
-            reset_builder,
-            seeds=[],
-            options=None,
-            timeout_ms=self._timeout_ms,
-            lanes=[] if self.num_envs == 1 else [lane],
-        )
-
-    def _autoreset(
-        self,
-        lanes: list[int],
-        answers: Sequence[Reply | EndpointError],
-        results: dict[int, LaneResult],
-    ) -> dict[int, tuple[Any, dict[str, Any]]]:
-        """The resets of finished ``lanes``, one answer each: the first observations and
-        infos of those reset; a lane whose reset failed (a lane fault) is kept for the
-        next step's, its fault in its info."""
-        fresh: dict[int, tuple[Any, dict[str, Any]]] = {}
-        for lane, answer in zip(lanes, answers, strict=True):
-            if isinstance(answer, Reply):
-                self._unreset.discard(lane)
-                fresh.update(per_lane_reset(self._codecs, [lane], answer))
-                continue
-            self._unreset.add(lane)
-            assert isinstance(answer, EnvError)
-            for fault in answer.lane_faults:
-                if fault["lane"] == lane:
-                    results[lane][4].setdefault(LANE_FAULT_KEY, fault)
-        return fresh
-
-    def _frames(self, lanes: list[int]) -> list[np.ndarray[Any, Any] | None]:
-        """The lanes' frames, one render request each, sent together; None for a lane
-        the server cannot render (a recoverable refusal, remembered: not asked again)."""
-        asked = [lane for lane in lanes if lane not in self._unrenderable]
-        answers = self._ep.roundtrip_each(
-            [partial(render_builder, lane=lane) for lane in asked],
-            ["render"] * len(asked),
-            lanes=[[lane] for lane in asked],
-        )
-        frames: dict[int, np.ndarray[Any, Any] | None] = {}
-        for lane, answer in zip(asked, answers, strict=True):
-            if isinstance(answer, EndpointError):
-                if not answer.is_recoverable:
-                    raise answer
-                if answer.code == ErrorCode.INVALID_ACTION:
-                    self._unrenderable.add(lane)  # "single-env render only supports 0"
-                frames[lane] = None
-            else:
-                frames[lane] = decode_frame(answer)
-        return [frames.get(lane) for lane in lanes]
 
     # ---- observations as DummyVecEnv keeps them ----------------------------------------
 
