@@ -23,7 +23,7 @@ import pytest
 import rlmesh
 import rlmesh.numpy
 import test_tls
-from support.refserver import ROOT, TESTS_DIR, _read_address
+from support.refserver import ROOT, TESTS_DIR, _read_addresses
 
 from rlmesh_trio._address import TcpAddress, parse_address
 from rlmesh_trio._cli import build_parser
@@ -177,7 +177,7 @@ def pod(tmp_path: Path) -> Iterator[Any]:
         os.close(write_fd)
         with os.fdopen(read_fd, "rb") as ready:
             try:
-                return _read_address(ready, proc, 60.0)
+                return _read_addresses(ready, proc, 60.0, 1)[0]
             except Exception:
                 text = log_path.read_text(errors="replace")
                 raise RuntimeError(f"{shlex.join(args)} did not start: {text}") from None

@@ -81,6 +81,9 @@ class ServerConfig:
     """Extra environment variables of the server process."""
     ours_args: tuple[str, ...] = ()
     """Extra ``rlmesh-trio serve`` options (ignored for the reference server)."""
+    endpoints: int = 1
+    """How many endpoints of ``num_envs`` lanes the process serves (ours: ``--endpoints``;
+    the reference: that many ``rlmesh.EnvServer`` in one process)."""
 
     def args(self, address: str, ready_fd: int) -> list[str]:
         """The ``serve`` options, spelled as ``rlmesh-trio serve`` takes them."""
@@ -95,6 +98,8 @@ class ServerConfig:
             "--ready-fd",
             str(ready_fd),
         ]
+        if self.endpoints != 1:
+            args += ["--endpoints", str(self.endpoints)]
         if self.allow_remote_shutdown:
             args.append("--allow-remote-shutdown")
         for flag, value in (
@@ -130,6 +135,8 @@ class ServerProcess:
     """``time.monotonic()`` when the process was spawned."""
     ready_at: float | None = None
     """``time.monotonic()`` when it reported its address (and answered the probe)."""
+    addresses: list[str] = field(default_factory=list)
+    """Every endpoint's address, in order (``address`` is the first)."""
 
     def __enter__(self) -> ServerProcess:
         return self
@@ -329,12 +336,14 @@ def start_server(
     _LIVE.add(server)
     try:
         with os.fdopen(read_fd, "rb") as ready:
-            server.address = _read_address(ready, proc, ready_timeout)
+            server.addresses = _read_addresses(ready, proc, ready_timeout, config.endpoints)
+        server.address = server.addresses[0]
         server.ready_at = time.monotonic()
         if probe:
             from .wire import probe_handshake
 
-            asyncio.run(probe_handshake(server.address, PROBE_TIMEOUT))
+            for each in server.addresses:
+                asyncio.run(probe_handshake(each, PROBE_TIMEOUT))
     except BaseException as exc:
         log_text = server.log()
         server.kill()
@@ -346,10 +355,12 @@ def start_server(
     return server
 
 
-def _read_address(ready: Any, proc: subprocess.Popen[bytes], timeout: float) -> str:
+def _read_addresses(
+    ready: Any, proc: subprocess.Popen[bytes], timeout: float, count: int
+) -> list[str]:
     deadline = time.monotonic() + timeout
     line = b""
-    while not line.endswith(b"\n"):
+    while line.count(b"\n") < count:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError(f"no address on the ready fd within {timeout} s")
@@ -360,7 +371,7 @@ def _read_address(ready: Any, proc: subprocess.Popen[bytes], timeout: float) -> 
         if not chunk:
             raise RuntimeError(f"server closed its ready fd (exit code {proc.poll()})")
         line += chunk
-    return line.decode().strip()
+    return line.decode().split()
 
 
 # --------------------------------------------------------------------------- the runner
@@ -388,7 +399,19 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     serve.add_argument("--idle-timeout-seconds", type=float, default=None)
     serve.add_argument("--drain-timeout-seconds", type=float, default=None)
     serve.add_argument("--close-timeout-seconds", type=float, default=None)
+    serve.add_argument("--endpoints", type=int, default=1)
     return parser.parse_args(argv)
+
+
+def _addresses(address: str, count: int) -> list[str]:
+    """``count`` addresses from one, as ``rlmesh-trio serve --endpoints`` takes them."""
+    if count == 1:
+        return [address]
+    if address.startswith("unix://"):
+        root, ext = os.path.splitext(address)
+        return [f"{root}-{k}{ext}" for k in range(count)]
+    host, _, port = address.rpartition(":")
+    return [f"{host}:{int(port) + k if int(port) else 0}" for k in range(count)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -410,8 +433,11 @@ def main(argv: list[str] | None = None) -> int:
         close_timeout_seconds=args.close_timeout_seconds,
         workflow_edition=WORKFLOW_EDITION,
     )
-    server = rlmesh.EnvServer([make() for _ in range(args.num_envs)], args.address, options=options)
-    line = f"{server.address}\n".encode()
+    servers = [
+        rlmesh.EnvServer([make() for _ in range(args.num_envs)], each, options=options)
+        for each in _addresses(args.address, args.endpoints)
+    ]
+    line = "".join(f"{server.address}\n" for server in servers).encode()
     if args.ready_fd is None:
         sys.stdout.buffer.write(line)
         sys.stdout.flush()
@@ -419,8 +445,15 @@ def main(argv: list[str] | None = None) -> int:
         os.write(args.ready_fd, line)
         os.close(args.ready_fd)
     # SIGTERM from the harness: stop like Ctrl-C (drain, close the envs) rather than die.
-    signal.signal(signal.SIGTERM, lambda *_: server.shutdown())
-    server.serve()
+    if len(servers) == 1:
+        signal.signal(signal.SIGTERM, lambda *_: servers[0].shutdown())
+        servers[0].serve()
+        return 0
+    for server in servers:
+        server.start()
+    signal.signal(signal.SIGTERM, lambda *_: [server.shutdown() for server in servers])
+    for server in servers:
+        server.wait()
     return 0
 
 

@@ -84,7 +84,7 @@ def passed_over(exc: BaseException) -> str | None:
     if isinstance(exc, RpcError) and exc.code == ErrorCode.BUSY:
         return "busy: another client holds its Join session"
     if isinstance(exc, ConnectionLostError):
-        return f"unreachable: {exc}"
+        return f"unreachable: {exc.message}"
     return None
 
 
