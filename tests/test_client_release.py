@@ -90,9 +90,10 @@ def _join_once(address: str, lanes: int) -> None:
 def nothing_sent(env: Env | VectorEnv) -> Iterator[None]:
     """Fail the test if ``env`` makes a request meanwhile (every request of the blocking
     driver takes an id from its Join state and is queued there)."""
-    states = [env._ep.state] if isinstance(env, Env) else [p.state for p in env._parts]
     with pytest.MonkeyPatch.context() as patch:
-        for state in states:
+        if isinstance(env, Env):  # every request of an Env goes through its session
+            patch.setattr(env, "_joined", partial(_refused, "_joined"))
+        for state in [] if isinstance(env, Env) else [p.state for p in env._parts]:
             for name in ("next_id", "submit", "submit_many"):
                 patch.setattr(state, name, partial(_refused, name))
         yield

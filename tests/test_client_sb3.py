@@ -25,6 +25,7 @@ import trio
 from support.faulty import RAISE, Controller, Factory
 from support.serving import served
 
+from rlmesh_trio import serve_env
 from rlmesh_trio._codec import from_meta_map, to_meta_map
 from rlmesh_trio.client import VectorEnv
 
@@ -249,6 +250,35 @@ async def test_transcript_equals_dummy_vec_env(case: str) -> None:
     same(expected, got)
     terminated, truncated = dones_of(got)
     assert terminated > 10 and truncated > 10  # both ways of ending, many times
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+async def test_over_several_endpoints_the_transcript_equals_dummy_vec_env(case: str) -> None:
+    """Three endpoints of two lanes, a RemoteVecEnv of four gathered from their list:
+    the first two endpoints' lanes in list order, DummyVecEnv's transcript exactly; its
+    close reports the episodes in its own env numbers."""
+    make, steps = CASES[case], 200
+
+    def client(addresses: list[str]) -> list[Any]:
+        remote = RemoteVecEnv(",".join(addresses), num_envs=4)
+        try:
+            assert remote.num_envs == 4 and remote.addresses == addresses[:2]
+            return transcript(remote, steps, seed=17)
+        finally:
+            remote.close()
+            assert {e.env_index for e in remote.final_episodes} <= {0, 1, 2, 3}
+
+    theirs = local(make, 4)
+    try:
+        expected = transcript(theirs, steps, seed=17)
+    finally:
+        theirs.close()
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            info = await nursery.start(functools.partial(serve_env, make, num_envs=2, endpoints=3))
+            got = await trio.to_thread.run_sync(client, list(info.addresses))
+            nursery.cancel_scope.cancel()
+    same(expected, got)
 
 
 async def test_sb3_wrappers_and_checks_see_what_they_see_on_dummy_vec_env() -> None:

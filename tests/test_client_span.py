@@ -133,20 +133,28 @@ def test_make_by_id_takes_one_lane_endpoints_in_order(
     monkeypatch.setenv(ADDRESS_VARIABLE, ",".join(server.addresses))
     made = [gym.make(ID) for _ in range(3)]
     try:
-        assert [env.unwrapped.address for env in made] == server.addresses
+        # Made, they hold nothing yet (a Handshake read the spaces); reset in turn, as
+        # SyncVectorEnv and DummyVecEnv do, each takes the next endpoint.
+        assert [env.unwrapped.address for env in made] == [None] * 3
         local = [envs.make_cartpole() for _ in range(3)]
         for i, (remote, mine) in enumerate(zip(made, local, strict=True)):
             same(mine.reset(seed=10 + i)[0], remote.reset(seed=10 + i)[0])
             for action in (0, 1, 1, 0):
                 same(mine.step(action)[:4], remote.step(action)[:4])
-        with pytest.raises(EndpointsUnavailableError) as caught:
-            gym.make(ID)
+        assert [env.unwrapped.address for env in made] == server.addresses
+        extra = gym.make(ID)  # spaces only: made while every endpoint is taken
+        try:
+            with pytest.raises(EndpointsUnavailableError) as caught:
+                extra.reset(seed=0)
+        finally:
+            extra.close()
         message = str(caught.value)
         for address in server.addresses:
             assert f"{address}: busy: another client holds its Join session" in message
         made[1].close()
-        again = retrying_busy(lambda: gym.make(ID))
+        again = gym.make(ID)
         made[1] = again
+        retrying_busy(lambda: again.reset(seed=0))
         assert again.unwrapped.address == server.addresses[1]
     finally:
         for env in made:
@@ -187,10 +195,11 @@ def test_a_count_the_list_cannot_make_up_names_every_endpoint(
     two = servers.get("ours", ServerConfig(num_envs=2))
     nowhere = closed_port()
     holder = Env(one.address)
+    holder.reset(seed=0)  # the session is taken at the first reset
     try:
         monkeypatch.setenv(ADDRESS_VARIABLE, f"{one.address},{nowhere},{two.address}")
         with pytest.raises(EndpointsUnavailableError) as caught:
-            gym.make(ID)
+            gym.make(ID).reset()
         reasons = caught.value.reasons
         assert list(reasons) == [one.address, nowhere, two.address]
         assert reasons[one.address].startswith("busy")

@@ -30,13 +30,13 @@ from ._errors import ConnectionLostError as ConnectionLostError
 from ._errors import EndpointClosedError as EndpointClosedError
 from ._errors import EndpointError as EndpointError
 from ._errors import EnvError as EnvError
-from ._gather import EndpointsUnavailableError as EndpointsUnavailableError
 from ._errors import ErrorCode as ErrorCode
 from ._errors import HandshakeError as HandshakeError
 from ._errors import LaneBusyError as LaneBusyError
 from ._errors import LaneError as LaneError
 from ._errors import RequestTimeoutError as RequestTimeoutError
 from ._errors import RpcError as RpcError
+from ._gather import EndpointsUnavailableError as EndpointsUnavailableError
 from ._gym import Env as Env
 from ._gym import VectorEnv as VectorEnv
 from ._messages import Episode as Episode

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from .._tls import TlsSetting, check_alpn
 from .._wire._protocol import HANDSHAKE_PATH, JOIN_PATH
 from ._codecs import late, reply_deadline
-from ._contract import contract_from_handshake
+from ._contract import Contract, contract_from_handshake
 from ._core import JoinStream, Slot, call_failure, result_of
 from ._errors import ConnectionLostError, EndpointClosedError, EndpointError, EnvError
 from ._grpc import Call, GrpcConnection
@@ -37,7 +37,7 @@ from ._settings import (
     transport_failure,
 )
 
-__all__ = ["BlockingConnection", "BlockingEndpoint", "Submitted", "unary_result"]
+__all__ = ["BlockingConnection", "BlockingEndpoint", "Submitted", "handshake", "unary_result"]
 
 _READ_SIZE = 256 * 1024
 _QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)
@@ -207,6 +207,48 @@ class BlockingConnection:
             sock.send(self.conn.data_to_send())
         with contextlib.suppress(OSError):
             sock.close()
+
+
+def handshake(
+    address: str,
+    *,
+    auth_token: str | None,
+    tls: TlsSetting,
+    connect_timeout_seconds: float,
+    ping_interval_seconds: float,
+    ping_timeout_seconds: float,
+) -> Contract:
+    """What the endpoint at ``address`` serves: one Handshake on a connection of its
+    own, closed after (no Join: the endpoint's session is not taken)."""
+    check_timeouts(
+        connect_timeout_seconds=connect_timeout_seconds,
+        ping_interval_seconds=ping_interval_seconds,
+        ping_timeout_seconds=ping_timeout_seconds,
+    )
+    target = Target.parse(address)
+    deadline = time.monotonic() + connect_timeout_seconds
+    link = BlockingConnection(
+        target,
+        auth_token=auth_token,
+        tls=tls,
+        connect_timeout_seconds=connect_timeout_seconds,
+        ping_interval_seconds=ping_interval_seconds,
+        ping_timeout_seconds=ping_timeout_seconds,
+    )
+    try:
+        link.flush(deadline)
+        try:
+            call = link.unary(HANDSHAKE_PATH, handshake_request(), deadline)
+        except ConnectionLostError:
+            if time.monotonic() < deadline or link.conn.lost is not None:
+                raise
+            raise ConnectionLostError(
+                f"no Handshake answer from {target} within "
+                f"connect_timeout_seconds={connect_timeout_seconds:g}"
+            ) from None
+        return contract_from_handshake(unary_result(call, shutting_down=link.conn.shutting_down))
+    finally:
+        link.close()
 
 
 def unary_result(call: Call, *, shutting_down: bool = False) -> bytes | None:

@@ -38,7 +38,7 @@ from ._autoreset import (
     seeds_of,
     take_reset_mask,
 )
-from ._blocking import BlockingEndpoint
+from ._blocking import BlockingEndpoint, handshake
 from ._codecs import (
     ACTION_ERRORS,
     decode_frame,
@@ -50,6 +50,7 @@ from ._codecs import (
 from ._contract import Contract
 from ._core import JoinStream, check_options
 from ._errors import (
+    EndpointClosedError,
     EndpointError,
     EnvError,
     lane_crash,
@@ -102,6 +103,17 @@ class Connection:
     ping_interval_seconds: float = DEFAULT_PING_INTERVAL_SECONDS
     ping_timeout_seconds: float = DEFAULT_PING_TIMEOUT_SECONDS
     close_timeout_seconds: float = DEFAULT_CLOSE_TIMEOUT_SECONDS
+
+    def handshake(self, address: str) -> Contract:
+        """What ``address`` serves (a Handshake only: no session is taken)."""
+        return handshake(
+            address,
+            auth_token=self.auth_token,
+            tls=self.tls,
+            connect_timeout_seconds=self.connect_timeout_seconds,
+            ping_interval_seconds=self.ping_interval_seconds,
+            ping_timeout_seconds=self.ping_timeout_seconds,
+        )
 
     def open(self, address: str) -> BlockingEndpoint:
         return BlockingEndpoint(
@@ -693,15 +705,23 @@ class Env(gym.Env):
     does), the env's own randomness lives on the server. ``render()`` returns the
     server's frame as an ``(H, W, 3)`` array (RGBA: 4 channels; gray: ``(H, W)``;
     ``render_mode`` from the contract; ``render_mode=``, which ``gymnasium.make``
-    passes when asked for one, must be the served env's). :meth:`step` before this client's own :meth:`reset` raises
-    ``gymnasium.error.ResetNeeded`` (nothing sent). Every other keyword
-    (``auth_token``, ``tls``, ``request_timeout_seconds``, the connection's
-    ``*_seconds``, and the deprecated 0.1 names) as :class:`VectorEnv` takes it.
+    passes when asked for one, must be the served env's). :meth:`step` before this
+    client's own :meth:`reset` raises ``gymnasium.error.ResetNeeded`` (nothing sent).
+    Every other keyword (``auth_token``, ``tls``, ``request_timeout_seconds``, the
+    connection's ``*_seconds``, and the deprecated 0.1 names) as :class:`VectorEnv`
+    takes it.
 
-    ``address``: as :class:`VectorEnv` takes it (None: ``RLMESH_TRIO_ADDRESS``). From a
-    list, the first one-lane endpoint in list order that admits this client is taken
-    (so ``gymnasium.make`` called N times in a row takes endpoints 0..N-1);
-    :attr:`address` says which.
+    The constructor reads the env's spaces with a Handshake and takes no session: the
+    endpoint's one Join session is taken at the first :meth:`reset` (or
+    :meth:`render`), so an env made only to read its spaces (TorchRL's ``GymEnv`` makes
+    one before its ``num_envs`` workers, RLlib and others do the same) holds no
+    endpoint. ``address``: as :class:`VectorEnv` takes it (None:
+    ``RLMESH_TRIO_ADDRESS``); from a list, that first reset joins the first one-lane
+    endpoint in list order that admits this client (so N envs made and reset in turn, as
+    ``SyncVectorEnv`` and SB3's ``DummyVecEnv`` do, take endpoints 0..N-1, each env's
+    seed where a local run puts it); :attr:`address` says which (None until then). A
+    BUSY or unreachable endpoint there is :class:`EndpointsUnavailableError` naming
+    each.
     """
 
     metadata: dict[str, Any] = {"render_modes": ["rgb_array"]}
@@ -723,7 +743,7 @@ class Env(gym.Env):
         close_timeout_seconds: float = DEFAULT_CLOSE_TIMEOUT_SECONDS,
     ) -> None:
         self._timeout_ms = request_timeout_ms(request_timeout_seconds)
-        connection = Connection(
+        self._connection = Connection(
             auth_token,
             tls,
             connect_timeout_seconds,
@@ -731,18 +751,14 @@ class Env(gym.Env):
             ping_timeout_seconds,
             close_timeout_seconds,
         )
-        ((self.address, self._ep),) = open_endpoints(address, 1, connection)
-        self._state: JoinStream = self._ep.state
-        contract = self._state.contract
-        try:
-            if contract.num_envs != 1:
-                raise ValueError(
-                    f"{self.address} has {contract.num_envs} lanes; use VectorEnv for it"
-                )
-            _check_render_mode(self.address, render_mode, contract.render_mode)
-        except BaseException:
-            self._ep.close()
-            raise
+        self._addresses = addresses_of(address)
+        source, contract = one_lane_contract(self._addresses, self._connection)
+        _check_render_mode(source, render_mode, contract.render_mode)
+        self._contract = contract
+        self._ep: BlockingEndpoint | None = None
+        self._closed = False
+        self.address: str | None = None
+        """The endpoint this env joined (at its first reset); None before."""
         self._needs_reset = True
         self.final_episodes: list[Episode] = []
         self.observation_space = contract.observation_space
@@ -751,13 +767,32 @@ class Env(gym.Env):
         self.render_mode = contract.render_mode
         self.spec = None
 
+    def _joined(self) -> BlockingEndpoint:
+        """The session, taken now if not yet (see the class's docstring)."""
+        if self._ep is not None:
+            return self._ep
+        if self._closed:
+            raise EndpointClosedError()
+        ((address, ep),) = open_endpoints(self._addresses, 1, self._connection)
+        contract = ep.state.contract
+        try:
+            if contract.num_envs != 1:
+                raise ValueError(f"{address} has {contract.num_envs} lanes; use VectorEnv for it")
+            same_contract(self._contract, "the env's spaces", contract, address)
+        except BaseException:
+            ep.close()
+            raise
+        self._ep, self.address = ep, address
+        return ep
+
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> tuple[Any, dict[str, Any]]:
         super().reset(seed=seed)
         check_options(options)
         seeds = [] if seed is None else [wire_seed(seed)]
-        reply = self._ep.roundtrip(
+        ep = self._joined()
+        reply = ep.roundtrip(
             [
                 partial(
                     reset_builder,
@@ -772,30 +807,61 @@ class Env(gym.Env):
             lanes=[[0]],
         )[0]
         self._needs_reset = False
-        return self._state.codecs.observations(reply.leaves, 1)[0], reply.infos
+        return ep.state.codecs.observations(reply.leaves, 1)[0], reply.infos
 
     def step(self, action: Any) -> tuple[Any, SupportsFloat, bool, bool, dict[str, Any]]:
         if self._needs_reset:
             raise ResetNeeded(
                 "Cannot call Env.step() before this client's own reset(): call reset() first"
             )
-        leaves = self._state.codecs.encode_single_action(action)
-        reply = self._ep.roundtrip(
+        ep = self._joined()
+        codecs = ep.state.codecs
+        leaves = codecs.encode_single_action(action)
+        reply = ep.roundtrip(
             [partial(step_builder, leaves=leaves, timeout_ms=self._timeout_ms, lanes=[])],
             ["step"],
             timeout_ms=self._timeout_ms,
             lanes=[[0]],
         )[0]
         rewards, terminated, truncated = step_arrays(reply, 1)
-        obs = self._state.codecs.observations(reply.leaves, 1)[0]
+        obs = codecs.observations(reply.leaves, 1)[0]
         return obs, float(rewards[0]), bool(terminated[0]), bool(truncated[0]), reply.infos
 
     def render(self) -> Any:
         if self.render_mode is None:
             return None
-        reply = self._ep.roundtrip([partial(render_builder, lane=0)], ["render"], lanes=[[0]])[0]
+        reply = self._joined().roundtrip(
+            [partial(render_builder, lane=0)], ["render"], lanes=[[0]]
+        )[0]
         return decode_frame(reply)
 
     def close(self) -> None:
-        if getattr(self, "_ep", None) is not None:
-            self.final_episodes = self._ep.close()
+        self._closed = True
+        ep = getattr(self, "_ep", None)
+        if ep is not None:
+            self.final_episodes = ep.close()
+
+
+def one_lane_contract(addresses: list[str], connection: Connection) -> tuple[str, Contract]:
+    """What a one-lane client of ``addresses`` serves (a Handshake, no session): the
+    address answered and its contract. One address: its contract, which must have one
+    lane. A list: the first reachable one-lane endpoint's."""
+    if len(addresses) == 1:
+        contract = connection.handshake(addresses[0])
+        if contract.num_envs != 1:
+            raise ValueError(f"{addresses[0]} has {contract.num_envs} lanes; use VectorEnv for it")
+        return addresses[0], contract
+    gathering = Gathering(addresses, 1)
+    for each in addresses:
+        try:
+            contract = connection.handshake(each)
+        except EndpointError as exc:
+            why = passed_over(exc)
+            if why is None:
+                raise
+            gathering.refused(each, why)
+            continue
+        if gathering.offered(each, contract.num_envs):
+            return each, contract
+    gathering.check()
+    raise AssertionError("unreachable: no endpoint answered, yet nothing refused")
