@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -28,7 +30,7 @@ from support.fuzz import BUSY_MESSAGE
 from support.refserver import ServerConfig, ServerPool
 
 from rlmesh_trio import serve_env
-from rlmesh_trio.client import Env, RpcError, VectorEnv
+from rlmesh_trio.client import EndpointError, Env, RpcError, VectorEnv
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -343,3 +345,41 @@ def test_a_constructor_that_raised_holds_nothing(servers: ServerPool, case: str)
         build(address)
     admitted(address, 2)
     assert info.value.__traceback__ is not None
+
+
+# ---------------------------------------------------------------------- fork
+
+
+def _in_forked_child(env: VectorEnv) -> int:
+    """What a forked child does with its parent's client: use it (refused, nothing
+    written), then drop it and collect (nothing written either). Its exit code."""
+    try:
+        env.step(np.zeros(2, np.int64))
+    except EndpointError as exc:
+        code = 0 if "opened by the parent process" in str(exc) else 4
+    else:
+        code = 3
+    del env
+    gc.collect()
+    return code
+
+
+def test_a_forked_child_leaves_the_parents_session_alone(servers: ServerPool) -> None:
+    """``AsyncVectorEnv``'s fork workers (TorchRL's ``GymEnv(num_envs=N)``) inherit the
+    parent's open clients: the child closes its copies without writing a byte (a GOAWAY
+    from there ended the parent's session), and refuses to use them."""
+    address = servers.get("ours", ServerConfig(num_envs=2)).address
+    env = VectorEnv(address)
+    try:
+        env.reset(seed=0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads
+            pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            os._exit(_in_forked_child(env))
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        for _ in range(3):
+            env.step(np.zeros(2, np.int64))
+    finally:
+        env.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import socket
 import time
 import weakref
@@ -507,6 +508,21 @@ class BlockingEndpoint:
         self._finalizer.detach()
         _OPEN.discard(self)
 
+    def _forsake(self) -> None:
+        """In a forked child: this endpoint's connection is the parent's. Close the
+        child's copy of its socket, sending nothing (a GOAWAY or a Close from here would
+        end the parent's session), and never finalize it."""
+        self._finalizer.detach()
+        sock, self._link.sock = self._link.sock, None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
+        why = "this client was opened by the parent process (a fork): open one here"
+        self._conn.lose(why)
+        state = getattr(self, "state", None)
+        if state is not None:
+            state.fail(ConnectionLostError(why))
+
     def _teardown(self) -> None:
         """Drop the connection now, as the finalizer would (no request, never blocks):
         for an owner's own finalizer."""
@@ -516,3 +532,17 @@ class BlockingEndpoint:
 
 def _noop() -> None:
     pass
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (``multiprocessing``'s fork, ``AsyncVectorEnv`` of a trainer)
+    inherits every open client's socket. An HTTP/2 connection has one peer: the child
+    closes its copies without writing a byte, so the parent's sessions go on, and a
+    parent that closes its client really closes the connection."""
+    for ep in list(_OPEN):
+        ep._forsake()
+    _OPEN.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
