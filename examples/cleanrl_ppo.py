@@ -15,14 +15,26 @@ annealed to 0) on a CleanRL actor-critic (two 64-unit tanh MLPs, orthogonal init
 Run locally: ``python examples/cleanrl_ppo.py``; over served envs: start
 ``rlmesh-trio serve --env CartPole-v1 --num-envs 8`` and run
 ``python examples/cleanrl_ppo.py --address tcp://127.0.0.1:50051``.
+
+By id, as CleanRL's own ``ppo.py`` builds its envs (a ``SyncVectorEnv`` of
+``gym.make(env_id)`` thunks, each in ``RecordEpisodeStatistics``), with nothing of
+rlmesh-trio in the script: ``python examples/cleanrl_ppo.py --env-id CartPole-v1``
+locally; over served envs start ``rlmesh-trio serve --env CartPole-v1 --endpoints 8``,
+set ``RLMESH_TRIO_ADDRESS`` to the line it prints, and run ``python
+examples/cleanrl_ppo.py --env-id rlmesh_trio:rlmesh_trio/Remote-v0``.
+``--metrics-file`` writes what CleanRL sends to TensorBoard (the losses of every
+update, the episode statistics) as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -92,6 +104,12 @@ class Result:
     agent: Agent
     episodes: list[tuple[int, int, float]] = field(default_factory=list)
     """Every finished episode in the order seen: (global step, env index, return)."""
+    statistics: list[tuple[int, int, float, int]] = field(default_factory=list)
+    """What ``RecordEpisodeStatistics`` on an env reported (the envs made by
+    :func:`make_env`): (global step, env index, return, length)."""
+    losses: list[dict[str, float]] = field(default_factory=list)
+    """Each update's last minibatch, as CleanRL logs it: ``policy_loss``,
+    ``value_loss``, ``entropy``, ``approx_kl``, ``clipfrac``, and the learning rate."""
     seconds: float = 0.0
 
 
@@ -136,8 +154,9 @@ def train(envs: gym.vector.VectorEnv, config: Config | None = None) -> Result:
             with torch.no_grad():
                 action, logprob, _, value = agent.act(next_obs)
             actions[t], logprobs[t], values[t] = action, logprob, value
-            observation, reward, terminated, truncated, _ = envs.step(action.numpy())
+            observation, reward, terminated, truncated, infos = envs.step(action.numpy())
             done = np.logical_or(terminated, truncated)
+            result.statistics.extend(episode_statistics(global_step, infos))
             rewards[t] = torch.as_tensor(reward, dtype=torch.float32)
             running_return += reward
             for i in np.flatnonzero(done):
@@ -166,12 +185,14 @@ def train(envs: gym.vector.VectorEnv, config: Config | None = None) -> Result:
         batch = steps * n
         minibatch = batch // config.num_minibatches
         order = np.arange(batch)
+        logged: dict[str, float] = {}
         for _epoch in range(config.update_epochs):
             np.random.shuffle(order)
             for start in range(0, batch, minibatch):
                 idx = torch.as_tensor(order[start : start + minibatch])
                 _, logprob, entropy, value = agent.act(b_obs[idx], b_actions[idx])
-                ratio = (logprob - b_logprobs[idx]).exp()
+                log_ratio = logprob - b_logprobs[idx]
+                ratio = log_ratio.exp()
                 adv = b_advantages[idx]
                 adv = (adv - adv.mean()) / (adv.std() + 1e-8)
                 clipped = torch.clamp(ratio, 1 - config.clip_coef, 1 + config.clip_coef)
@@ -182,8 +203,44 @@ def train(envs: gym.vector.VectorEnv, config: Config | None = None) -> Result:
                 loss.backward()
                 nn.utils.clip_grad_norm_(agent.parameters(), config.max_grad_norm)
                 optimizer.step()
+                with torch.no_grad():
+                    logged = {
+                        "learning_rate": float(optimizer.param_groups[0]["lr"]),
+                        "policy_loss": float(policy_loss),
+                        "value_loss": float(value_loss),
+                        "entropy": float(entropy.mean()),
+                        "approx_kl": float(((ratio - 1) - log_ratio).mean()),
+                        "clipfrac": float(((ratio - 1.0).abs() > config.clip_coef).float().mean()),
+                    }
+        result.losses.append(logged)
     result.seconds = time.perf_counter() - started
     return result
+
+
+def episode_statistics(
+    global_step: int, infos: dict[str, Any]
+) -> list[tuple[int, int, float, int]]:
+    """The episodes ``RecordEpisodeStatistics`` closed at this step (SAME_STEP: in the
+    finished envs' ``final_info``): (global step, env index, return, length)."""
+    final = infos.get("final_info", {})
+    episode = final.get("episode")
+    if episode is None:
+        return []
+    mask = final["_episode"]
+    return [
+        (global_step, int(i), float(episode["r"][i]), int(episode["l"][i]))
+        for i in np.flatnonzero(mask)
+    ]
+
+
+def make_env(env_id: str, idx: int) -> Callable[[], gym.Env[Any, Any]]:
+    """CleanRL's env thunk: ``gym.make(env_id)`` in ``RecordEpisodeStatistics``."""
+
+    def thunk() -> gym.Env[Any, Any]:
+        env = gym.make(env_id)
+        return gym.wrappers.RecordEpisodeStatistics(env)
+
+    return thunk
 
 
 def make_envs(address: str | None, num_envs: int = 8) -> gym.vector.VectorEnv:
@@ -201,17 +258,37 @@ def make_envs(address: str | None, num_envs: int = 8) -> gym.vector.VectorEnv:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--address", help="a lane endpoint (default: 8 local CartPoles)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--address", help="a lane endpoint (default: 8 local CartPoles)")
+    source.add_argument("--env-id", help="build the envs by id, as CleanRL's ppo.py does")
+    parser.add_argument("--num-envs", type=int, default=8, help="envs (with --env-id)")
     parser.add_argument("--seed", type=int, default=Config.seed)
     parser.add_argument("--total-timesteps", type=int, default=Config.total_timesteps)
+    parser.add_argument("--metrics-file", help="write the losses and episodes here (JSON)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-    envs = make_envs(args.address)
+    if args.env_id is not None:
+        envs = gym.vector.SyncVectorEnv(
+            [make_env(args.env_id, i) for i in range(args.num_envs)],
+            autoreset_mode=AutoresetMode.SAME_STEP,
+        )
+    else:
+        envs = make_envs(args.address)
     try:
         result = train(envs, Config(seed=args.seed, total_timesteps=args.total_timesteps))
     finally:
         envs.close()
+    if args.metrics_file:
+        with open(args.metrics_file, "w") as out:
+            json.dump(
+                {
+                    "losses": result.losses,
+                    "episodes": result.episodes,
+                    "statistics": result.statistics,
+                },
+                out,
+            )
     last = [r for _, _, r in result.episodes[-100:]]
     print(
         f"{len(result.episodes)} episodes in {result.seconds:.1f} s; "

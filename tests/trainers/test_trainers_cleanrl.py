@@ -7,6 +7,8 @@ final parameters, a mean return >= 475."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -24,6 +26,7 @@ from timings import timed
 pytest.importorskip("torch")
 
 from rlmesh_trio.client import VectorEnv
+from rlmesh_trio.client._gather import ADDRESS_VARIABLE
 
 pytestmark = [pytest.mark.trainers, pytest.mark.timeout(900)]
 
@@ -131,3 +134,63 @@ def test_the_example_runs_as_documented(servers: ServerPool) -> None:
         check=True,
     )
     assert "episodes in" in out.stdout and "mean return of the last" in out.stdout
+
+
+BY_ID_ENVS = 4
+BY_ID_TIMESTEPS = 16_384
+
+
+def run_by_id(env_id: str, metrics: Path, address: str | None) -> dict[str, Any]:
+    """``python examples/cleanrl_ppo.py --env-id ...`` as a user runs it: the envs built
+    as CleanRL's ppo.py builds them; ``RLMESH_TRIO_ADDRESS`` the only glue."""
+    env = dict(os.environ)
+    env.pop(ADDRESS_VARIABLE, None)
+    if address is not None:
+        env[ADDRESS_VARIABLE] = address
+    subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLE),
+            "--env-id",
+            env_id,
+            "--num-envs",
+            str(BY_ID_ENVS),
+            "--total-timesteps",
+            str(BY_ID_TIMESTEPS),
+            "--metrics-file",
+            str(metrics),
+        ],
+        env=env,
+        check=True,
+        timeout=600,
+        capture_output=True,
+    )
+    loaded: dict[str, Any] = json.loads(metrics.read_text())
+    return loaded
+
+
+def test_cleanrl_by_id_over_endpoints_logs_what_the_local_run_logs(
+    servers: ServerPool, tmp_path: Path
+) -> None:
+    """CleanRL's way of building envs (a SyncVectorEnv of ``gym.make(env_id)`` thunks in
+    ``RecordEpisodeStatistics``), the script unchanged, against ``rlmesh-trio serve
+    --endpoints 4``: the same losses every update and the same episode statistics as
+    the local run."""
+    server = servers.get("ours", ServerConfig(env_id=ENV_ID, endpoints=BY_ID_ENVS))
+    local = timed(
+        "CleanRL",
+        f"by id: {BY_ID_ENVS} x {ENV_ID} (local)",
+        lambda: run_by_id(ENV_ID, tmp_path / "local.json", None),
+    )
+    remote = timed(
+        "CleanRL",
+        f"by id: {BY_ID_ENVS} endpoints (serve --endpoints)",
+        lambda: run_by_id(
+            "rlmesh_trio:rlmesh_trio/Remote-v0",
+            tmp_path / "remote.json",
+            ",".join(server.addresses),
+        ),
+    )
+    assert len(local["losses"]) == BY_ID_TIMESTEPS // (32 * BY_ID_ENVS)
+    assert len(local["statistics"]) > 50
+    assert remote == local

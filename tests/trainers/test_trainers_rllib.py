@@ -33,7 +33,8 @@ import ray
 from gymnasium.vector import AutoresetMode
 from ray.rllib.algorithms.ppo import PPOConfig
 
-from rlmesh_trio.client import VectorEnv
+from rlmesh_trio.client import EndpointsUnavailableError, VectorEnv
+from rlmesh_trio.client._gather import ADDRESS_VARIABLE
 
 pytestmark = [pytest.mark.trainers, pytest.mark.timeout(300)]
 
@@ -43,8 +44,28 @@ SEED = 0
 ITERATIONS = 4
 
 
+RUNNER_LANES = 4
+"""Lanes of each endpoint (and envs of each env runner) in the several-runner runs."""
+
+
+@pytest.fixture(scope="module")
+def two_endpoints(servers: ServerPool) -> Iterator[list[str]]:
+    """``rlmesh-trio serve --env CartPole-v1 --num-envs 4 --endpoints 2``, its addresses
+    in ``RLMESH_TRIO_ADDRESS`` before Ray starts (its workers inherit the variable)."""
+    server = servers.get("ours", ServerConfig(env_id=ENV_ID, num_envs=RUNNER_LANES, endpoints=2))
+    before = os.environ.get(ADDRESS_VARIABLE)
+    os.environ[ADDRESS_VARIABLE] = ",".join(server.addresses)
+    try:
+        yield server.addresses
+    finally:
+        if before is None:
+            del os.environ[ADDRESS_VARIABLE]
+        else:
+            os.environ[ADDRESS_VARIABLE] = before
+
+
 @pytest.fixture(scope="module", autouse=True)
-def local_ray() -> Iterator[None]:
+def local_ray(two_endpoints: list[str]) -> Iterator[None]:
     """A local Ray for the module (RLlib's Algorithm needs one even with no remote env
     runner or learner): loopback only, no dashboard."""
     began = time.monotonic()
@@ -159,7 +180,7 @@ def test_rllib_ppo_on_the_registered_id_learns_what_it_learns_on_local_envs(
 def test_one_remote_env_runner_builds_the_env_in_its_own_process(address: str) -> None:
     """``num_env_runners=1``: the driver's env runner builds no env, the remote one (a Ray
     worker process) builds the ``VectorEnv``, the ``rlmesh_trio:`` prefix importing the
-    package there. (Two or more would all join the one endpoint.)"""
+    package there. (Two or more need an endpoint each: the two-runner test below.)"""
     ppo = config(
         "rlmesh_trio:rlmesh_trio/Remote-v0", {"address": address}, "vector_entry_point"
     ).env_runners(num_env_runners=1)
@@ -182,6 +203,77 @@ def test_num_envs_must_be_the_endpoints_lanes(servers: ServerPool) -> None:
     ppo.env_runners(num_envs_per_env_runner=2)
     with pytest.raises(Exception, match=f"num_envs=2, but the endpoint at .* serves {N_ENVS}"):
         ppo.build_algo()
+
+
+def runners_config(env: str, vectorize_mode: str, runners: int) -> PPOConfig:
+    """PPO with ``runners`` remote env runners of ``RUNNER_LANES`` envs each, the id as
+    given and no address anywhere (``RLMESH_TRIO_ADDRESS`` has it)."""
+    return (
+        PPOConfig()
+        .environment(env)
+        .env_runners(
+            num_env_runners=runners,
+            num_envs_per_env_runner=RUNNER_LANES,
+            gym_env_vectorize_mode=vectorize_mode,
+        )
+        .training(train_batch_size_per_learner=512, minibatch_size=128, num_epochs=2)
+        .debugging(seed=SEED)
+    )
+
+
+def train_remote_runners(envs: str, ppo: PPOConfig) -> tuple[list[dict[str, Any]], Any]:
+    def run() -> tuple[list[dict[str, Any]], Any]:
+        algo = ppo.build_algo()
+        try:
+            assert algo.env_runner_group.num_healthy_remote_workers() == 2
+            results = [algo.train() for _ in range(3)]
+            weights = {k: v.clone() for k, v in algo.get_module().state_dict().items()}
+            return [
+                {
+                    "sampled": r["env_runners"]["num_env_steps_sampled"],
+                    "episodes": r["env_runners"]["num_episodes"],
+                    "return_mean": r["env_runners"]["episode_return_mean"],
+                    "total_loss": float(r["learners"]["default_policy"]["total_loss"]),
+                }
+                for r in results
+            ], weights
+        finally:
+            algo.stop()
+
+    return timed("RLlib", envs, run)
+
+
+def test_two_env_runners_by_id_claim_an_endpoint_each_and_learn_what_local_runners_learn(
+    deterministic_torch: Any,
+) -> None:
+    """Two remote env runners on the registered id, the address only in
+    ``RLMESH_TRIO_ADDRESS`` (two endpoints of one ``serve --endpoints 2``): each runner's
+    ``make_vec`` gathers an endpoint of its own, and the run equals two local runners'."""
+    remote = train_remote_runners(
+        "2 env runners by id, 2 endpoints",
+        runners_config("rlmesh_trio:rlmesh_trio/Remote-v0", "vector_entry_point", 2),
+    )
+    local = train_remote_runners(
+        f"2 env runners, SyncVectorEnv of {RUNNER_LANES}", runners_config(ENV_ID, "sync", 2)
+    )
+    assert remote[0] == local[0]
+    for name, tensor in local[1].items():
+        assert deterministic_torch.equal(tensor, remote[1][name]), name
+
+
+def test_more_env_runners_than_endpoints_fail_the_run_at_startup() -> None:
+    """Three runners, two endpoints: the third runner's env cannot gather its lanes. With
+    RLlib's ``restart_failed_env_runners=False`` (docs/trainers.md) ``build_algo``
+    raises that error, naming every endpoint, rather than training with two runners."""
+    ppo = runners_config("rlmesh_trio:rlmesh_trio/Remote-v0", "vector_entry_point", 3)
+    ppo.env_runners(num_cpus_per_env_runner=0)  # three runners on a two-CPU Ray
+    ppo.fault_tolerance(restart_failed_env_runners=False)
+    with pytest.raises(
+        EndpointsUnavailableError, match=f"cannot gather {RUNNER_LANES} lanes"
+    ) as caught:
+        ppo.build_algo()
+    assert "busy: another client holds its Join session" in str(caught.value)
+    assert "restart_failed_env_runners=False" in str(caught.value)
 
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "trainers.md"

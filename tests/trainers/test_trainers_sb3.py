@@ -163,3 +163,18 @@ def test_the_documented_block_runs(servers: ServerPool, deterministic_torch: Any
     namespace: dict[str, Any] = {}
     exec(compile(block, str(DOCS), "exec"), namespace)
     assert namespace["model"].num_timesteps == 2_048
+
+
+def test_make_vec_env_by_id_over_endpoints_learns_what_it_learns_locally(
+    servers: ServerPool, dummy: Run, deterministic_torch: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rl-zoo's way: ``make_vec_env(env_id, n_envs=8)`` (a Monitor on each
+    ``gym.make(env_id)``, a DummyVecEnv), the id ours, the address only in
+    ``RLMESH_TRIO_ADDRESS``, against ``rlmesh-trio serve --endpoints 8``."""
+    server = servers.get("ours", ServerConfig(env_id=ENV_ID, endpoints=N_ENVS))
+    monkeypatch.setenv("RLMESH_TRIO_ADDRESS", ",".join(server.addresses))
+    remote = train(
+        f"make_vec_env by id ({N_ENVS} endpoints, serve --endpoints)",
+        lambda: make_vec_env("rlmesh_trio:rlmesh_trio/Remote-v0", n_envs=N_ENVS),
+    )
+    same_learning(dummy, remote, deterministic_torch)

@@ -18,12 +18,13 @@ import gymnasium as gym
 import pytest
 from gymnasium.vector import AutoresetMode
 from support.refserver import ServerConfig, ServerPool
+from timings import timed
 
 pytest.importorskip("torchrl")
 
 import torch
 from tensordict import TensorDictBase
-from torchrl.envs import EnvBase, GymWrapper
+from torchrl.envs import EnvBase, GymEnv, GymWrapper
 from torchrl.envs.utils import check_env_specs
 
 from rlmesh_trio.client import VectorEnv
@@ -171,3 +172,32 @@ def test_the_documented_block_runs(address: str) -> None:
     namespace: dict[str, Any] = {}
     exec(compile(block, str(DOCS), "exec"), namespace)
     assert "rollout" in namespace
+
+
+def test_gym_env_by_id_with_num_envs_over_endpoints_equals_local(
+    servers: ServerPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``GymEnv(env_id, num_envs=4)``: TorchRL makes one env for its specs, then four in
+    ``AsyncVectorEnv`` workers, each ``gym.make(env_id)``. By our id, the address only in
+    ``RLMESH_TRIO_ADDRESS``, against ``rlmesh-trio serve --endpoints 4`` (the first env
+    takes no endpoint: it only reads the spaces): the same rollout as local envs."""
+    server = servers.get("ours", ServerConfig(env_id=ENV_ID, endpoints=4))
+    monkeypatch.setenv("RLMESH_TRIO_ADDRESS", ",".join(server.addresses))
+
+    def run(env_id: str) -> TensorDictBase:
+        torch.manual_seed(SEED)
+        env = GymEnv(env_id, num_envs=4)
+        try:
+            assert env.batch_size == torch.Size([4])
+            return rollout(env)
+        finally:
+            env.close()
+
+    expected = timed("TorchRL", f"GymEnv(num_envs=4) {ENV_ID}", lambda: run(ENV_ID))
+    got = timed(
+        "TorchRL",
+        "GymEnv(num_envs=4) by id, 4 endpoints",
+        lambda: run("rlmesh_trio:rlmesh_trio/Remote-v0"),
+    )
+    assert_same(expected, got)
+    assert int(got.get(("next", "done")).sum()) >= 4

@@ -18,6 +18,7 @@ drive it with their own connections.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -102,10 +103,6 @@ class Gathering:
         if self.want is not None and self.want < 1:
             raise ValueError(f"num_envs must be >= 1, got {self.want}")
 
-    def next_addresses(self) -> list[str]:
-        """The addresses to try, in order (stop early once :attr:`done`)."""
-        return list(self.addresses)
-
     @property
     def done(self) -> bool:
         return self.want is not None and self.held == self.want
@@ -138,8 +135,15 @@ class Gathering:
             else "every endpoint of the list"
         )
         lines = "; ".join(f"{address}: {why}" for address, why in self.reasons.items())
+        hint = ""
+        if "ray.rllib" in sys.modules:
+            hint = (
+                " (RLlib: more env runners than free endpoints? With "
+                "config.fault_tolerance(restart_failed_env_runners=False) this fails the "
+                "run instead of leaving it with fewer runners)"
+            )
         raise EndpointsUnavailableError(
             f"cannot gather {wanted} from {len(self.addresses)} endpoints "
-            f"({self.held} held, all closed again): {lines}",
+            f"({self.held} held, all closed again): {lines}{hint}",
             dict(self.reasons),
         )

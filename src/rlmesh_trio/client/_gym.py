@@ -70,7 +70,7 @@ from ._settings import (
 )
 from ._span import SpanningPool
 
-__all__ = ["Connection", "Env", "VectorEnv", "open_endpoints", "same_contract"]
+__all__ = ["Connection", "Env", "RenderModeError", "VectorEnv", "open_endpoints", "same_contract"]
 
 
 OLD_ADAPTER_KEYWORDS: dict[str, Rename] = {
@@ -81,11 +81,18 @@ OLD_ADAPTER_KEYWORDS: dict[str, Rename] = {
 milliseconds) becomes ``request_timeout_seconds`` (float seconds)."""
 
 
+class RenderModeError(ValueError, TypeError):
+    """``render_mode=`` asked of an adapter is not the served env's. A ``ValueError``;
+    a ``TypeError`` too, which is how an env says it does not take that keyword:
+    Stable-Baselines3's ``make_vec_env(env_id)`` asks every env for ``rgb_array`` and
+    makes it again without ``render_mode`` on a ``TypeError``."""
+
+
 def _check_render_mode(address: str, asked: str | None, served: str | None) -> None:
     """``render_mode=`` (what ``gymnasium.make`` passes when asked for one) must be the
     served env's: the server renders, the client only carries its frames."""
     if asked is not None and asked != served:
-        raise ValueError(
+        raise RenderModeError(
             f"render_mode={asked!r}, but the env at {address} is served with "
             f"render_mode={served!r}; the server's env decides (serve it with that "
             "render_mode, e.g. rlmesh-trio serve --kwargs-json '{\"render_mode\": ...}')"
