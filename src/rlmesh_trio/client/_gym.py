@@ -70,7 +70,16 @@ from ._settings import (
 )
 from ._span import SpanningPool
 
-__all__ = ["Connection", "Env", "RenderModeError", "VectorEnv", "open_endpoints", "same_contract"]
+__all__ = [
+    "Connection",
+    "Env",
+    "RenderModeError",
+    "VectorEnv",
+    "count_of",
+    "lane_endpoint",
+    "open_endpoints",
+    "same_contract",
+]
 
 
 OLD_ADAPTER_KEYWORDS: dict[str, Rename] = {
@@ -172,6 +181,30 @@ def open_endpoints(
 T = TypeVar("T")
 
 
+def lane_endpoint(address: str, ep: BlockingEndpoint, who: str) -> Contract:
+    """The contract of a lane endpoint (autoreset DISABLED on the server, lane-scoped
+    requests when it has more than one lane), which ``who`` needs; ``ValueError``
+    otherwise."""
+    contract = ep.state.contract
+    if contract.autoreset_mode != "DISABLED":
+        raise ValueError(
+            f"{address} autoresets on the server ({contract.autoreset_mode}); "
+            f"{who} needs a lane endpoint (autoreset DISABLED)"
+        )
+    if contract.num_envs > 1 and not contract.subset_step:
+        raise ValueError(f"{address} does not take lane-scoped requests (no subset_step)")
+    return contract
+
+
+def count_of(num_envs: Any) -> int | None:
+    """``num_envs=`` as an int (None: whatever the endpoints serve)."""
+    if num_envs is None:
+        return None
+    if isinstance(num_envs, bool) or not isinstance(num_envs, int | np.integer):
+        raise TypeError(f"num_envs must be an int, not {type(num_envs).__name__}")
+    return int(num_envs)
+
+
 class InfoCalls:
     """An ``add_info`` that records its calls (lane, info) for the VectorEnv to replay
     with its own ``_add_info``, lanes moved by the part's offset: the same calls in the
@@ -205,15 +238,7 @@ class _Part:
         self.mode = mode
         self.timeout_ms = timeout_ms
         self.state: JoinStream = ep.state
-        contract = self.state.contract
-        if contract.autoreset_mode != "DISABLED":
-            raise ValueError(
-                f"{address} autoresets on the server ({contract.autoreset_mode}); "
-                "VectorEnv needs a lane endpoint (autoreset DISABLED)"
-            )
-        if contract.num_envs > 1 and not contract.subset_step:
-            raise ValueError(f"{address} does not take lane-scoped requests (no subset_step)")
-        self.contract = contract
+        self.contract = contract = lane_endpoint(address, ep, "VectorEnv")
         self.num_envs = contract.num_envs
         self.lanes = VectorLanes(self.num_envs)
         # The lanes are the pool's book too; they hold no reference back to the env.
@@ -447,10 +472,7 @@ class VectorEnv(gym.vector.VectorEnv):
             if isinstance(autoreset_mode, AutoresetMode)
             else AutoresetMode(autoreset_mode)
         )
-        if num_envs is not None and (
-            isinstance(num_envs, bool) or not isinstance(num_envs, int | np.integer)
-        ):
-            raise TypeError(f"num_envs must be an int, not {type(num_envs).__name__}")
+        want = count_of(num_envs)
         timeout_ms = request_timeout_ms(request_timeout_seconds)
         connection = Connection(
             auth_token,
@@ -460,7 +482,6 @@ class VectorEnv(gym.vector.VectorEnv):
             ping_timeout_seconds,
             close_timeout_seconds,
         )
-        want = None if num_envs is None else int(num_envs)
         joined = open_endpoints(address, want, connection)
         self._parts: list[_Part] = []
         try:

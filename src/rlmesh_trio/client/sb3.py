@@ -53,7 +53,7 @@ from ._blocking import BlockingEndpoint
 from ._codecs import decode_frame
 from ._contract import Contract
 from ._errors import LANE_FAULT_KEY, EndpointError, EnvError, ErrorCode, lane_crash
-from ._gym import Connection, open_endpoints, same_contract
+from ._gym import Connection, count_of, lane_endpoint, open_endpoints, same_contract
 from ._messages import Episode, Reply, render_builder, reset_builder, step_builder
 from ._rounds import Request, Rounds, raise_failure, run_alone, run_together
 from ._settings import (
@@ -91,14 +91,7 @@ class _Share:
     def __init__(
         self, address: str, ep: BlockingEndpoint, offset: int, timeout_ms: int, last_obs: list[Any]
     ) -> None:
-        contract = ep.state.contract
-        if contract.autoreset_mode != "DISABLED":
-            raise ValueError(
-                f"{address} autoresets on the server ({contract.autoreset_mode}); "
-                "RemoteVecEnv needs a lane endpoint (autoreset DISABLED)"
-            )
-        if contract.num_envs > 1 and not contract.subset_step:
-            raise ValueError(f"{address} does not take lane-scoped requests (no subset_step)")
+        contract = lane_endpoint(address, ep, "RemoteVecEnv")
         self.address = address
         self.ep = ep
         self.contract = contract
@@ -314,7 +307,11 @@ class RemoteVecEnv(VecEnv):
     ``VecMonitor`` for episode statistics). :meth:`close` sends Close; what the server
     reported then is in ``final_episodes``.
 
-    Keywords as :class:`rlmesh_trio.client.VectorEnv` takes them: ``auth_token``,
+    ``address`` as :class:`rlmesh_trio.client.VectorEnv` takes it: one address, a list
+    (or a comma-separated string) of endpoints whose lanes are this VecEnv's envs in list
+    order, gathered whole up to ``num_envs`` (None: every endpoint of the list), or None
+    for ``RLMESH_TRIO_ADDRESS``; several endpoints step at once, and one lost is raised
+    naming it (the others closed). Other keywords as ``VectorEnv`` takes them: ``auth_token``,
     ``tls``, ``request_timeout_seconds`` (the wire's ``timeout_ms`` on every reset and
     step), ``connect_timeout_seconds``, ``ping_interval_seconds``,
     ``ping_timeout_seconds``, ``close_timeout_seconds``.
@@ -334,11 +331,7 @@ class RemoteVecEnv(VecEnv):
         close_timeout_seconds: float = DEFAULT_CLOSE_TIMEOUT_SECONDS,
     ) -> None:
         timeout_ms = request_timeout_ms(request_timeout_seconds)
-        if num_envs is not None and (
-            isinstance(num_envs, bool) or not isinstance(num_envs, int | np.integer)
-        ):
-            raise TypeError(f"num_envs must be an int, not {type(num_envs).__name__}")
-        want = None if num_envs is None else int(num_envs)
+        want = count_of(num_envs)
         connection = Connection(
             auth_token,
             tls,
