@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -166,6 +166,8 @@ class Served:
     address: str
     proc: subprocess.Popen[bytes]
     workdir: Path
+    addresses: list[str] = field(default_factory=list)
+    """Every endpoint's address (``serve --endpoints K``), in order; ``address`` the first."""
 
     @property
     def pid(self) -> int:
@@ -230,7 +232,8 @@ def _start(name: str, command: list[str], pythonpath: str | None = None) -> Serv
     served = Served(name, "", proc, workdir)
     _LIVE.add(served)
     try:
-        served.address = _read_line(read_fd, proc)
+        served.addresses = _read_lines(read_fd, proc)
+        served.address = served.addresses[0]
     except BaseException as exc:
         text = served.log()
         served.kill()
@@ -242,10 +245,11 @@ def _start(name: str, command: list[str], pythonpath: str | None = None) -> Serv
     return served
 
 
-def _read_line(fd: int, proc: subprocess.Popen[bytes]) -> str:
+def _read_lines(fd: int, proc: subprocess.Popen[bytes]) -> list[str]:
+    """The addresses on the ready fd, one a line, up to its end (the server closes it)."""
     deadline = time.monotonic() + READY_TIMEOUT
     line = b""
-    while not line.endswith(b"\n"):
+    while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError(f"no address on the ready fd within {READY_TIMEOUT} s")
@@ -254,9 +258,10 @@ def _read_line(fd: int, proc: subprocess.Popen[bytes]) -> str:
             continue
         chunk = os.read(fd, 4096)
         if not chunk:
+            if line.endswith(b"\n"):
+                return line.decode().split()
             raise RuntimeError(f"the ready fd closed (exit code {proc.poll()})")
         line += chunk
-    return line.decode().strip()
 
 
 def serve_ours(env_id: str, num_envs: int, *extra: str, src: str | None = None) -> Served:
