@@ -642,3 +642,61 @@ async def test_the_recorders_metrics_count_what_a_served_run_wrote() -> None:
     assert samples[f"rlmesh_trio_record_written_bytes_total{label}"] > 0
     assert samples[f"rlmesh_trio_record_queue_depth{label}"] == 0
     assert minari.load_dataset("rlmesh/metrics-v0").total_episodes == len(seeds)
+
+
+class RacyFirstRender(gym.Env[np.ndarray, int]):
+    """An env library whose first render in the process sets itself up lazily and is not
+    thread-safe (pygame's ``surfarray`` import): a render that finds the setup under way
+    in another thread fails as pygame did."""
+
+    metadata: dict[str, Any] = {"render_modes": ["rgb_array"], "render_fps": 30}
+    setup: dict[str, Any] = {"done": False, "entered": 0}
+    lock = threading.Lock()
+
+    def __init__(self, render_mode: str | None = "rgb_array") -> None:
+        self.render_mode = render_mode
+        self.observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+        self.action_space = gym.spaces.Discrete(2)
+        self.t = 0
+
+    def reset(self, *, seed: int | None = None, options: Any = None) -> Any:
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action: int) -> Any:
+        self.t += 1
+        return np.full(2, self.t / 10, np.float32), 1.0, self.t >= 4, False, {}
+
+    def render(self) -> np.ndarray:
+        setup = RacyFirstRender.setup
+        if not setup["done"]:
+            with RacyFirstRender.lock:
+                setup["entered"] += 1
+                racing = setup["entered"] > 1
+            if racing:
+                raise AttributeError("module 'fakegame.surfarray' has no attribute 'pixels3d'")
+            threading.Event().wait(0.05)  # the lazy import, long enough for others to race
+            setup["done"] = True
+        return np.full((16, 16, 3), self.t * 20, np.uint8)
+
+
+async def test_lanes_render_their_first_frames_one_at_a_time(tmp_path: Path) -> None:
+    """Eight thread lanes whose envs' first render is a racy lazy setup, all reset at
+    once: every lane's video is written (before, lanes lost theirs at random)."""
+    RacyFirstRender.setup = {"done": False, "entered": 0}
+    directory = tmp_path / "video"
+    async with (
+        served(RacyFirstRender, num_envs=8, record_video=str(directory)) as address,
+        open_endpoint(address) as ep,
+    ):
+        for _ in range(2):
+            await ep.reset(seeds=list(range(8)))
+            for _ in range(4):
+                await ep.step(np.zeros(8, np.int64))
+    assert RacyFirstRender.setup == {"done": True, "entered": 1}
+    files = sorted(p.name for p in directory.iterdir())
+    assert files == [f"lane-{lane:03d}-episode-{k:06d}.mp4" for lane in range(8) for k in range(2)]
+    for name in files:
+        with av.open(str(directory / name)) as container:
+            assert sum(1 for _ in container.decode(video=0)) == 5

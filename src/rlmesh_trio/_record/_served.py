@@ -75,6 +75,18 @@ DATASET_LINGER = 0.5
 a crash loses at most what finished in the last half second (and the queue)."""
 
 
+FIRST_RENDER_WAIT = 30.0
+"""Seconds a lane's first render waits for another lane's to finish before it renders
+anyway (a wedged render must not hold every other lane's video)."""
+
+_FIRST_RENDERS = threading.Lock()
+"""Each recorded lane's first render, one lane at a time, process-wide. An env library
+may set itself up on its first render, and that is rarely thread-safe: pygame imports
+``pygame.surfarray`` lazily, and 8 thread lanes rendering their first frames at once
+lost whole lanes' videos at random (``module 'pygame.surfarray' has no attribute
+'pixels3d'``). Once a lane has rendered, its renders run freely."""
+
+
 def render_frame(env: gym.Env[Any, Any]) -> Any:
     """``env.render()``: a video frame, run as a lane job (module level, so it pickles
     for a process lane's child)."""
@@ -88,7 +100,17 @@ class LaneRecorder:
     thread harmless (an episode belongs to the incarnation that reset it: another one's
     cut does not touch it)."""
 
-    __slots__ = ("_acc", "_failed", "_left", "_lock", "_newest", "_number", "_video", "lane")
+    __slots__ = (
+        "_acc",
+        "_failed",
+        "_left",
+        "_lock",
+        "_newest",
+        "_number",
+        "_rendered",
+        "_video",
+        "lane",
+    )
 
     def __init__(
         self, lane: int, accumulator: EpisodeAccumulator | None, video: LaneVideo | None
@@ -106,6 +128,8 @@ class LaneRecorder:
         self._left = False
         """The client's session ended with this lane's episode open (the cut's reason
         when the lane next resets, or stops)."""
+        self._rendered = False
+        """This lane has rendered a frame (its first render is one at a time)."""
 
     def session_closed(self) -> None:
         """The client's Join session ended (any thread; never waits)."""
@@ -173,7 +197,16 @@ class LaneRecorder:
             )
 
     def _frame(self, video: LaneVideo, execute: Execute) -> None:
-        frame, _phases, _faulted = execute(CallJob(render_frame), 0)
+        if self._rendered:
+            frame, _phases, _faulted = execute(CallJob(render_frame), 0)
+        else:
+            held = _FIRST_RENDERS.acquire(timeout=FIRST_RENDER_WAIT)
+            try:
+                frame, _phases, _faulted = execute(CallJob(render_frame), 0)
+            finally:
+                if held:
+                    _FIRST_RENDERS.release()
+            self._rendered = True
         try:
             if not isinstance(frame, outcome.Value) or frame.value is None:
                 raise ValueError(f"env.render() gave no frame ({frame!r})")
