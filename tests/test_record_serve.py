@@ -391,6 +391,30 @@ def test_options_are_validated() -> None:
         resolve(ServeOptions(record_infos=True))
     plan = resolve(ServeOptions(record_dataset="a/b-v0", record_video="d")).record
     assert plan is not None and plan.dataset == "a/b-v0" and plan.video_lanes is None
+    for good in ("cartpole-v0", "rlmesh/cartpole-eval-v12", "a/b/c-v1"):
+        assert resolve(ServeOptions(record_dataset=good)).record is not None
+    # An id without its -vN: our words (Minari's parser fails on it with a TypeError).
+    for bad in ("cartpole", "rlmesh/cartpole", "rlmesh/cartpole-v", "a b-v0", "x-v1/"):
+        with pytest.raises(ValueError, match="NAMESPACE/NAME-vVERSION, the version required"):
+            resolve(ServeOptions(record_dataset=bad))
+
+
+BAD_ID = ("--record-dataset", "cartpole")
+
+
+def test_the_cli_refuses_a_dataset_id_without_a_version_before_building_envs() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "rlmesh_trio", "serve", "--env", "NoSuchEnv-v0", *BAD_ID],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1
+    assert "'cartpole' is not a Minari dataset id" in out.stderr
+    assert "NoSuchEnv" not in out.stderr  # refused before the env was looked up
 
 
 @NEEDS_PYGAME

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import re
 import ssl
 import sys
 from collections.abc import Mapping
@@ -189,10 +190,21 @@ class Recording:
     video_every: int = 1
 
 
+_DATASET_ID = re.compile(r"(?:[^/\s]+/)*[^/\s]+-v\d+")
+"""A Minari dataset id: ``[NAMESPACE/]NAME-vVERSION``, the version required (Minari's
+own parser fails on an id without one with a ``TypeError`` about ``None``)."""
+
+
 def _recording(options: ServeOptions) -> Recording | None:
     dataset, video = options.record_dataset, options.record_video
     if dataset is not None and (not isinstance(dataset, str) or not dataset):
         raise ValueError(f"record_dataset must be a Minari dataset id or None, got {dataset!r}")
+    if dataset is not None and not _DATASET_ID.fullmatch(dataset):
+        raise ValueError(
+            f"record_dataset {dataset!r} is not a Minari dataset id: it takes the form "
+            "NAME-vVERSION or NAMESPACE/NAME-vVERSION, the version required (e.g. "
+            "rlmesh/cartpole-eval-v0)"
+        )
     every = options.record_video_every
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"record_video_every must be an int >= 1, got {every!r}")
