@@ -415,8 +415,40 @@ def test_second_signal_exits_at_once(procs: list[subprocess.Popen[bytes]]) -> No
         assert time.monotonic() - started < 5.0
         assert proc.returncode == 128 + signal.SIGTERM
         assert "second SIGTERM: exiting now" in err.decode()
+        # An exit asked for, not a crash: the crash witness says nothing.
+        assert "died without stopping" not in err.decode()
     finally:
         client.join(BOUND)
+
+
+def test_ctrl_c_while_starting_exits_130_without_a_traceback(tmp_path: Path) -> None:
+    """A Ctrl-C while the server is still starting (its entrypoint's module being
+    imported): rc 130, one line, no traceback, no crash report."""
+    marker = tmp_path / "importing"
+    env = {**cli_env(), "RLT_SLOW_IMPORT_MARKER": str(marker), "RLT_SLOW_IMPORT_SECONDS": "30"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlmesh_trio", "serve", "--entrypoint", "support.slow_import:make"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=ROOT,
+    )
+    try:
+        deadline = time.monotonic() + BOUND
+        while not marker.exists():  # no event to wait on across the process boundary
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=BOUND)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    text = err.decode()
+    assert proc.returncode == 130, text
+    assert "rlmesh-trio: interrupted while starting" in text
+    assert "Traceback" not in text and "died without stopping" not in text
 
 
 def test_startup_failure_in_a_subprocess_exits_1() -> None:

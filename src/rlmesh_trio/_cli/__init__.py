@@ -22,9 +22,9 @@ import sys
 from collections.abc import Sequence
 
 from .._version import __version__
-from ._args import PROG, Parser
+from ._args import EXIT_INTERRUPTED, PROG, Parser
 
-__all__ = ["EXIT_BROKEN_PIPE", "build_parser", "main"]
+__all__ = ["EXIT_BROKEN_PIPE", "EXIT_INTERRUPTED", "build_parser", "main"]
 
 EXIT_BROKEN_PIPE = 128 + getattr(signal, "SIGPIPE", 13)
 """The exit code when stdout's reader closed it before we were done writing."""
@@ -59,6 +59,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         _stdout_to_devnull()
         return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:
+        # A Ctrl-C before a command's own handling of signals (its imports, say): the
+        # shell's convention, without a traceback.
+        print("rlmesh-trio: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return code
 
 

@@ -10,6 +10,7 @@ import importlib
 import json
 import math
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -281,3 +282,8 @@ def write_ready_fd(number: int, lines: Sequence[str]) -> None:
             written += os.write(number, payload[written:])
     finally:
         os.close(number)
+
+
+EXIT_INTERRUPTED = 128 + signal.SIGINT
+"""The exit code of a Ctrl-C that stopped a command before it could stop gracefully (a
+shell's convention: 130)."""

@@ -43,6 +43,7 @@ from .._options import (
 )
 from .._serve import ServerInfo, serve_env
 from ._args import (
+    EXIT_INTERRUPTED,
     PROG,
     UsageError,
     add_env_source,
@@ -310,11 +311,19 @@ def serve_command(args: argparse.Namespace) -> int:
         return 2
     try:
         config = _configure(args, address)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted while starting", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except Exception as exc:
         return _fail("cannot load the environment", exc, debug)
     witness = CrashWitness(PROG, args.lane_isolation)  # a native crash is not silent
     try:
-        return trio.run(_run, config)
+        return trio.run(_run, config, witness)
+    except KeyboardInterrupt:
+        # Ctrl-C before the signal watcher is up (the envs still being built): stop as
+        # a shell expects, with no traceback.
+        print(f"{PROG}: interrupted while starting", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except Exception as exc:
         return _fail("cannot serve", exc, debug)
     finally:
@@ -432,7 +441,7 @@ def _configure(args: argparse.Namespace, address: str) -> _Config:
     )
 
 
-async def _run(config: _Config) -> int:
+async def _run(config: _Config, witness: CrashWitness) -> int:
     """Serve until stopped; first signal: graceful stop, second: exit at once."""
     startup_error: Exception | None = None
     status = 0
@@ -453,7 +462,9 @@ async def _run(config: _Config) -> int:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as outer:
             async with trio.open_nursery() as serving:
-                outer.start_soon(_watch_signals, signals, serving.cancel_scope, config, stopped)
+                outer.start_soon(
+                    _watch_signals, signals, serving.cancel_scope, config, stopped, witness
+                )
                 try:
                     info: ServerInfo = await serving.start(serve)
                 except Exception as exc:
@@ -496,7 +507,11 @@ async def _run(config: _Config) -> int:
 
 
 async def _watch_signals(
-    signals: AsyncIterator[int], serving: trio.CancelScope, config: _Config, stopped: list[str]
+    signals: AsyncIterator[int],
+    serving: trio.CancelScope,
+    config: _Config,
+    stopped: list[str],
+    witness: CrashWitness,
 ) -> None:
     count = 0
     async for signum in signals:
@@ -509,4 +524,5 @@ async def _watch_signals(
         else:
             _say(config, f"second {name}: exiting now")
             sys.stdout.flush()
+            witness.dismiss()  # an exit asked for, not a crash: the witness says nothing
             os._exit(128 + signum)
