@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import trio
 from support import scripts, wire
-from support.faulty import RAISE, Controller, Factory
+from support.faulty import HANG, RAISE, Controller, Factory
 from support.recording import (
     NEEDS_PYGAME,
     episode_metadata,
@@ -268,6 +268,43 @@ async def test_a_lane_fault_cuts_the_episode_and_the_lane_records_on() -> None:
     assert cuts[(1, 2)] == "session_close"
     faulted = dataset[next(i for i, m in enumerate(metadata) if m.get("seed") == 1)]
     assert len(faulted.actions) == 1 and bool(faulted.truncations[-1])
+
+
+async def test_an_abandoned_step_cuts_the_episode_as_a_lane_fault() -> None:
+    """Beside the raise: a step that hangs past ``lane_timeout_seconds`` is abandoned and
+    the lane rebuilt; its episode is cut ``lane_fault`` (the abandoned thread never
+    comes back to cut it: the rebuilt lane's first reset does), not ``reset``."""
+    ctl = Controller()
+    try:
+        async with (
+            served(
+                Factory(ctl),
+                num_envs=2,
+                record_dataset="rlmesh/abandoned-v0",
+                on_lane_fault="rebuild",
+                lane_timeout_seconds=0.3,
+            ) as address,
+            open_endpoint(address) as ep,
+        ):
+            await ep.reset(seeds=[1, 2])
+            await ep.step(np.array([0, 0]))
+            with pytest.raises(EnvError, match=r"env\.step timed out after 300ms"):
+                await ep.step(np.array([HANG]), env_indices=[0])
+            with trio.fail_after(30):
+                while True:  # the rebuilt lane takes a reset once it serves again
+                    try:
+                        await ep.reset(seeds=[5], env_indices=[0])
+                        break
+                    except EnvError:
+                        await trio.sleep(0.05)
+            for _ in range(ctl.episode_steps):
+                await ep.step(np.array([1]), env_indices=[0])
+    finally:
+        ctl.release.set()  # the abandoned thread returns and ends
+    dataset = minari.load_dataset("rlmesh/abandoned-v0")
+    cuts = {(m["lane"], m.get("seed")): m.get("cut") for m in episode_metadata(dataset)}
+    assert cuts[(0, 1)] == "lane_fault"
+    assert cuts[(0, 5)] is None
 
 
 async def test_a_slow_writer_makes_the_lanes_wait_and_loses_nothing(

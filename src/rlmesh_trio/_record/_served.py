@@ -170,6 +170,15 @@ class LaneRecorder:
             self._give_up(exc)
 
     def _reset(self, number: int, job: ResetJob, value: ResetResult, execute: Execute) -> None:
+        if self._number != -1 and self._number < number:
+            # The episode of an incarnation that was abandoned (its call wedged past
+            # --lane-timeout-seconds: its thread never came back to cut it) ends as the
+            # fault it was, not as this reset.
+            self._left = False
+            if self._video is not None:
+                self._video.end()
+            if self._acc is not None and self._acc.in_episode:
+                self._acc.cut("lane_fault")
         self._number = number
         if self._left:
             self._left = False
