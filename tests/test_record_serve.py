@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -23,7 +24,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import trio
-from support import scripts, wire
+from support import envs, scripts, wire
 from support.faulty import HANG, RAISE, Controller, Factory
 from support.recording import (
     NEEDS_PYGAME,
@@ -761,3 +762,96 @@ async def test_lanes_render_their_first_frames_one_at_a_time(tmp_path: Path) -> 
     for name in files:
         with av.open(str(directory / name)) as container:
             assert sum(1 for _ in container.decode(video=0)) == 5
+
+
+async def test_a_failed_recording_is_raised_when_the_server_is_cancelled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A writer that fails while the server serves: the lanes serve on (the failure said
+    once), and cancelling the server (how a signal stops the CLI, or an embedding program
+    stops it) raises the recording's failure rather than the cancellation."""
+    from rlmesh_trio._record._worker import RecordingError
+
+    def full_disk(self: DatasetWriter, batch: list[Any]) -> int:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(DatasetWriter, "_write", full_disk)
+
+    async def serve_record_and_cancel() -> None:
+        async with trio.open_nursery() as nursery:
+            info = await nursery.start(
+                functools.partial(
+                    serve_env,
+                    envs.make_cartpole_trunc3,
+                    num_envs=2,
+                    options=ServeOptions(record_dataset="rlmesh/full-v0"),
+                )
+            )
+            async with open_endpoint(info.address) as ep:
+                for seed in range(20):  # past the writer's first batch
+                    await ep.reset(seeds=[seed, seed + 100])
+                    for _ in range(3):
+                        await ep.step(np.array([0, 1]))
+            nursery.cancel_scope.cancel()
+
+    caught: list[BaseException] = []
+    with trio.fail_after(60):
+        try:
+            await serve_record_and_cancel()
+        except* RecordingError as group:  # from the nursery: in a group
+            caught.extend(group.exceptions)
+    assert len(caught) == 1 and "No space left on device" in str(caught[0])
+
+
+SERVE_CARTPOLE = ("-m", "rlmesh_trio", "serve", "--env", "CartPole-v1", "--num-envs", "4")
+
+
+def test_the_cli_exits_3_once_a_recording_lost_data(tmp_path: Path, minari_root: Path) -> None:
+    """The dataset's files may not grow past 300 KB (``RLIMIT_FSIZE``): the recording
+    fails while the server serves on; at the stop the CLI says so in one line and exits
+    3 (docs/operations.md), and the failure is logged once, not once per lane."""
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    def small_files() -> None:  # pragma: no cover - in the child, before exec
+        resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000))
+
+    read_fd, write_fd = os.pipe()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            *SERVE_CARTPOLE,
+            "--record-dataset",
+            "rlmesh/small-v0",
+            "--ready-fd",
+            str(write_fd),
+        ],
+        env={**os.environ, "MINARI_DATASETS_PATH": str(minari_root)},
+        stdin=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        pass_fds=(write_fd,),
+        preexec_fn=small_files,
+    )
+    os.close(write_fd)
+    try:
+        with os.fdopen(read_fd, "rb") as ready:
+            address = ready.read().decode().strip()
+        rlmesh = pytest.importorskip("rlmesh")
+        from rlmesh.numpy import Model
+
+        rlmesh.run(Model(lambda o: int(o[2] > 0)), address, seeds=range(300))
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    text = err.decode()
+    assert proc.returncode == 3, text
+    assert text.count("recording stopped") == 1, text
+    assert "rlmesh-trio: error: the recording failed (what was not yet written is lost)" in text
+    # Not the stop's old traceback of the failure (the storage child's own last words,
+    # h5py's, may come: it is that process's stderr).
+    assert "rlmesh_trio.serve: recording failed" not in text

@@ -148,10 +148,13 @@ async def serve_env(
     listener = bind(parsed)
     try:
         reason = await _serve(engine, listener, resolved, task_status)
-    except BaseException:
+    except BaseException as exc:
         listener.cleanup()
         if recording is not None:
-            await _close_recording(recording, failed=True)
+            # Stopped by a cancellation (a signal, the embedding program): the server did
+            # not fail, so a failed recording is raised (in place of the cancellation);
+            # after a failure of the server's own, it is logged.
+            await _close_recording(recording, failed=not _cancelled(exc))
         raise
     listener.cleanup()
     if recording is not None:
@@ -232,6 +235,13 @@ def _only_stops(exc: BaseException) -> bool:
     if isinstance(exc, BaseExceptionGroup):
         return all(_only_stops(e) for e in exc.exceptions)
     return isinstance(exc, Exception)
+
+
+def _cancelled(exc: BaseException) -> bool:
+    """``exc`` is a cancellation only (maybe in groups, as nurseries raise it)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_cancelled(inner) for inner in exc.exceptions)
+    return isinstance(exc, trio.Cancelled)
 
 
 RECORD_CLOSE_TIMEOUT = 120.0

@@ -294,6 +294,23 @@ def add_serve_parser(commands: Any) -> None:
     )
 
 
+EXIT_RECORDING_FAILED = 3
+"""The exit code when a recorder lost data (the server served on, and stopped)."""
+
+
+def _recording_failure(exc: BaseException) -> BaseException | None:
+    """The recorder's failure in what ``trio.run`` raised (maybe inside groups)."""
+    from .._record._worker import RecordingError
+
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _recording_failure(inner)
+            if found is not None:
+                return found
+        return None
+    return exc if isinstance(exc, RecordingError) else None
+
+
 def serve_command(args: argparse.Namespace) -> int:
     """Run ``rlmesh-trio serve`` until it stops; return the exit code."""
     debug = args.verbose or args.log_level == "debug"
@@ -325,6 +342,16 @@ def serve_command(args: argparse.Namespace) -> int:
         print(f"{PROG}: interrupted while starting", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as exc:
+        lost = _recording_failure(exc)
+        if lost is not None:
+            if debug:
+                log.error("the recording failed", exc_info=lost)
+            print(
+                f"{PROG}: error: the recording failed (what was not yet written is lost): "
+                f"{describe(lost)}",
+                file=sys.stderr,
+            )
+            return EXIT_RECORDING_FAILED
         return _fail("cannot serve", exc, debug)
     finally:
         witness.dismiss()

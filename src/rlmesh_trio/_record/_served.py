@@ -103,6 +103,7 @@ class LaneRecorder:
     __slots__ = (
         "_acc",
         "_failed",
+        "_failures",
         "_left",
         "_lock",
         "_newest",
@@ -113,9 +114,16 @@ class LaneRecorder:
     )
 
     def __init__(
-        self, lane: int, accumulator: EpisodeAccumulator | None, video: LaneVideo | None
+        self,
+        lane: int,
+        accumulator: EpisodeAccumulator | None,
+        video: LaneVideo | None,
+        failures: set[str] | None = None,
     ) -> None:
         self.lane = lane
+        self._failures = set() if failures is None else failures
+        """The failures logged already, shared by the lanes of one recording: a writer's
+        failure is logged once, not once per lane."""
         self._acc = accumulator
         self._video = video
         self._lock = threading.Lock()
@@ -251,7 +259,15 @@ class LaneRecorder:
         self._video = None
         if not self._failed:
             self._failed = True
-            logger.error("lane %d: recording stopped: %s", self.lane, exc)
+            said = str(exc)
+            if said not in self._failures:  # (a race may say it twice: harmless)
+                self._failures.add(said)
+                logger.error(
+                    "recording stopped (lane %d first; the server goes on, the episodes not "
+                    "yet written are lost): %s",
+                    self.lane,
+                    exc,
+                )
 
 
 class WireDecoder:
@@ -322,6 +338,7 @@ class ServedRecording:
                 self.video.close()
             raise
         recorders: list[LaneRecorder | None] = []
+        failures: set[str] = set()
         for lane in range(num_envs):
             acc = None
             if self.writer is not None:
@@ -336,7 +353,7 @@ class ServedRecording:
                 )
             video = self.video.lane(lane) if self.video is not None else None
             recorders.append(
-                None if acc is None and video is None else LaneRecorder(lane, acc, video)
+                None if acc is None and video is None else LaneRecorder(lane, acc, video, failures)
             )
         self._recorders = [recorder for recorder in recorders if recorder is not None]
         return recorders
