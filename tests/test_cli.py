@@ -8,6 +8,7 @@ import contextlib
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -154,15 +155,106 @@ def test_unix_transport_addresses(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     parser = build_parser()
     args = parser.parse_args(["serve", "--env", "A", "--transport", "unix", "--address", "x.sock"])
     monkeypatch.chdir(tmp_path)
-    assert _serve._resolve_address(args) == "unix://x.sock"
+    monkeypatch.delenv("RLMESH_ADDRESS", raising=False)
+    monkeypatch.delenv("RLMESH_PORT", raising=False)
+    assert _serve._resolve_address(args) == ("unix://x.sock", None)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     args = parser.parse_args(["serve", "--env", "My/Env-v1", "--transport", "unix"])
     assert _serve._resolve_address(args) == (
-        f"unix://{tmp_path}/rlmesh-trio/rlmesh-trio-my_env-v1.sock"
+        f"unix://{tmp_path}/rlmesh-trio/rlmesh-trio-my_env-v1.sock",
+        None,
     )
     assert (tmp_path / "rlmesh-trio").stat().st_mode & 0o777 == 0o700
     args = parser.parse_args(["serve", "--env", "A"])
-    assert _serve._resolve_address(args) == "tcp://127.0.0.1:0"
+    assert _serve._resolve_address(args) == ("tcp://127.0.0.1:0", None)
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "expected"),
+    [
+        # rlmesh 0.1.0's bind contract: RLMESH_ADDRESS (any form) wins over RLMESH_PORT ...
+        ([], {"RLMESH_ADDRESS": "0.0.0.0:6000"}, ("0.0.0.0:6000", "RLMESH_ADDRESS")),
+        ([], {"RLMESH_ADDRESS": "6001"}, ("6001", "RLMESH_ADDRESS")),
+        ([], {"RLMESH_ADDRESS": "tcp://[::1]:6002"}, ("tcp://[::1]:6002", "RLMESH_ADDRESS")),
+        (
+            [],
+            {"RLMESH_ADDRESS": "unix:///run/env.sock"},
+            ("unix:///run/env.sock", "RLMESH_ADDRESS"),
+        ),
+        (
+            [],
+            {"RLMESH_ADDRESS": "127.0.0.1:6003", "RLMESH_PORT": "7000"},
+            ("127.0.0.1:6003", "RLMESH_ADDRESS"),
+        ),
+        # ... RLMESH_PORT is a port on all interfaces ...
+        ([], {"RLMESH_PORT": "7001"}, ("0.0.0.0:7001", "RLMESH_PORT")),
+        ([], {"RLMESH_ADDRESS": "", "RLMESH_PORT": "7002"}, ("0.0.0.0:7002", "RLMESH_PORT")),
+        # ... --address wins over both, and with none of the three the default stays.
+        (
+            ["--address", "127.0.0.1:8000"],
+            {"RLMESH_ADDRESS": "0.0.0.0:1", "RLMESH_PORT": "2"},
+            ("127.0.0.1:8000", None),
+        ),
+        ([], {}, ("tcp://127.0.0.1:0", None)),
+        ([], {"RLMESH_PORT": ""}, ("tcp://127.0.0.1:0", None)),
+    ],
+)
+def test_the_bind_address_from_rlmesh_address_and_rlmesh_port(
+    argv: list[str],
+    env: dict[str, str],
+    expected: tuple[str, str | None],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("RLMESH_ADDRESS", raising=False)
+    monkeypatch.delenv("RLMESH_PORT", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    args = build_parser().parse_args(["serve", "--env", "A", *argv])
+    assert _serve._resolve_address(args) == expected
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"RLMESH_PORT": "http"}, "RLMESH_PORT='http' is not a TCP port"),
+        ({"RLMESH_PORT": "70000"}, "RLMESH_PORT='70000' is not a TCP port"),
+        ({"RLMESH_ADDRESS": "http://x:1"}, r"unsupported address scheme.*\(from RLMESH_ADDRESS\)"),
+    ],
+)
+def test_a_bad_bind_variable_is_a_usage_error(
+    env: dict[str, str], message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("RLMESH_ADDRESS", raising=False)
+    monkeypatch.delenv("RLMESH_PORT", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    args = build_parser().parse_args(["serve", "--env", "A"])
+    with pytest.raises(_serve.UsageError, match=message):
+        _serve._resolve_address(args)
+
+
+def test_serve_binds_rlmesh_address_and_says_so(procs: list[subprocess.Popen[bytes]]) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**cli_env(), "RLMESH_ADDRESS": f"127.0.0.1:{port}", "RLMESH_PORT": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlmesh_trio", "serve", "--env", "CartPole-v1"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=ROOT,
+    )
+    procs.append(proc)
+    assert proc.stderr is not None
+    first = proc.stderr.readline().decode()
+    assert first == f"rlmesh-trio: binding 127.0.0.1:{port} (from RLMESH_ADDRESS)\n"
+    second = proc.stderr.readline().decode()
+    assert second.startswith(f"rlmesh-trio: serving CartPole-v1 x1 lane on tcp://127.0.0.1:{port}")
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=BOUND)
+    assert proc.returncode == 0
 
 
 def test_a_non_ascii_token_is_a_startup_error(capsys: pytest.CaptureFixture[str]) -> None:

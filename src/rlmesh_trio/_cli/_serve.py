@@ -320,12 +320,14 @@ def serve_command(args: argparse.Namespace) -> int:
         everything=args.log_level == "debug",
     )
     try:
-        address = _resolve_address(args)
+        address, source = _resolve_address(args)
         if args.ready_fd is not None:
             check_fd(args.ready_fd)
     except UsageError as exc:
         print(f"{PROG} serve: error: {exc} (see '{PROG} serve --help')", file=sys.stderr)
         return 2
+    if source is not None:
+        print(f"{PROG}: binding {address} (from {source})", file=sys.stderr, flush=True)
     try:
         config = _configure(args, address)
     except KeyboardInterrupt:
@@ -386,8 +388,39 @@ def _fail(what: str, exc: BaseException, debug: bool) -> int:
     return 1
 
 
-def _resolve_address(args: argparse.Namespace) -> str:
+ADDRESS_ENV = "RLMESH_ADDRESS"
+"""rlmesh's container bind contract: a full bind address (``host:port``, ``port``,
+``tcp://host:port``, ``unix:///path``), used when ``--address`` is not given."""
+
+PORT_ENV = "RLMESH_PORT"
+"""rlmesh's container bind contract: a TCP port on all interfaces (``0.0.0.0:PORT``), used
+when neither ``--address`` nor ``RLMESH_ADDRESS`` is given."""
+
+
+def _bind_from_environment(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """``(address, where it came from)`` by rlmesh 0.1.0's rule when ``--address`` is not
+    given: ``RLMESH_ADDRESS`` if set and not empty, else ``RLMESH_PORT`` (TCP) as
+    ``0.0.0.0:PORT``; ``(None, None)`` when neither is set."""
+    if args.address is not None:
+        return None, None
+    address = os.environ.get(ADDRESS_ENV, "").strip()
+    if address:
+        return address, ADDRESS_ENV
+    port = os.environ.get(PORT_ENV, "").strip()
+    if port and args.transport == "tcp":
+        if not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise UsageError(f"{PORT_ENV}={port!r} is not a TCP port (0-65535)")
+        return f"0.0.0.0:{int(port)}", PORT_ENV
+    return None, None
+
+
+def _resolve_address(args: argparse.Namespace) -> tuple[str, str | None]:
+    """The address to bind, and the environment variable it came from (None: the
+    command line or the default)."""
     address: str | None = args.address
+    source: str | None = None
+    if address is None:
+        address, source = _bind_from_environment(args)
     if args.transport == "unix":
         if os.name == "nt":
             raise UsageError("unix sockets are not supported on Windows; use --transport tcp")
@@ -402,8 +435,9 @@ def _resolve_address(args: argparse.Namespace) -> str:
     try:
         parse_address(address)
     except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    return address
+        where = f" (from {source})" if source is not None else ""
+        raise UsageError(f"{exc}{where}") from None
+    return address, source
 
 
 def _default_unix_path(source: str) -> str:
