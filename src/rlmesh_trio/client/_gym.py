@@ -13,7 +13,7 @@ a :class:`VectorEnv` (``num_envs=`` checked against the endpoint's lanes).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from typing import Any, SupportsFloat, TypeVar
 
@@ -38,7 +38,7 @@ from ._autoreset import (
     seeds_of,
     take_reset_mask,
 )
-from ._blocking import BlockingEndpoint, handshake
+from ._blocking import BlockingEndpoint
 from ._codecs import (
     ACTION_ERRORS,
     decode_frame,
@@ -47,7 +47,6 @@ from ._codecs import (
     timeout_of,
     wire_seed,
 )
-from ._contract import Contract
 from ._core import JoinStream, check_options
 from ._errors import (
     EndpointClosedError,
@@ -55,7 +54,15 @@ from ._errors import (
     EnvError,
     lane_crash,
 )
-from ._gather import Gathering, addresses_of, passed_over
+from ._gather import addresses_of
+from ._joining import (
+    Connection,
+    count_of,
+    lane_endpoint,
+    one_lane_contract,
+    open_endpoints,
+    same_contract,
+)
 from ._messages import Episode, render_builder, reset_builder, step_builder
 from ._pool import Batch, BlockingPool
 from ._rounds import Request, Rounds, raise_failure, run_alone, run_together
@@ -70,16 +77,7 @@ from ._settings import (
 )
 from ._span import SpanningPool
 
-__all__ = [
-    "Connection",
-    "Env",
-    "RenderModeError",
-    "VectorEnv",
-    "count_of",
-    "lane_endpoint",
-    "open_endpoints",
-    "same_contract",
-]
+__all__ = ["Env", "RenderModeError", "VectorEnv"]
 
 
 OLD_ADAPTER_KEYWORDS: dict[str, Rename] = {
@@ -108,101 +106,7 @@ def _check_render_mode(address: str, asked: str | None, served: str | None) -> N
         )
 
 
-@dataclass(frozen=True)
-class Connection:
-    """How the adapters connect to each endpoint: the bearer token, TLS and the
-    connection's timeouts (as :func:`~rlmesh_trio.client.open_endpoint` takes them)."""
-
-    auth_token: str | None = None
-    tls: TlsSetting = None
-    connect_timeout_seconds: float = DEFAULT_CONNECT_TIMEOUT_SECONDS
-    ping_interval_seconds: float = DEFAULT_PING_INTERVAL_SECONDS
-    ping_timeout_seconds: float = DEFAULT_PING_TIMEOUT_SECONDS
-    close_timeout_seconds: float = DEFAULT_CLOSE_TIMEOUT_SECONDS
-
-    def handshake(self, address: str) -> Contract:
-        """What ``address`` serves (a Handshake only: no session is taken)."""
-        return handshake(
-            address,
-            auth_token=self.auth_token,
-            tls=self.tls,
-            connect_timeout_seconds=self.connect_timeout_seconds,
-            ping_interval_seconds=self.ping_interval_seconds,
-            ping_timeout_seconds=self.ping_timeout_seconds,
-        )
-
-    def open(self, address: str) -> BlockingEndpoint:
-        return BlockingEndpoint(
-            address,
-            auth_token=self.auth_token,
-            tls=self.tls,
-            connect_timeout_seconds=self.connect_timeout_seconds,
-            ping_interval_seconds=self.ping_interval_seconds,
-            ping_timeout_seconds=self.ping_timeout_seconds,
-            close_timeout_seconds=self.close_timeout_seconds,
-        )
-
-
-def open_endpoints(
-    address: str | Sequence[str] | None, want: int | None, connection: Connection
-) -> list[tuple[str, BlockingEndpoint]]:
-    """The endpoints a client joins: ``address`` (else ``RLMESH_TRIO_ADDRESS``), one
-    address as it is, a list gathered whole endpoint by whole endpoint until ``want``
-    lanes are held (None: every endpoint of the list) -- see :mod:`._gather`."""
-    addresses = addresses_of(address)
-    if len(addresses) == 1:
-        return [(addresses[0], connection.open(addresses[0]))]
-    gathering = Gathering(addresses, want)
-    taken: list[tuple[str, BlockingEndpoint]] = []
-    try:
-        for each in addresses:
-            if gathering.done:
-                break
-            try:
-                ep = connection.open(each)
-            except EndpointError as exc:
-                why = passed_over(exc)
-                if why is None:
-                    raise
-                gathering.refused(each, why)
-                continue
-            if gathering.offered(each, ep.state.contract.num_envs):
-                taken.append((each, ep))
-            else:
-                ep.close()
-        gathering.check()
-    except BaseException:
-        for _, ep in taken:
-            ep.close()
-        raise
-    return taken
-
-
 T = TypeVar("T")
-
-
-def lane_endpoint(address: str, ep: BlockingEndpoint, who: str) -> Contract:
-    """The contract of a lane endpoint (autoreset DISABLED on the server, lane-scoped
-    requests when it has more than one lane), which ``who`` needs; ``ValueError``
-    otherwise."""
-    contract = ep.state.contract
-    if contract.autoreset_mode != "DISABLED":
-        raise ValueError(
-            f"{address} autoresets on the server ({contract.autoreset_mode}); "
-            f"{who} needs a lane endpoint (autoreset DISABLED)"
-        )
-    if contract.num_envs > 1 and not contract.subset_step:
-        raise ValueError(f"{address} does not take lane-scoped requests (no subset_step)")
-    return contract
-
-
-def count_of(num_envs: Any) -> int | None:
-    """``num_envs=`` as an int (None: whatever the endpoints serve)."""
-    if num_envs is None:
-        return None
-    if isinstance(num_envs, bool) or not isinstance(num_envs, int | np.integer):
-        raise TypeError(f"num_envs must be an int, not {type(num_envs).__name__}")
-    return int(num_envs)
 
 
 class InfoCalls:
@@ -386,21 +290,6 @@ class _Part:
             replace(episode, env_index=episode.env_index + self.offset)
             for episode in self.ep.close()
         ]
-
-
-def same_contract(a: Contract, a_address: str, b: Contract, b_address: str) -> None:
-    """Every endpoint of one vector serves the same env: spaces, render mode, env id."""
-    for what, mine, theirs in (
-        ("observation space", a.observation_space, b.observation_space),
-        ("action space", a.action_space, b.action_space),
-        ("render_mode", a.render_mode, b.render_mode),
-        ("env id", a.env_id, b.env_id),
-    ):
-        if mine != theirs:
-            raise ValueError(
-                f"the endpoints of one vector must serve the same env: {a_address} has "
-                f"{what} {mine!r}, {b_address} has {theirs!r}"
-            )
 
 
 class VectorEnv(gym.vector.VectorEnv):
@@ -868,28 +757,3 @@ class Env(gym.Env):
         ep = getattr(self, "_ep", None)
         if ep is not None:
             self.final_episodes = ep.close()
-
-
-def one_lane_contract(addresses: list[str], connection: Connection) -> tuple[str, Contract]:
-    """What a one-lane client of ``addresses`` serves (a Handshake, no session): the
-    address answered and its contract. One address: its contract, which must have one
-    lane. A list: the first reachable one-lane endpoint's."""
-    if len(addresses) == 1:
-        contract = connection.handshake(addresses[0])
-        if contract.num_envs != 1:
-            raise ValueError(f"{addresses[0]} has {contract.num_envs} lanes; use VectorEnv for it")
-        return addresses[0], contract
-    gathering = Gathering(addresses, 1)
-    for each in addresses:
-        try:
-            contract = connection.handshake(each)
-        except EndpointError as exc:
-            why = passed_over(exc)
-            if why is None:
-                raise
-            gathering.refused(each, why)
-            continue
-        if gathering.offered(each, contract.num_envs):
-            return each, contract
-    gathering.check()
-    raise AssertionError("unreachable: no endpoint answered, yet nothing refused")

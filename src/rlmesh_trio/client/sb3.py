@@ -53,7 +53,7 @@ from ._blocking import BlockingEndpoint
 from ._codecs import decode_frame
 from ._contract import Contract
 from ._errors import LANE_FAULT_KEY, EndpointError, EnvError, ErrorCode, lane_crash
-from ._gym import Connection, count_of, lane_endpoint, open_endpoints, same_contract
+from ._joining import Connection, count_of, lane_endpoint, open_endpoints, same_contract
 from ._messages import Episode, Reply, render_builder, reset_builder, step_builder
 from ._rounds import Request, Rounds, raise_failure, run_alone, run_together
 from ._settings import (
