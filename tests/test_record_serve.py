@@ -855,3 +855,43 @@ def test_the_cli_exits_3_once_a_recording_lost_data(tmp_path: Path, minari_root:
     # Not the stop's old traceback of the failure (the storage child's own last words,
     # h5py's, may come: it is that process's stderr).
     assert "rlmesh_trio.serve: recording failed" not in text
+
+
+class RenderStops(RacyFirstRender):
+    """Renders frames until its third step, then none (``render()`` gives None)."""
+
+    def render(self) -> Any:
+        return None if self.t >= 3 else np.full((16, 16, 3), 7, np.uint8)
+
+
+async def test_a_video_that_stops_mid_run_is_named_when_the_server_stops(tmp_path: Path) -> None:
+    """A lane whose render stops giving frames records no more video (the lane serves
+    on, logged once); at the stop the lanes are named in the raised ``RecordingError``
+    (the CLI's exit 3), not only in a log line."""
+    from rlmesh_trio._record._worker import RecordingError
+
+    async def serve_and_cancel() -> None:
+        async with trio.open_nursery() as nursery:
+            info = await nursery.start(
+                functools.partial(
+                    serve_env,
+                    RenderStops,
+                    num_envs=2,
+                    options=ServeOptions(record_video=str(tmp_path / "video")),
+                )
+            )
+            async with open_endpoint(info.address) as ep:
+                await ep.reset(seeds=[0, 1])
+                for _ in range(4):
+                    await ep.step(np.zeros(2, np.int64))
+            nursery.cancel_scope.cancel()
+
+    caught: list[BaseException] = []
+    with trio.fail_after(60):
+        try:
+            await serve_and_cancel()
+        except* RecordingError as group:
+            caught.extend(group.exceptions)
+    assert len(caught) == 1
+    assert "video recording stopped on lanes [0, 1]" in str(caught[0])
+    assert "env.render() gave no frame" in str(caught[0])

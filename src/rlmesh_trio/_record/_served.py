@@ -54,6 +54,7 @@ import outcome
 from .._codec import from_meta_map
 from .._jobs import CallJob, Job, Phases, ResetJob, ResetResult, StepJob, StepResult
 from ._episode import CutReason, Episode, EpisodeAccumulator
+from ._worker import RecordingError
 
 if TYPE_CHECKING:
     import gymnasium as gym
@@ -93,6 +94,17 @@ def render_frame(env: gym.Env[Any, Any]) -> Any:
     return env.render()
 
 
+class Failures:
+    """What the lanes of one recording have lost, shared by their recorders (appends and
+    set adds only: safe from the lane threads)."""
+
+    def __init__(self) -> None:
+        self.said: set[str] = set()
+        """The writer failures logged already (each once, not once per lane)."""
+        self.videos: list[tuple[int, str]] = []
+        """The lanes whose video stopped (a render gave no frame), and why."""
+
+
 class LaneRecorder:
     """One lane's recording: its episode under way and, if chosen, its video.
 
@@ -118,12 +130,12 @@ class LaneRecorder:
         lane: int,
         accumulator: EpisodeAccumulator | None,
         video: LaneVideo | None,
-        failures: set[str] | None = None,
+        failures: Failures | None = None,
     ) -> None:
         self.lane = lane
-        self._failures = set() if failures is None else failures
-        """The failures logged already, shared by the lanes of one recording: a writer's
-        failure is logged once, not once per lane."""
+        self._failures = Failures() if failures is None else failures
+        """Shared by the lanes of one recording: a writer's failure is logged once, not
+        once per lane; the lanes whose video stopped are named at the stop."""
         self._acc = accumulator
         self._video = video
         self._lock = threading.Lock()
@@ -231,6 +243,7 @@ class LaneRecorder:
         except ValueError as exc:
             # This lane records no more video (the env goes on; its dataset too).
             logger.error("lane %d: video recording stopped: %s", self.lane, exc)
+            self._failures.videos.append((self.lane, str(exc)))
             video.end()
             self._video = None
 
@@ -260,8 +273,8 @@ class LaneRecorder:
         if not self._failed:
             self._failed = True
             said = str(exc)
-            if said not in self._failures:  # (a race may say it twice: harmless)
-                self._failures.add(said)
+            if said not in self._failures.said:  # (a race may say it twice: harmless)
+                self._failures.said.add(said)
                 logger.error(
                     "recording stopped (lane %d first; the server goes on, the episodes not "
                     "yet written are lost): %s",
@@ -325,6 +338,7 @@ class ServedRecording:
         self.writer: DatasetWriter | None = None
         self.video: VideoRecorder | None = None
         self._recorders: list[LaneRecorder] = []
+        self._failures = Failures()
 
     def start(self, contract: EnvContract, num_envs: int) -> list[LaneRecorder | None]:
         """Make the writers (a startup error raises here) and one recorder per lane."""
@@ -338,7 +352,7 @@ class ServedRecording:
                 self.video.close()
             raise
         recorders: list[LaneRecorder | None] = []
-        failures: set[str] = set()
+        failures = self._failures
         for lane in range(num_envs):
             acc = None
             if self.writer is not None:
@@ -379,6 +393,13 @@ class ServedRecording:
                 errors.append(exc)
         if errors:
             raise errors[0]
+        videos = self._failures.videos
+        if videos:
+            lanes = sorted({lane for lane, _ in videos})
+            raise RecordingError(
+                f"video recording stopped on lanes {lanes} (their later episodes have no "
+                f"video): lane {videos[0][0]}: {videos[0][1]}"
+            )
 
     def counters(self) -> list[tuple[str, int, int, int, int]]:
         """Each recorder's name, queue depth, items and bytes written, and put wait (ns),
