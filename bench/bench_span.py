@@ -71,7 +71,7 @@ def main() -> int:
     parser.add_argument("n", nargs="?", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--shapes", default="1,2,4,8", help="endpoint counts K (N % K == 0)")
+    parser.add_argument("--shapes", default="1,2,4,8", help="endpoint counts K (each dividing N)")
     args = parser.parse_args()
     shapes = [int(k) for k in args.shapes.split(",") if args.n % int(k) == 0]
     servers = {k: serve_ours(args.env, args.n // k, "--endpoints", str(k)) for k in shapes}
