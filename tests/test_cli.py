@@ -972,9 +972,13 @@ def test_the_documented_commands_parse(capsys: pytest.CaptureFixture[str]) -> No
         assert named <= shown, f"{where}: {sorted(named - shown)}"
 
 
+README_SERVE = ("serve", "--env", "CartPole-v1", "--num-envs", "4")
+
+
 def test_the_readme_first_command_as_written(procs: list[subprocess.Popen[bytes]]) -> None:
-    """``rlmesh-trio serve --env CartPole-v1 --num-envs 4`` through the console script
-    the package installs, saying what the README says it says."""
+    """``rlmesh-trio serve --env CartPole-v1 --num-envs 4 --address 127.0.0.1:50051``
+    through the console script the package installs, saying what the README says it
+    says (on a free port here: 50051 may be taken on a test machine)."""
     import re
     import shutil
 
@@ -982,14 +986,19 @@ def test_the_readme_first_command_as_written(procs: list[subprocess.Popen[bytes]
     if script is None:
         pytest.skip("no rlmesh-trio console script next to this python")
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert "$ rlmesh-trio serve --env CartPole-v1 --num-envs 4\n" in readme
+    assert (
+        "$ rlmesh-trio serve --env CartPole-v1 --num-envs 4 --address 127.0.0.1:50051\n" in readme
+    )
     said = re.search(
-        r"^rlmesh-trio: serving CartPole-v1 x4 lanes on tcp://127\.0\.0\.1:", readme, re.M
+        r"^rlmesh-trio: serving CartPole-v1 x4 lanes on tcp://127\.0\.0\.1:50051$", readme, re.M
     )
     assert said is not None
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     env = cli_env()
     proc = subprocess.Popen(
-        [script, "serve", "--env", "CartPole-v1", "--num-envs", "4"],
+        [script, *README_SERVE, "--address", f"127.0.0.1:{port}"],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -1001,9 +1010,7 @@ def test_the_readme_first_command_as_written(procs: list[subprocess.Popen[bytes]
     readable, _, _ = select.select([proc.stderr], [], [], BOUND)
     assert readable, "no serving line"
     line = proc.stderr.readline().decode()
-    assert re.fullmatch(
-        r"rlmesh-trio: serving CartPole-v1 x4 lanes on tcp://127\.0\.0\.1:\d+\n", line
-    )
+    assert line == f"rlmesh-trio: serving CartPole-v1 x4 lanes on tcp://127.0.0.1:{port}\n"
     address = line.rsplit(" ", 1)[1].strip()
     code, out, _ = run_probe(address, "--json")
     assert code == 0 and '"num_envs": 4' in out

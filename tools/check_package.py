@@ -4,6 +4,8 @@ README's quick start. Run by ``nox -s package`` (it builds ``--dist`` first); st
 1. The wheel and the sdist carry the generated protobuf code and both ``py.typed``.
 2. The wheel, with the ``metrics`` extra, goes into a fresh venv; ``rlmesh-trio serve``
    from it answers ``rlmesh-trio probe``, rlmesh-trio's client and a Prometheus scrape.
+   Then the wheel alone, without constraints, into a venv holding a 2025 stack (numpy
+   2.2.6, gymnasium 1.1.1, trio 0.30.0): none of them is replaced, and it serves.
 3. deploy/kubernetes/Dockerfile, run without a container engine: each stage gets a fresh
    venv (the image's Python) and a directory standing in for its filesystem; ``WORKDIR``,
    ``COPY`` and ``RUN`` run as written (a ``RUN`` may use relative paths only, so that it
@@ -242,6 +244,36 @@ def check_wheel(wheel: Path, constraints: Path, work: Path) -> None:
         expect_clean_stop(server, signal.SIGINT)
 
 
+STACK_2025 = ("numpy==2.2.6", "gymnasium==1.1.1", "trio==0.30.0")
+"""A training stack of 2025 (numpy pinned below 2.3 for numba or TensorFlow, say): the
+wheel installs beside it without replacing any of them."""
+
+
+def check_beside_a_2025_stack(wheel: Path, work: Path) -> None:
+    """``pip install WHEEL`` into a venv that holds :data:`STACK_2025` (no constraints
+    file: pip resolves as a user's would) keeps every one of those versions, and serves."""
+    bin_dir = fresh_venv(work / "stack-venv")
+    env = with_path(bin_dir)
+    pip = [str(bin_dir / "python"), "-m", "pip", "install", "--quiet"]
+    run([*pip, *STACK_2025], cwd=work, env=env, timeout=INSTALL_TIMEOUT)
+    run([*pip, str(wheel)], cwd=work, env=env, timeout=INSTALL_TIMEOUT)
+    frozen = subprocess.run(
+        [str(bin_dir / "python"), "-m", "pip", "freeze"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    ).stdout.lower().split()
+    replaced = [pin for pin in STACK_2025 if pin.lower() not in frozen]
+    if replaced:
+        raise CheckFailed(f"installing the wheel replaced {replaced}: {frozen}")
+    argv = [str(bin_dir / "rlmesh-trio"), "serve", "--env", "CartPole-v1"]
+    with serving(argv, cwd=work, env=env) as server:
+        server.wait_for(SERVING, SERVE_TIMEOUT)
+        expect_clean_stop(server, signal.SIGINT)
+    log(f"installed beside {', '.join(STACK_2025)} without replacing them, and served")
+
+
 # -- 3. the Dockerfile's steps ------------------------------------------------------------
 
 
@@ -456,12 +488,12 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, required=True, help="an empty scratch directory")
     parser.add_argument(
         "--only",
-        choices=("wheel", "image", "readme"),
+        choices=("wheel", "stack", "image", "readme"),
         action="append",
         help="run only these checks (repeatable; default all)",
     )
     args = parser.parse_args()
-    only = set(args.only or ("wheel", "image", "readme"))
+    only = set(args.only or ("wheel", "stack", "image", "readme"))
     constraints = args.constraints.resolve()
     work = args.workdir.resolve()
     if work.exists():
@@ -472,6 +504,9 @@ def main() -> int:
         if "wheel" in only:
             (work / "wheel").mkdir()
             check_wheel(wheel, constraints, work / "wheel")
+        if "stack" in only:
+            (work / "stack").mkdir()
+            check_beside_a_2025_stack(wheel, work / "stack")
         if "image" in only:
             (work / "image").mkdir()
             check_image_steps(work / "image")
