@@ -257,13 +257,17 @@ def check_beside_a_2025_stack(wheel: Path, work: Path) -> None:
     pip = [str(bin_dir / "python"), "-m", "pip", "install", "--quiet"]
     run([*pip, *STACK_2025], cwd=work, env=env, timeout=INSTALL_TIMEOUT)
     run([*pip, str(wheel)], cwd=work, env=env, timeout=INSTALL_TIMEOUT)
-    frozen = subprocess.run(
-        [str(bin_dir / "python"), "-m", "pip", "freeze"],
-        capture_output=True,
-        text=True,
-        check=True,
-        env=env,
-    ).stdout.lower().split()
+    frozen = (
+        subprocess.run(
+            [str(bin_dir / "python"), "-m", "pip", "freeze"],
+            capture_output=True,
+            text=True,
+            check=True,
+            env=env,
+        )
+        .stdout.lower()
+        .split()
+    )
     replaced = [pin for pin in STACK_2025 if pin.lower() not in frozen]
     if replaced:
         raise CheckFailed(f"installing the wheel replaced {replaced}: {frozen}")
