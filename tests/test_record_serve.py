@@ -544,12 +544,16 @@ def test_the_recorders_metrics() -> None:
 
     metrics = ServerMetrics(2, "CartPole-v1")
     assert b"rlmesh_trio_record" not in metrics.exposition()  # nothing recorded: no series
-    metrics.watch_recording(lambda: [("dataset", 3, 40, 5000, 2_500_000_000)])
+    metrics.watch_recording(
+        lambda: [("dataset", 3, 40, 5000, 2_500_000_000, 0), ("video", 0, 9, 100, 0, 2)]
+    )
     text = metrics.exposition().decode()
     assert 'rlmesh_trio_record_queue_depth{recorder="dataset"} 3.0' in text
     assert 'rlmesh_trio_record_items_written_total{recorder="dataset"} 40.0' in text
     assert 'rlmesh_trio_record_written_bytes_total{recorder="dataset"} 5000.0' in text
     assert 'rlmesh_trio_record_put_wait_seconds_total{recorder="dataset"} 2.5' in text
+    assert 'rlmesh_trio_record_lanes_stopped{recorder="dataset"} 0.0' in text
+    assert 'rlmesh_trio_record_lanes_stopped{recorder="video"} 2.0' in text
 
 
 async def test_a_video_lane_beyond_the_lanes_served_is_a_startup_error(tmp_path: Path) -> None:
@@ -866,9 +870,17 @@ class RenderStops(RacyFirstRender):
 
 async def test_a_video_that_stops_mid_run_is_named_when_the_server_stops(tmp_path: Path) -> None:
     """A lane whose render stops giving frames records no more video (the lane serves
-    on, logged once); at the stop the lanes are named in the raised ``RecordingError``
-    (the CLI's exit 3), not only in a log line."""
+    on, logged once, counted in the metrics); at the stop the lanes are named in the
+    raised ``RecordingError`` (the CLI's exit 3), not only in a log line."""
+    import urllib.request
+
     from rlmesh_trio._record._worker import RecordingError
+
+    scraped: list[str] = []
+
+    def scrape(address: str) -> str:
+        with urllib.request.urlopen(f"http{address[3:]}/metrics", timeout=30) as reply:
+            return str(reply.read().decode())
 
     async def serve_and_cancel() -> None:
         async with trio.open_nursery() as nursery:
@@ -877,13 +889,16 @@ async def test_a_video_that_stops_mid_run_is_named_when_the_server_stops(tmp_pat
                     serve_env,
                     RenderStops,
                     num_envs=2,
-                    options=ServeOptions(record_video=str(tmp_path / "video")),
+                    options=ServeOptions(
+                        record_video=str(tmp_path / "video"), metrics_address="127.0.0.1:0"
+                    ),
                 )
             )
             async with open_endpoint(info.address) as ep:
                 await ep.reset(seeds=[0, 1])
                 for _ in range(4):
                     await ep.step(np.zeros(2, np.int64))
+            scraped.append(await trio.to_thread.run_sync(scrape, info.metrics_address))
             nursery.cancel_scope.cancel()
 
     caught: list[BaseException] = []
@@ -895,3 +910,4 @@ async def test_a_video_that_stops_mid_run_is_named_when_the_server_stops(tmp_pat
     assert len(caught) == 1
     assert "video recording stopped on lanes [0, 1]" in str(caught[0])
     assert "env.render() gave no frame" in str(caught[0])
+    assert 'rlmesh_trio_record_lanes_stopped{recorder="video"} 2.0' in scraped[0]

@@ -209,7 +209,9 @@ class ServerMetrics:
         return data
 
 
-RecorderCounters = tuple[str, int, int, int, int]
+RecorderCounters = tuple[str, int, int, int, int, int]
+"""A recorder's name, queue depth, items and bytes written, put wait (ns), and the lanes
+it records no more (its writer failed, or their video stopped)."""
 """One recorder (``dataset`` or ``video``): its name, queue depth, items written, bytes
 written, and nanoseconds the lanes spent waiting for room in its queue."""
 
@@ -245,12 +247,19 @@ class _RecordCollector:
             "Time the lanes waited for room in the recorder's queue (backpressure)",
             labels=label,
         )
-        for name, queued, written, nbytes, wait_ns in self.counters():
+        stopped = core.GaugeMetricFamily(
+            "rlmesh_trio_record_lanes_stopped",
+            "Lanes the recorder records no more (its writer failed, or their video "
+            "stopped): what they play from then on is lost to it",
+            labels=label,
+        )
+        for name, queued, written, nbytes, wait_ns, lost in self.counters():
             depth.add_metric([name], queued)
             items.add_metric([name], written)
             size.add_metric([name], nbytes)
             waited.add_metric([name], wait_ns / 1e9)
-        yield from (depth, items, size, waited)
+            stopped.add_metric([name], lost)
+        yield from (depth, items, size, waited, stopped)
 
 
 class _LaneCollector:

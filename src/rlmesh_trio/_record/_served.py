@@ -151,6 +151,11 @@ class LaneRecorder:
         self._rendered = False
         """This lane has rendered a frame (its first render is one at a time)."""
 
+    @property
+    def failed(self) -> bool:
+        """This lane records no more (a writer failed: :meth:`_give_up`)."""
+        return self._failed
+
     def session_closed(self) -> None:
         """The client's Join session ended (any thread; never waits)."""
         if self._number != -1:
@@ -401,14 +406,18 @@ class ServedRecording:
                 f"video): lane {videos[0][0]}: {videos[0][1]}"
             )
 
-    def counters(self) -> list[tuple[str, int, int, int, int]]:
-        """Each recorder's name, queue depth, items and bytes written, and put wait (ns),
-        for the metrics."""
+    def counters(self) -> list[tuple[str, int, int, int, int, int]]:
+        """Each recorder's name, queue depth, items and bytes written, put wait (ns), and
+        the lanes it records no more, for the metrics."""
         out = []
         for name, recorder in (("dataset", self.writer), ("video", self.video)):
             if recorder is not None:
                 w = recorder.worker
-                out.append((name, w.depth, w.items_written, w.bytes_written, w.put_wait_ns))
+                if name == "video":
+                    lost = len({lane for lane, _ in self._failures.videos})
+                else:
+                    lost = sum(1 for r in self._recorders if r.failed)
+                out.append((name, w.depth, w.items_written, w.bytes_written, w.put_wait_ns, lost))
         return out
 
 
