@@ -34,9 +34,10 @@ session):
   ``ServedRecording.session_closed`` (a flag per lane, no wait): the open episode's cut
   then says ``session_close``.
 * **Stop**: after the lanes stopped (their open episodes cut and queued),
-  ``ServedRecording.close`` writes what is queued and raises a writer's failure.
+  ``ServedRecording.close`` writes what is queued and raises a writer's failure, or
+  names the lanes whose video stopped.
 * **Metrics**: ``ServedRecording.counters`` (queue depth, items and bytes written, put
-  wait), read at each scrape.
+  wait, lanes stopped), read at each scrape.
 """
 
 from __future__ import annotations
