@@ -35,6 +35,7 @@ from rlmesh_trio.client import (
     ConnectionLostError,
     EndpointsUnavailableError,
     Env,
+    EnvError,
     ErrorCode,
     RpcError,
     VectorEnv,
@@ -368,3 +369,29 @@ async def test_trio_client_takes_the_first_free_endpoint(
         with pytest.raises(EndpointsUnavailableError, match="serves 2 lanes, 3 wanted"):
             async with open_endpoint(num_envs=3):
                 pass
+
+
+def test_a_wrong_action_over_endpoints_sends_nothing_and_the_vector_goes_on(
+    servers: ServerPool,
+) -> None:
+    """An action that does not fit the space, or the wrong count of them, is refused on
+    the client before any endpoint is sent a request; the vector steps on after it."""
+    server = servers.get("ours", ServerConfig(num_envs=2, endpoints=2))
+    remote = VectorEnv(server.addresses)
+    local = SyncVectorEnv([lambda: WireInfos(envs.make_cartpole()) for _ in range(4)])
+    try:
+        same(local.reset(seed=3)[0], remote.reset(seed=3)[0])
+        sent = [p.state.next_id() for p in remote._parts]
+        with pytest.raises(EnvError) as wrong:
+            remote.step([0, 1, {"not": "an action"}, 0])
+        assert wrong.value.code == ErrorCode.INVALID_ACTION and wrong.value.is_recoverable
+        with pytest.raises(ValueError, match="expected 4 actions, got 3"):
+            remote.step([0, 1, 0])
+        # No request was made by either refusal (each endpoint's next request id follows).
+        after = [p.state.next_id() for p in remote._parts]
+        assert [int(r.split("-")[1]) for r in after] == [int(r.split("-")[1]) + 1 for r in sent]
+        actions = np.array([0, 1, 1, 0])
+        same(local.step(actions)[:4], remote.step(actions)[:4])
+    finally:
+        remote.close()
+        local.close()

@@ -46,26 +46,24 @@ class Connection:
     ping_timeout_seconds: float = DEFAULT_PING_TIMEOUT_SECONDS
     close_timeout_seconds: float = DEFAULT_CLOSE_TIMEOUT_SECONDS
 
+    def _link(self) -> dict[str, Any]:
+        """The keywords of one connection (a Handshake's, or an endpoint's)."""
+        return {
+            "auth_token": self.auth_token,
+            "tls": self.tls,
+            "connect_timeout_seconds": self.connect_timeout_seconds,
+            "ping_interval_seconds": self.ping_interval_seconds,
+            "ping_timeout_seconds": self.ping_timeout_seconds,
+        }
+
     def handshake(self, address: str) -> Contract:
         """What ``address`` serves (a Handshake only: no session is taken)."""
-        return handshake(
-            address,
-            auth_token=self.auth_token,
-            tls=self.tls,
-            connect_timeout_seconds=self.connect_timeout_seconds,
-            ping_interval_seconds=self.ping_interval_seconds,
-            ping_timeout_seconds=self.ping_timeout_seconds,
-        )
+        return handshake(address, **self._link())
 
     def open(self, address: str) -> BlockingEndpoint:
+        """A joined endpoint at ``address``."""
         return BlockingEndpoint(
-            address,
-            auth_token=self.auth_token,
-            tls=self.tls,
-            connect_timeout_seconds=self.connect_timeout_seconds,
-            ping_interval_seconds=self.ping_interval_seconds,
-            ping_timeout_seconds=self.ping_timeout_seconds,
-            close_timeout_seconds=self.close_timeout_seconds,
+            address, **self._link(), close_timeout_seconds=self.close_timeout_seconds
         )
 
 
