@@ -788,6 +788,11 @@ class _LateEnder:
         self.ended_at: float | None = None
         self.client_gone_at: float | None = None
         self._answering: set[int] = set()  # streams whose response headers went out
+        self._sending = trio.Lock()  # the reading loop and a late end both write
+
+    async def _flush(self, conn: h2.connection.H2Connection, stream: trio.SocketStream) -> None:
+        async with self._sending:
+            await stream.send_all(conn.data_to_send())
 
     async def serve(self, listener: trio.SocketListener) -> None:
         async with listener, await listener.accept() as stream:
@@ -802,7 +807,7 @@ class _LateEnder:
         buffers: dict[int, bytes] = {}
         async with trio.open_nursery() as nursery:
             try:
-                await stream.send_all(conn.data_to_send())
+                await self._flush(conn, stream)
                 while data := await stream.receive_some(65536):
                     for event in conn.receive_data(data):
                         if isinstance(event, h2.events.RequestReceived):
@@ -820,7 +825,7 @@ class _LateEnder:
                             and paths.get(event.stream_id) == HANDSHAKE_PATH
                         ):
                             self._reply(conn, event.stream_id, _lanes_handshake(), end=True)
-                    await stream.send_all(conn.data_to_send())
+                    await self._flush(conn, stream)
             except trio.BrokenResourceError:
                 pass
             self.client_gone_at = trio.current_time()
@@ -867,7 +872,7 @@ class _LateEnder:
         await trio.sleep(self.end_after)
         conn.send_headers(stream_id, [("grpc-status", "0")], end_stream=True)
         self.ended_at = trio.current_time()
-        await stream.send_all(conn.data_to_send())
+        await self._flush(conn, stream)
 
 
 CLOSE_TIMEOUTS = {0.5: 5.0, None: 1.5}
