@@ -1,5 +1,6 @@
 """Development sessions: ``nox -s tests | ray | tests-process | lowest | newest | suite |
-pythons | package | fuzz | envs | trainers | lint | typecheck | codegen | bench | soak``.
+pythons | package | image | manifests | fuzz | envs | trainers | lint | typecheck | codegen |
+bench | soak``.
 
 Every session builds its own virtualenv (``venv`` backend). ``pyproject.toml`` declares
 ranges (``[project].dependencies``); the sessions install exact versions from a
@@ -253,6 +254,36 @@ def ray(session: nox.Session) -> None:
     # no Ray process of the CLI tests outlives them). The cause is not found yet.
     session.run("pytest", "-m", "ray", "--ignore", RAY_NODES_TESTS)
     session.run("pytest", "-m", "ray", RAY_NODES_TESTS)
+
+
+def test_pin(name: str) -> str:
+    """The ``name==version`` requirement of the ``test`` extra in pyproject.toml."""
+    for requirement in PYPROJECT["project"]["optional-dependencies"]["test"]:
+        if re.split(r"[=<>;\s\[]", requirement, maxsplit=1)[0].lower() == name.lower():
+            return str(requirement)
+    raise LookupError(f"{name} is not pinned in the test extra of pyproject.toml")
+
+
+@nox.session
+def image(session: nox.Session) -> None:
+    """Build every Dockerfile under deploy/ with buildah (a stand-in for its base image
+    made from Debian's packages where the real one is absent), run each image's own
+    command in a network namespace of its own, drive it with rlmesh 0.1.0's rlmesh.run
+    and our VectorEnv (plaintext and TLS), its HEALTHCHECK inside, its non-root user, a
+    SIGTERM stop within the bound; report its size (tools/image.py: Linux, root)."""
+    session.install("-c", CI_CONSTRAINTS, ".", test_pin("rlmesh"), test_pin("trustme"))
+    session.run("python", "tools/image.py", *session.posargs)
+
+
+@nox.session
+def manifests(session: nox.Session) -> None:
+    """Render every kustomization under deploy/ (its JSON 6902 patches applied) and
+    validate every object against the Kubernetes API's schemas, strictly
+    (tools/check_manifests.py)."""
+    session.install(
+        "-c", CI_CONSTRAINTS, dev_pin("jsonpatch"), dev_pin("kubernetes-validate"), "PyYAML"
+    )
+    session.run("python", "tools/check_manifests.py", *session.posargs)
 
 
 @nox.session

@@ -27,6 +27,7 @@ from support.refserver import ROOT, TESTS_DIR, _read_addresses
 
 from rlmesh_trio._address import TcpAddress, parse_address
 from rlmesh_trio._cli import build_parser
+from rlmesh_trio._cli._serve import _resolve_address
 from rlmesh_trio._options import stop_bound
 from rlmesh_trio._wire import SERVICE_NAME
 from rlmesh_trio.client import probe
@@ -101,12 +102,27 @@ def test_probes_are_native_grpc_on_the_numeric_container_port() -> None:
     assert container["livenessProbe"]["timeoutSeconds"] >= 1
 
 
-def test_container_runs_a_serve_command_line_the_parser_accepts() -> None:
+def _bound_address(argv: list[str], env: dict[str, str], monkeypatch: Any) -> Any:
+    """The address ``rlmesh-trio serve argv`` binds with ``env`` set (only that env)."""
+    for name in ("RLMESH_ADDRESS", "RLMESH_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    address, _ = _resolve_address(build_parser().parse_args(argv))
+    return parse_address(address)
+
+
+def _plain_env(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
+def test_container_runs_a_serve_command_line_the_parser_accepts(monkeypatch: Any) -> None:
     container = _container()
     assert container["command"] == ["rlmesh-trio"]
     args = build_parser().parse_args(container["args"])
     assert args.command == "serve"
-    address = parse_address(args.address)
+    assert args.address is None  # rlmesh's bind contract: RLMESH_ADDRESS says where
+    address = _bound_address(container["args"], _plain_env(container), monkeypatch)
     assert isinstance(address, TcpAddress)
     assert address.host == "0.0.0.0"  # the kubelet probes the pod IP
     assert address.port == _container_port()
@@ -122,13 +138,22 @@ def test_container_runs_a_serve_command_line_the_parser_accepts() -> None:
     assert token_env["valueFrom"]["secretKeyRef"]["optional"] is True
 
 
-def test_dockerfile_default_command_parses() -> None:
+def test_dockerfile_default_command_binds_by_rlmeshs_contract(monkeypatch: Any) -> None:
     lines = (DEPLOY / "Dockerfile").read_text().splitlines()
     (cmd,) = [line for line in lines if line.startswith("CMD ")]
+    env = dict(
+        word.split("=", 1) for line in lines if line.startswith("ENV ") for word in line[4:].split()
+    )
     import json
 
-    args = build_parser().parse_args(json.loads(cmd[4:]))
-    assert parse_address(args.address) == TcpAddress("0.0.0.0", _container_port())
+    argv = json.loads(cmd[4:])
+    assert build_parser().parse_args(argv).address is None
+    assert env["RLMESH_ADDRESS"] == "0.0.0.0:50051"
+    assert _bound_address(argv, env, monkeypatch) == TcpAddress("0.0.0.0", _container_port())
+    # and an --address appended to the image's command wins over the image's ENV
+    assert _bound_address([*argv, "--address", "127.0.0.1:7"], env, monkeypatch) == TcpAddress(
+        "127.0.0.1", 7
+    )
 
 
 def _local_args(
@@ -139,9 +164,12 @@ def _local_args(
 ) -> tuple[list[str], dict[str, str]]:
     """The container's exact arguments, bound to loopback port 0 instead (and the
     mounted ``files`` replaced by local ones)."""
-    args = [(files or {}).get(a, a) for a in (container or _container())["args"]]
-    args[args.index("--address") + 1] = "127.0.0.1:0"
+    container = container or _container()
+    args = [(files or {}).get(a, a) for a in container["args"]]
     env = dict(os.environ)
+    env.update(_plain_env(container))
+    assert "--address" not in args and env["RLMESH_ADDRESS"] == "0.0.0.0:50051"
+    env["RLMESH_ADDRESS"] = "127.0.0.1:0"  # the pod's address, on loopback
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS_DIR), env.get("PYTHONPATH")) if p)
     env.pop("RLMESH_TRIO_AUTH_TOKEN", None)
     if token is not None:  # what the optional Secret puts there

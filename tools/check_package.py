@@ -426,15 +426,20 @@ def check_image_steps(work: Path) -> None:
         raise CheckFailed(f"the image runs as {image.user!r}, not a non-root user")
     argv = [*image.entrypoint, *image.cmd]
     port = free_port()
-    bound = [a if not a.startswith("0.0.0.0:") else f"127.0.0.1:{port}" for a in argv]
-    if bound == argv:
-        raise CheckFailed(f"the image's command binds no 0.0.0.0:PORT address: {argv}")
-    container_port = next(a for a in argv if a.startswith("0.0.0.0:")).split(":")[1]
+    # where it listens: rlmesh's bind contract (RLMESH_ADDRESS in the image's ENV), moved
+    # to a free loopback port here
+    listen = image.env.get("RLMESH_ADDRESS", "")
+    if "--address" in argv or not listen.startswith("0.0.0.0:"):
+        raise CheckFailed(
+            f"the image should listen on ENV RLMESH_ADDRESS=0.0.0.0:PORT, not --address: "
+            f"{argv}, RLMESH_ADDRESS={listen!r}"
+        )
+    container_port = listen.split(":")[1]
     health = [a.replace(f":{container_port}", f":{port}") for a in image.healthcheck]
     if not health or health[:2] != ["rlmesh-trio", "probe"]:
         raise CheckFailed(f"HEALTHCHECK is not `rlmesh-trio probe ...`: {image.healthcheck}")
-    env = with_path(image.bin_dir, image.env)
-    with serving(bound, cwd=image.workdir, env=env) as server:
+    env = with_path(image.bin_dir, {**image.env, "RLMESH_ADDRESS": f"127.0.0.1:{port}"})
+    with serving(argv, cwd=image.workdir, env=env) as server:
         server.wait_for(SERVING, SERVE_TIMEOUT)
         run(health, cwd=image.workdir, env=env, timeout=60)
         run(
