@@ -9,6 +9,7 @@ import importlib.util
 import logging
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -463,3 +464,112 @@ def test_a_storage_child_that_cannot_start_is_a_startup_error(
     space = spaces.Discrete(2)
     with pytest.raises(RecordingError, match="did not start: OSError\\('no interpreter here'\\)"):
         DatasetWriter("nochild-v0", space, space, own_process=True)
+
+
+# ---- what a dataset holds after a failure (_seal) -----------------------------------------
+
+
+def _written(dataset_id: str, episodes: int) -> Path:
+    """A closed dataset of ``episodes`` CartPole episodes; its data directory."""
+    env = gym.make("CartPole-v1")
+    writer = DatasetWriter(dataset_id, env.observation_space, env.action_space)
+    acc = EpisodeAccumulator(0, env.observation_space, env.action_space, writer.put)
+    for seed in range(episodes):
+        play(env, acc, seed)
+    writer.close(60)
+    return writer.path / "data"
+
+
+def test_a_complete_dataset_says_so() -> None:
+    data = _written("rlmesh/whole-v0", 5)
+    dataset = minari.load_dataset("rlmesh/whole-v0")
+    said = dataset.storage.metadata["rlmesh_trio"]
+    assert said == {"complete": True, "episodes_in_dataset": 5, "episodes_played": 5}
+    assert not list(data.glob("*.rlmesh-trio-*"))  # nothing left aside
+
+
+def test_salvage_keeps_the_episodes_that_read_whole_and_drops_the_rest() -> None:
+    """A batch cut short: its first group whole but uncounted, the next one's data gone
+    (an external file that is not there: reading it fails, as a cut-short write's does).
+    The episodes before the broken one are kept, with Minari's totals; the file is
+    rewritten aside and renamed; the dataset loads."""
+    import h5py
+
+    from rlmesh_trio._record._seal import salvage, seal
+
+    data = _written("rlmesh/broken-v0", 6)
+    file = data / "main_data.hdf5"
+    with h5py.File(file, "a") as handle:
+        handle.copy(handle["episode_5"], handle, name="episode_6")  # whole, uncounted
+        broken = handle.create_group("episode_7")
+        broken.attrs["total_steps"] = 3
+        broken.create_dataset("rewards", shape=(3,), dtype="f8", external=[("gone.bin", 0, 24)])
+        handle.copy(handle["episode_5"], handle, name="episode_8")  # past the break
+    steps_of_6 = minari.load_dataset("rlmesh/broken-v0")[5].rewards.shape[0]
+    total_before = minari.load_dataset("rlmesh/broken-v0").total_steps
+
+    count, steps, done = salvage(data)
+    assert count == 7 and steps == total_before + steps_of_6
+    assert "2 broken or uncounted" in done
+    with h5py.File(file, "r") as handle:
+        assert sorted(handle.keys()) == [f"episode_{i}" for i in range(7)]
+    seal(data, played=9, error="the storage failed")
+    dataset = minari.load_dataset("rlmesh/broken-v0")
+    assert dataset.total_episodes == 7 and dataset.total_steps == steps
+    assert all(len(e.observations) == len(e.actions) + 1 for e in dataset)
+    assert dataset.storage.metadata["rlmesh_trio"] == {
+        "complete": False,
+        "episodes_in_dataset": 7,
+        "episodes_played": 9,
+        "error": "the storage failed",
+    }
+    assert salvage(data)[2] == "the file holds 7 whole episodes"  # and then it is exact
+
+
+def test_a_batch_with_no_room_is_refused_before_the_file_is_touched(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Less room than the batch needs (the file system's free space or the file-size
+    limit): NoRoom, raised before the file is opened; the writer fails, its close says
+    what the dataset keeps; everything written before loads."""
+    from rlmesh_trio._record import _seal
+
+    env = gym.make("CartPole-v1")
+    writer = DatasetWriter("rlmesh/noroom-v0", env.observation_space, env.action_space)
+    acc = EpisodeAccumulator(0, env.observation_space, env.action_space, writer.put)
+    for seed in range(3):
+        play(env, acc, seed)
+    deadline = time.monotonic() + 30
+    while writer.episodes_written < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert writer.episodes_written == 3
+    file = writer.path / "data" / "main_data.hdf5"
+    size, mtime = file.stat().st_size, file.stat().st_mtime_ns
+    monkeypatch.setattr(_seal, "room_for", lambda _file: 10_000)
+    for seed in range(3, 6):
+        play(env, acc, seed)
+    with pytest.raises(RecordingError, match="no room for the next") as raised:
+        writer.close(60)
+    assert "keeps 3 of the 6 episodes played" in str(raised.value)
+    assert (file.stat().st_size, file.stat().st_mtime_ns) == (size, mtime)
+    dataset = minari.load_dataset("rlmesh/noroom-v0")
+    assert dataset.total_episodes == 3
+    said = dataset.storage.metadata["rlmesh_trio"]
+    assert said["complete"] is False and said["episodes_played"] == 6
+    assert "no room" in said["error"]
+
+
+def test_room_for_honours_the_file_size_limit(tmp_path: Path) -> None:
+    import resource
+
+    from rlmesh_trio._record._seal import room_for
+
+    file = tmp_path / "f"
+    file.write_bytes(b"x" * 1000)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (5000, hard))
+        assert room_for(file) == 4000
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert room_for(file) > 4000

@@ -807,11 +807,95 @@ async def test_a_failed_recording_is_raised_when_the_server_is_cancelled(
     assert len(caught) == 1 and "No space left on device" in str(caught[0])
 
 
+def _storage_children() -> list[int]:
+    """The dataset storage children of this process (``python -m rlmesh_trio._recordchild``)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid() and b"rlmesh_trio._recordchild" in cmdline:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the child in /proc")
+async def test_a_killed_storage_child_leaves_a_dataset_that_loads_and_says_so(
+    minari_root: Path,
+) -> None:
+    """The storage child killed while the server records (an OOM killer, a person): the
+    lanes serve on; at the stop the failure is raised naming what the dataset keeps, and
+    the dataset loads with every episode written before the kill, marked incomplete,
+    with the episodes played counted."""
+    import signal
+
+    from rlmesh_trio._record._worker import RecordingError
+
+    metadata_file = minari_root / "rlmesh" / "killed-v0" / "data" / "metadata.json"
+
+    def written() -> int:
+        return int(json.loads(metadata_file.read_text()).get("total_episodes", 0))
+
+    async def play(ep: Any, rounds: int, first_seed: int) -> None:
+        for seed in range(first_seed, first_seed + rounds):
+            await ep.reset(seeds=[seed, seed + 1000])
+            for _ in range(3):  # make_cartpole_trunc3: truncated at the third step
+                await ep.step(np.array([0, 1]))
+
+    before = 0
+
+    async def serve_kill_and_cancel() -> None:
+        nonlocal before
+        async with trio.open_nursery() as nursery:
+            info = await nursery.start(
+                functools.partial(
+                    serve_env,
+                    envs.make_cartpole_trunc3,
+                    num_envs=2,
+                    options=ServeOptions(record_dataset="rlmesh/killed-v0"),
+                )
+            )
+            async with open_endpoint(info.address) as ep:
+                seed = 0
+                while written() == 0:  # until a batch is on disk
+                    await play(ep, 8, seed)
+                    seed += 8
+                    await trio.sleep(0.05)
+                (child,) = _storage_children()
+                before = written()
+                os.kill(child, signal.SIGKILL)
+                await play(ep, 40, 5000)  # the lanes serve on
+            nursery.cancel_scope.cancel()
+
+    caught: list[BaseException] = []
+    with trio.fail_after(90):
+        try:
+            await serve_kill_and_cancel()
+        except* RecordingError as group:
+            caught.extend(group.exceptions)
+    assert len(caught) == 1, caught
+    text = str(caught[0])
+    assert "storage process is gone" in text and "marked incomplete" in text, text
+    dataset = minari.load_dataset("rlmesh/killed-v0")
+    said = dataset.storage.metadata["rlmesh_trio"]
+    assert said["complete"] is False and "storage process is gone" in said["error"]
+    assert dataset.total_episodes == said["episodes_in_dataset"] >= before > 0
+    assert said["episodes_played"] >= 2 * 40 + dataset.total_episodes
+    assert f"keeps {dataset.total_episodes} of the {said['episodes_played']} episodes" in text
+    steps = 0
+    for episode in dataset:  # every episode kept reads whole
+        assert len(episode.observations) == len(episode.actions) + 1 == 4
+        steps += len(episode.actions)
+    assert steps == dataset.total_steps
+
+
 SERVE_CARTPOLE = ("-m", "rlmesh_trio", "serve", "--env", "CartPole-v1", "--num-envs", "4")
 
 
 def test_the_cli_exits_3_once_a_recording_lost_data(tmp_path: Path, minari_root: Path) -> None:
-    """The dataset's files may not grow past 300 KB (``RLIMIT_FSIZE``): the recording
+    """The dataset's files may not grow past 1.5 MB (``RLIMIT_FSIZE``): the recording
     fails while the server serves on; at the stop the CLI says so in one line and exits
     3 (docs/operations.md), and the failure is logged once, not once per lane."""
     import resource
@@ -820,7 +904,7 @@ def test_the_cli_exits_3_once_a_recording_lost_data(tmp_path: Path, minari_root:
     import sys
 
     def small_files() -> None:  # pragma: no cover - in the child, before exec
-        resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1_500_000, 1_500_000))
 
     read_fd, write_fd = os.pipe()
     proc = subprocess.Popen(
@@ -859,6 +943,27 @@ def test_the_cli_exits_3_once_a_recording_lost_data(tmp_path: Path, minari_root:
     # Not the stop's old traceback of the failure (the storage child's own last words,
     # h5py's, may come: it is that process's stderr).
     assert "rlmesh_trio.serve: recording failed" not in text
+    # The batch that would not fit was refused before the file was touched: every
+    # episode written before loads, and the dataset says it is incomplete, and how much.
+    assert "no room for the next" in text, text
+    assert "marked incomplete in its metadata.json" in text, text
+    _assert_incomplete_but_loadable("rlmesh/small-v0", at_least_played=300)
+
+
+def _assert_incomplete_but_loadable(dataset_id: str, *, at_least_played: int) -> None:
+    import minari
+
+    dataset = minari.load_dataset(dataset_id)
+    said = dataset.storage.metadata["rlmesh_trio"]
+    assert said["complete"] is False and said["error"]
+    kept = dataset.total_episodes
+    assert 0 < kept == said["episodes_in_dataset"] < at_least_played <= said["episodes_played"]
+    steps = 0
+    for episode, meta in zip(dataset, episode_metadata(dataset), strict=True):  # whole
+        assert len(episode.observations) == len(episode.actions) + 1
+        assert replays(meta.get("seed"), episode.actions, episode.observations)
+        steps += len(episode.actions)
+    assert steps == dataset.total_steps
 
 
 class RenderStops(RacyFirstRender):

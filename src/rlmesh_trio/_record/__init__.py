@@ -7,7 +7,9 @@ PyAV are imported when a writer is made):
 * :class:`EpisodeAccumulator` (``_episode``): one per lane, fed plain data; hands each
   finished or cut episode to a sink.
 * :class:`DatasetWriter` (``_dataset``): the sink; a Minari dataset written on one plain
-  thread of its own through a bounded queue (``put`` blocks when full).
+  thread of its own through a bounded queue (``put`` blocks when full). ``_seal``: each
+  batch reckoned against the room left before it is written, the episodes that read
+  whole kept after a failure, and ``metadata.json`` saying what the dataset holds.
 * :class:`VideoRecorder` / :class:`LaneVideo` (``_video``): frames of chosen lanes'
   episodes, encoded on an encoder thread of its own.
 * :class:`BoundedWorker` (``_worker``): the queue and thread both use; its counters

@@ -30,9 +30,12 @@ spec with the served kwargs, so ``dataset.recover_environment()`` makes the same
 
 Each batch the writer takes (every episode queued since the last) is one
 ``update_episodes`` call: an HDF5 file opened, written, closed (flushed), and Minari's
-metadata.json rewritten with the new totals. A crash loses the episodes not yet written;
-a crash in the middle of a write may also leave that HDF5 file unreadable (HDF5 has no
-journal), which ``h5py`` reports on open.
+metadata.json rewritten with the new totals. A batch that would not fit (free space, the
+file-size limit) is refused before the file is touched; after any failure the writer's
+close keeps the episodes that read whole and says in metadata.json what the dataset
+holds (:mod:`._seal`). A crash of the whole server loses the episodes not yet written,
+and one in the middle of a write may leave that HDF5 file unreadable (HDF5 has no
+journal).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,6 +53,7 @@ from gymnasium.envs.registration import EnvSpec
 
 from ._child import StorageChild
 from ._episode import Episode, check_space
+from ._seal import SEAL_KEY, salvage, seal
 from ._store import store_batch
 from ._worker import BoundedWorker, RecordingError
 
@@ -177,6 +182,9 @@ class DatasetWriter:
         self._next_id = 0
         self.episodes_written = 0
         self.steps_written = 0
+        self.episodes_queued = 0
+        """Episodes put (written, waiting, or refused by a failed writer)."""
+        self._counting = threading.Lock()
         self.infos_dropped = 0
         """Episodes whose infos were dropped (their structure varied)."""
         self.own_process = own_process
@@ -206,18 +214,48 @@ class DatasetWriter:
 
     def put(self, episode: Episode) -> None:
         """Queue a finished episode (blocks while the queue is full)."""
+        with self._counting:
+            self.episodes_queued += 1
         self._worker.put(episode)
 
-    def close(self, timeout: float | None = None) -> None:
-        """Write every queued episode, stop the writer, raise its error if it failed.
+    def close(self, timeout: float | None = None, *, unrecorded: int = 0) -> None:
+        """Write every queued episode, stop the writer, say in the dataset's metadata
+        what it holds (:mod:`._seal`; ``unrecorded``: episodes the lanes played and did
+        not queue, having stopped recording), raise the writer's error if it failed.
         A writer still writing after ``timeout`` has its storage child killed (the
-        writer then ends too: nothing is left waiting on it)."""
+        writer then ends too: nothing is left waiting on it). After a failure the file
+        keeps the episodes that read whole (:func:`~._seal.salvage`)."""
+        played = self.episodes_queued + unrecorded
         try:
             self._worker.close(timeout)
-        except RecordingError:
+        except RecordingError as exc:
             if self._worker.alive and self._child is not None:
                 self._child.kill()
-            raise
+            kept = self._after_failure(exc, played)
+            raise RecordingError(f"{exc}; {kept}") from exc
+        with contextlib.suppress(OSError):  # (a full disk: the dataset is whole anyway)
+            seal(self._data, played=played, error=None)
+
+    def _after_failure(self, exc: RecordingError, played: int) -> str:
+        """The dataset made to hold what reads whole and say so; what it keeps, in words."""
+        error = str(exc)
+        kept = f"the dataset {self.dataset_id} at {self.path}"
+        if self._worker.alive:  # a write wedged in this process: the file is not ours
+            error += "; its file was not checked (a write was still under way)"
+        else:
+            try:
+                count, _steps, done = salvage(self._data)
+            except Exception as salvage_exc:
+                error += f"; its file could not be checked: {salvage_exc!r}"
+                logger.error("dataset %s: after the failure: %r", self.dataset_id, salvage_exc)
+            else:
+                kept += f" keeps {count} of the {played} episodes played"
+                logger.warning("dataset %s: after the failure: %s", self.dataset_id, done)
+        try:
+            seal(self._data, played=played, error=error)
+        except OSError as seal_exc:
+            return f"{kept}; its metadata could not say it is incomplete ({seal_exc})"
+        return f"{kept}, marked incomplete in its metadata.json ({SEAL_KEY}.complete: false)"
 
     # -- counters (for the metrics) -------------------------------------------------
 

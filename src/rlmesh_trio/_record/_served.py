@@ -43,6 +43,7 @@ on the env's own thread, or in the child of a process lane) and hands the frame 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -103,6 +104,16 @@ class Failures:
         """The writer failures logged already (each once, not once per lane)."""
         self.videos: list[tuple[int, str]] = []
         """The lanes whose video stopped (a render gave no frame), and why."""
+        self._unrecorded: list[int] = []  # (list.append is atomic: no lock on the lanes)
+
+    def unrecorded_episode(self, lane: int) -> None:
+        """A lane that stopped recording finished an episode (it is not in the dataset)."""
+        self._unrecorded.append(lane)
+
+    @property
+    def unrecorded(self) -> int:
+        """Episodes finished by lanes that had stopped recording."""
+        return len(self._unrecorded)
 
 
 class LaneRecorder:
@@ -225,6 +236,8 @@ class LaneRecorder:
                 video.end()
         if ended:
             self._number = -1
+            if self._failed:
+                self._failures.unrecorded_episode(self.lane)
         if self._acc is not None:
             self._acc.step(
                 job, value.observation, value.reward, value.terminated, value.truncated, value.info
@@ -388,12 +401,16 @@ class ServedRecording:
         first writer's error. ``timeout`` bounds the whole (video and dataset together)."""
         errors: list[BaseException] = []
         deadline = None if timeout is None else time.monotonic() + timeout
-        for closer in (self.video, self.writer):
-            if closer is None:
-                continue
+        closers: list[Callable[[float | None], None]] = []
+        if self.video is not None:
+            closers.append(self.video.close)
+        if self.writer is not None:
+            closers.append(
+                functools.partial(self.writer.close, unrecorded=self._failures.unrecorded)
+            )
+        for close in closers:
             try:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                closer.close(left)
+                close(None if deadline is None else max(0.0, deadline - time.monotonic()))
             except BaseException as exc:
                 errors.append(exc)
         if errors:

@@ -11,11 +11,13 @@ the batch with its metadata.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ._episode import Episode, stack
+from ._seal import check_room
 
 if TYPE_CHECKING:
     from minari.dataset.minari_storage import MinariStorage
@@ -73,7 +75,8 @@ def store_batch(
     batch: list[Episode],
     first: int,
 ) -> tuple[int, Dropped]:
-    """Write ``batch`` (episode ids ``first``, ``first + 1``, ...) into ``storage``:
+    """Write ``batch`` (episode ids ``first``, ``first + 1``, ...) into ``storage``
+    (:class:`~._seal.NoRoom` first, with nothing written, when it would not fit):
     each episode prepared (decoded from wire form), stacked into Minari's
     ``EpisodeBuffer``, its metadata beside it. Where it runs (the writer's thread, or the
     storage child) is the writer's choice. The steps written and the infos dropped."""
@@ -103,6 +106,7 @@ def store_batch(
         )
         metadatas.append(metadata)
         steps += len(episode)
+    check_room(Path(storage.data_path), buffers)  # NoRoom before the file is touched
     storage.update_episodes(buffers)
     storage.update_episode_metadata(metadatas, range(first, first + len(buffers)))
     return steps, dropped
