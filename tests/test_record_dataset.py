@@ -484,7 +484,7 @@ def test_a_complete_dataset_says_so() -> None:
     data = _written("rlmesh/whole-v0", 5)
     dataset = minari.load_dataset("rlmesh/whole-v0")
     said = dataset.storage.metadata["rlmesh_trio"]
-    assert said == {"complete": True, "episodes_in_dataset": 5, "episodes_played": 5}
+    assert said == {"complete": True, "episodes_in_dataset": 5, "episodes_played": 5, "runs": 1}
     assert not list(data.glob("*.rlmesh-trio-*"))  # nothing left aside
 
 
@@ -521,6 +521,7 @@ def test_salvage_keeps_the_episodes_that_read_whole_and_drops_the_rest() -> None
         "complete": False,
         "episodes_in_dataset": 7,
         "episodes_played": 9,
+        "runs": 1,
         "error": "the storage failed",
     }
     assert salvage(data)[2] == "the file holds 7 whole episodes"  # and then it is exact
@@ -573,3 +574,122 @@ def test_room_for_honours_the_file_size_limit(tmp_path: Path) -> None:
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     assert room_for(file) > 4000
+
+
+# ---- datasets that continue across restarts (--record-append) -----------------------------
+
+
+def _episodes_of(dataset_id: str) -> list[tuple[Any, ...]]:
+    dataset = minari.load_dataset(dataset_id)
+    return [
+        (e.observations.tobytes(), e.actions.tobytes(), e.rewards.tobytes(), m.get("seed"))
+        for e, m in zip(dataset, episode_metadata(dataset), strict=True)
+    ]
+
+
+@pytest.mark.parametrize("own_process", OWN_PROCESS)
+def test_append_adds_after_the_episodes_written_and_never_changes_them(own_process: bool) -> None:
+    env = gym.make("CartPole-v1")
+    spec = env_spec_for("CartPole-v1")
+    _written_with("rlmesh/restart-v0", range(3), spec=spec)
+    first = _episodes_of("rlmesh/restart-v0")
+    writer = DatasetWriter(
+        "rlmesh/restart-v0",
+        env.observation_space,
+        env.action_space,
+        env_spec=spec,
+        append=True,
+        own_process=own_process,
+    )
+    assert writer.episodes_before == 3
+    acc = EpisodeAccumulator(1, env.observation_space, env.action_space, writer.put)
+    for seed in (10, 11):
+        play(env, acc, seed)
+    writer.close(60)
+    dataset = minari.load_dataset("rlmesh/restart-v0")
+    assert dataset.total_episodes == 5
+    assert _episodes_of("rlmesh/restart-v0")[:3] == first  # untouched
+    metadata = episode_metadata(dataset)
+    assert [m.get("seed") for m in metadata] == [0, 1, 2, 10, 11]
+    assert [m["lane"] for m in metadata] == [0, 0, 0, 1, 1]
+    for episode, meta in zip(dataset, metadata, strict=True):
+        assert replay_equal(
+            gym.make("CartPole-v1"), meta["seed"], episode.actions, episode.observations
+        )
+    said = dataset.storage.metadata["rlmesh_trio"]
+    assert said == {"complete": True, "episodes_in_dataset": 5, "episodes_played": 5, "runs": 2}
+
+
+def _written_with(
+    dataset_id: str, seeds: Any, *, spec: Any = None, env_id: str = "CartPole-v1"
+) -> None:
+    env = gym.make(env_id)
+    writer = DatasetWriter(dataset_id, env.observation_space, env.action_space, env_spec=spec)
+    acc = EpisodeAccumulator(0, env.observation_space, env.action_space, writer.put)
+    for seed in seeds:
+        play(env, acc, seed)
+    writer.close(60)
+
+
+def test_append_is_refused_for_another_env_or_other_spaces_and_changes_nothing() -> None:
+    cartpole = gym.make("CartPole-v1")
+    _written_with("rlmesh/other-v0", range(2), spec=env_spec_for("CartPole-v1"))
+    before = _episodes_of("rlmesh/other-v0")
+    with pytest.raises(FileExistsError, match="--record-append"):
+        DatasetWriter("rlmesh/other-v0", cartpole.observation_space, cartpole.action_space)
+    mountain = gym.make("MountainCar-v0")
+    with pytest.raises(ValueError, match="its observation space is Box"):
+        DatasetWriter(
+            "rlmesh/other-v0", mountain.observation_space, cartpole.action_space, append=True
+        )
+    with pytest.raises(ValueError, match="recorded from env"):
+        DatasetWriter(
+            "rlmesh/other-v0",
+            cartpole.observation_space,
+            cartpole.action_space,
+            env_spec=env_spec_for("CartPole-v1", {"render_mode": "rgb_array"}),
+            append=True,
+        )
+    assert _episodes_of("rlmesh/other-v0") == before
+    # and nothing was left locked: the right env continues it
+    writer = DatasetWriter(
+        "rlmesh/other-v0",
+        cartpole.observation_space,
+        cartpole.action_space,
+        env_spec=env_spec_for("CartPole-v1"),
+        append=True,
+    )
+    writer.close(60)
+
+
+def test_one_writer_at_a_time() -> None:
+    env = gym.make("CartPole-v1")
+    first = DatasetWriter("rlmesh/busy-v0", env.observation_space, env.action_space)
+    try:
+        with pytest.raises(RuntimeError, match=r"being written by rlmesh-trio pid \d+"):
+            DatasetWriter("rlmesh/busy-v0", env.observation_space, env.action_space, append=True)
+    finally:
+        first.close(60)
+    DatasetWriter("rlmesh/busy-v0", env.observation_space, env.action_space, append=True).close(60)
+
+
+def test_an_incomplete_dataset_stays_marked_when_continued(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rlmesh_trio._record import _seal
+
+    env = gym.make("CartPole-v1")
+    writer = DatasetWriter("rlmesh/lossy-v0", env.observation_space, env.action_space)
+    with monkeypatch.context() as patched:
+        patched.setattr(_seal, "room_for", lambda _file: 0)
+        acc = EpisodeAccumulator(0, env.observation_space, env.action_space, writer.put)
+        play(env, acc, 0)
+        with pytest.raises(RecordingError):
+            writer.close(60)
+    continued = DatasetWriter(
+        "rlmesh/lossy-v0", env.observation_space, env.action_space, append=True
+    )
+    acc = EpisodeAccumulator(0, env.observation_space, env.action_space, continued.put)
+    play(env, acc, 1)
+    continued.close(60)
+    said = minari.load_dataset("rlmesh/lossy-v0").storage.metadata["rlmesh_trio"]
+    assert said["complete"] is False and "no room" in said["error"]
+    assert said["episodes_in_dataset"] == 1 and said["episodes_played"] == 2 and said["runs"] == 2

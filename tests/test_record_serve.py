@@ -966,6 +966,64 @@ def _assert_incomplete_but_loadable(dataset_id: str, *, at_least_played: int) ->
     assert steps == dataset.total_steps
 
 
+def test_a_restarted_cli_endpoint_continues_its_dataset(tmp_path: Path, minari_root: Path) -> None:
+    """``--record-append``: the same command run twice (a restart) keeps one dataset,
+    the first run's episodes untouched; without the flag the restart is refused at its
+    start, before any env is built, naming the flag."""
+    import signal
+    import subprocess
+    import sys
+
+    rlmesh = pytest.importorskip("rlmesh")
+    from rlmesh.numpy import Model
+
+    command = [sys.executable, *SERVE_CARTPOLE, "--record-dataset", "rlmesh/restarts-v0"]
+    env = {**os.environ, "MINARI_DATASETS_PATH": str(minari_root)}
+
+    def run_once(seeds: range, *extra: str) -> None:
+        read_fd, write_fd = os.pipe()
+        proc = subprocess.Popen(
+            [*command, *extra, "--ready-fd", str(write_fd)],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            pass_fds=(write_fd,),
+        )
+        os.close(write_fd)
+        try:
+            with os.fdopen(read_fd, "rb") as ready:
+                address = ready.read().decode().strip()
+            rlmesh.run(Model(lambda o: int(o[2] > 0)), address, seeds=seeds)
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        assert proc.returncode == 0, err.decode()
+
+    run_once(range(0, 12), "--record-append")  # a new dataset: the flag is harmless
+    first = minari.load_dataset("rlmesh/restarts-v0")
+    first_episodes = [e.observations.tobytes() for e in first]
+    refused = subprocess.run(command, env=env, capture_output=True, timeout=60)
+    assert refused.returncode == 1
+    assert b"already exists" in refused.stderr and b"--record-append" in refused.stderr
+    run_once(range(100, 112), "--record-append")
+
+    dataset = minari.load_dataset("rlmesh/restarts-v0")
+    assert [e.observations.tobytes() for e in dataset][: len(first_episodes)] == first_episodes
+    seeds = [m.get("seed") for m in episode_metadata(dataset)]
+    assert {*range(12), *range(100, 112)} <= set(seeds)
+    assert dataset.storage.metadata["rlmesh_trio"] == {
+        "complete": True,
+        "episodes_in_dataset": dataset.total_episodes,
+        "episodes_played": dataset.total_episodes,
+        "runs": 2,
+    }
+    for episode, meta in zip(dataset, episode_metadata(dataset), strict=True):
+        assert replays(meta.get("seed"), episode.actions, episode.observations)
+
+
 class RenderStops(RacyFirstRender):
     """Renders frames until its third step, then none (``render()`` gives None)."""
 

@@ -111,7 +111,8 @@ class ServeOptions:
     ``reflection`` extra (protobuf). Off by default; under a token it needs the token.
     ``record_dataset``: write every episode of every lane into the Minari dataset of this
     id (under ``MINARI_DATASETS_PATH``, else Minari's default root; it must not exist
-    yet); needs the ``record`` extra. ``record_drop_faulted``: drop the episodes the
+    yet, unless ``record_append``: then an existing dataset of the same env and spaces
+    is continued, its episodes untouched); needs the ``record`` extra. ``record_drop_faulted``: drop the episodes the
     server cut (a lane fault, a reset mid-episode, the server's stop) instead of recording
     them truncated. ``record_infos``: record the infos too (an episode whose info
     structure varies keeps its data, not its infos). ``record_video``: a directory for one
@@ -141,6 +142,7 @@ class ServeOptions:
     reflection: bool = False
     max_given_up_lanes: int = DEFAULT_MAX_GIVEN_UP_LANES
     record_dataset: str | None = None
+    record_append: bool = False
     record_drop_faulted: bool = False
     record_infos: bool = False
     record_video: str | os.PathLike[str] | None = None
@@ -182,6 +184,8 @@ class Recording:
     """The recording options, validated (see :class:`ServeOptions`)."""
 
     dataset: str | None = None
+    append: bool = False
+    """Continue ``dataset`` if it exists (its env and spaces must be the served ones)."""
     drop_faulted: bool = False
     infos: bool = False
     video: str | None = None
@@ -216,12 +220,17 @@ def _recording(options: ServeOptions) -> Recording | None:
             raise ValueError("record_video_lanes must name at least one lane (None: all)")
     if video is None and (lanes is not None or every != 1):
         raise ValueError("record_video_lanes and record_video_every need record_video (a DIR)")
-    if dataset is None and (options.record_drop_faulted or options.record_infos):
-        raise ValueError("record_drop_faulted and record_infos need record_dataset (an id)")
+    if dataset is None and (
+        options.record_drop_faulted or options.record_infos or options.record_append
+    ):
+        raise ValueError(
+            "record_append, record_drop_faulted and record_infos need record_dataset (an id)"
+        )
     if dataset is None and video is None:
         return None
     return Recording(
         dataset=dataset,
+        append=bool(options.record_append),
         drop_faulted=bool(options.record_drop_faulted),
         infos=bool(options.record_infos),
         video=None if video is None else os.fspath(video),

@@ -155,7 +155,14 @@ def add_serve_parser(commands: Any) -> None:
         "--record-dataset",
         metavar="DATASET_ID",
         help="write every episode of every lane into this Minari dataset (under "
-        "MINARI_DATASETS_PATH, else Minari's default root; it must not exist yet)",
+        "MINARI_DATASETS_PATH, else Minari's default root; it must not exist yet, unless "
+        "--record-append)",
+    )
+    recording.add_argument(
+        "--record-append",
+        action="store_true",
+        help="continue the dataset if it exists (a restarted endpoint keeps one dataset): "
+        "its env and spaces must be the ones served; its episodes are never rewritten",
     )
     recording.add_argument(
         "--record-drop-faulted",
@@ -483,6 +490,7 @@ def _configure(args: argparse.Namespace, address: str) -> _Config:
         tls_client_ca_file=args.tls_client_ca_file,
         reflection=args.reflection,
         record_dataset=args.record_dataset,
+        record_append=args.record_append,
         record_drop_faulted=args.record_drop_faulted,
         record_infos=args.record_infos,
         record_video=args.record_video,

@@ -52,6 +52,7 @@ from gymnasium import spaces
 from gymnasium.envs.registration import EnvSpec
 
 from ._child import StorageChild
+from ._continue import exists_error, lock_dataset, open_to_continue
 from ._episode import Episode, check_space
 from ._seal import SEAL_KEY, salvage, seal
 from ._store import store_batch
@@ -121,7 +122,10 @@ class DatasetWriter:
     written, on the writer's thread (the server queues wire forms and decodes them there).
     ``own_process``: the writer's thread prepares each batch and a child process of its
     own stores it (:mod:`~rlmesh_trio._record._child`: Minari's HDF5 work off this
-    process's GIL; the server's choice). Made on any thread; never touches an env."""
+    process's GIL; the server's choice). ``append``: an existing dataset of the same env
+    and spaces is continued (:mod:`._continue`), its episodes untouched; without it an
+    existing one is a ``FileExistsError``. The writer holds the dataset's lock for its
+    life. Made on any thread; never touches an env."""
 
     def __init__(
         self,
@@ -137,6 +141,7 @@ class DatasetWriter:
         on_batch: Callable[[int, int], None] | None = None,
         prepare: Callable[[Episode], Episode] | None = None,
         own_process: bool = False,
+        append: bool = False,
     ) -> None:
         minari = _import_minari()
         from minari.dataset.minari_dataset import parse_dataset_id
@@ -147,39 +152,53 @@ class DatasetWriter:
         check_space(action_space, "action_space")
         namespace, _, _ = parse_dataset_id(dataset_id)  # ValueError names the form
         root = dataset_path(dataset_id)
-        if root.exists():
-            raise FileExistsError(
-                f"a Minari dataset {dataset_id!r} already exists at {root}: choose another "
-                f"id (e.g. bump its -vN) or delete it (`minari delete {dataset_id}`)"
-            )
+        if root.exists() and not append:
+            raise exists_error(dataset_id, root)
         if namespace is not None and namespace not in list_local_namespaces():
             create_namespace(namespace)
-        data = root / "data"
-        data.mkdir(parents=True)
+        existed = root.exists()
+        self._storage: MinariStorage
+        self._lock = lock_dataset(root, dataset_id)  # one writer at a time
+        try:
+            data = root / "data"
+            self._before: dict[str, Any] | None = None
+            """What the dataset's metadata said of earlier runs (appending), else None."""
+            if existed:
+                self._storage, count, self._before = open_to_continue(
+                    dataset_id, root, observation_space, action_space, env_spec
+                )
+            else:
+                data.mkdir(parents=True)
+                self._storage = MinariStorage.new(
+                    data,
+                    observation_space=observation_space,
+                    action_space=action_space,
+                    env_spec=env_spec,
+                    data_format="hdf5",
+                    jpeg_encoding=False,
+                )
+                self._storage.update_metadata(
+                    {
+                        "dataset_id": dataset_id,
+                        "minari_version": minari.__version__,
+                        "description": description or "Episodes served by rlmesh-trio, per lane.",
+                    }
+                )
+                count = 0
+        except BaseException:
+            self._lock.close()
+            raise
         self.dataset_id = dataset_id
         self.observation_space = observation_space
         self.action_space = action_space
         self.record_infos = record_infos
         self.path = root
-        self._storage: MinariStorage = MinariStorage.new(
-            data,
-            observation_space=observation_space,
-            action_space=action_space,
-            env_spec=env_spec,
-            data_format="hdf5",
-            jpeg_encoding=False,
-        )
-        self._storage.update_metadata(
-            {
-                "dataset_id": dataset_id,
-                "minari_version": minari.__version__,
-                "description": description or "Episodes served by rlmesh-trio, per lane.",
-            }
-        )
+        self.episodes_before = count
+        """The episodes the dataset held when this writer opened it (0: a new one)."""
         self._data = data
         self._prepare = prepare
         self._size = _tree_size(data)
-        self._next_id = 0
+        self._next_id = count
         self.episodes_written = 0
         self.steps_written = 0
         self.episodes_queued = 0
@@ -205,6 +224,7 @@ class DatasetWriter:
             if not started or error is not None:
                 with contextlib.suppress(RecordingError):
                     self._worker.close(CHILD_START_TIMEOUT)
+                self._lock.close()
                 raise RecordingError(
                     "the dataset's storage process did not start: "
                     + (repr(error) if error is not None else f"not within {CHILD_START_TIMEOUT} s")
@@ -231,10 +251,17 @@ class DatasetWriter:
         except RecordingError as exc:
             if self._worker.alive and self._child is not None:
                 self._child.kill()
-            kept = self._after_failure(exc, played)
+            try:
+                kept = self._after_failure(exc, played)
+            finally:
+                if not self._worker.alive:  # (a wedged write keeps the dataset locked)
+                    self._lock.close()
             raise RecordingError(f"{exc}; {kept}") from exc
-        with contextlib.suppress(OSError):  # (a full disk: the dataset is whole anyway)
-            seal(self._data, played=played, error=None)
+        try:
+            with contextlib.suppress(OSError):  # (a full disk: the dataset is whole anyway)
+                seal(self._data, played=played, error=None, before=self._before)
+        finally:
+            self._lock.close()
 
     def _after_failure(self, exc: RecordingError, played: int) -> str:
         """The dataset made to hold what reads whole and say so; what it keeps, in words."""
@@ -249,10 +276,12 @@ class DatasetWriter:
                 error += f"; its file could not be checked: {salvage_exc!r}"
                 logger.error("dataset %s: after the failure: %r", self.dataset_id, salvage_exc)
             else:
-                kept += f" keeps {count} of the {played} episodes played"
+                kept += f" keeps {count - self.episodes_before} of the {played} episodes played"
+                if self.episodes_before:
+                    kept += f" here (and the {self.episodes_before} it held before)"
                 logger.warning("dataset %s: after the failure: %s", self.dataset_id, done)
         try:
-            seal(self._data, played=played, error=error)
+            seal(self._data, played=played, error=error, before=self._before)
         except OSError as seal_exc:
             return f"{kept}; its metadata could not say it is incomplete ({seal_exc})"
         return f"{kept}, marked incomplete in its metadata.json ({SEAL_KEY}.complete: false)"

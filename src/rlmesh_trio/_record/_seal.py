@@ -19,9 +19,10 @@ fails on the whole dataset, the episodes written long before included. Three gua
   old file is untouched until the new one is whole). Minari's totals are set to what
   the file holds.
 * **What it holds, said** (:func:`seal`): ``metadata.json`` gets ``"rlmesh_trio"``:
-  ``complete`` (false when the writer failed), ``episodes_in_dataset``,
-  ``episodes_played`` (every episode a recorded lane finished or cut, written or not),
-  and ``error`` (why it is incomplete). Written aside and renamed, never in place (a
+  ``complete`` (false when the writer failed, in this run or an earlier one that wrote
+  it), ``episodes_in_dataset``, ``episodes_played`` (every episode a recorded lane
+  finished or cut, written or not, over every run), ``runs`` (the server runs that wrote
+  it) and ``error`` (why it is incomplete). Written aside and renamed, never in place (a
   full disk must not empty the file Minari reads first).
 """
 
@@ -209,17 +210,26 @@ def salvage(data_path: Path) -> tuple[int, int, str]:
     return count, steps, done
 
 
-def seal(data_path: Path, *, played: int, error: str | None) -> dict[str, Any]:
-    """Say in ``metadata.json`` what the dataset holds (see the module's docstring)."""
+def seal(
+    data_path: Path, *, played: int, error: str | None, before: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Say in ``metadata.json`` what the dataset holds (see the module's docstring);
+    ``before``: what it said of the earlier runs that wrote it (appending), which this
+    run's figures add to."""
     metadata_file = data_path / METADATA_FILE
     metadata = json.loads(metadata_file.read_text())
+    prior = dict(before or {})
+    held = int(metadata.get("total_episodes", 0))
     said: dict[str, Any] = {
-        "complete": error is None,
-        "episodes_in_dataset": int(metadata.get("total_episodes", 0)),
-        "episodes_played": max(played, int(metadata.get("total_episodes", 0))),
+        "complete": error is None and bool(prior.get("complete", True)),
+        "episodes_in_dataset": held,
+        "episodes_played": max(int(prior.get("episodes_played", 0)) + played, held),
+        "runs": int(prior.get("runs", 0)) + 1,
     }
     if error is not None:
         said["error"] = error
+    elif "error" in prior:  # an earlier run's loss stays said
+        said["error"] = prior["error"]
     metadata[SEAL_KEY] = said
     _write_json(metadata_file, metadata)
     return said

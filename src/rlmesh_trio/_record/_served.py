@@ -452,17 +452,15 @@ def served_recording(
         )
     dataset_id = plan.dataset
     if dataset_id is not None:
+        from ._continue import exists_error
         from ._dataset import DatasetWriter, dataset_path, env_spec_for
 
         root = dataset_path(dataset_id)  # ImportError naming the extra
         from minari.dataset.minari_dataset import parse_dataset_id
 
         parse_dataset_id(dataset_id)  # ValueError naming the form, before any env is built
-        if root.exists():
-            raise FileExistsError(
-                f"a Minari dataset {dataset_id!r} already exists at {root}: choose another "
-                f"id (e.g. bump its -vN) or delete it (`minari delete {dataset_id}`)"
-            )
+        if root.exists() and not plan.append:
+            raise exists_error(dataset_id, root)
         kwargs = dict(env_kwargs or {})
 
         def make_writer(
@@ -480,6 +478,7 @@ def served_recording(
                 env_spec=spec,
                 record_infos=plan.infos,
                 prepare=decode,
+                append=plan.append,
                 linger=DATASET_LINGER,
                 own_process=True,  # Minari's HDF5 work off the server's GIL
             )
