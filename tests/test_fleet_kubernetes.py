@@ -11,6 +11,7 @@ health service answers without the token while everything else requires it, and 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -279,14 +280,17 @@ def _patch(doc: Any, ops: list[dict[str, Any]]) -> Any:
 
 def _overlay(name: str) -> dict[str, Any]:
     """The StatefulSet an overlay renders: its bases' with every patch applied in order."""
-    root = OVERLAYS[name]
+    return _render(OVERLAYS[name])
+
+
+def _render(root: Path) -> dict[str, Any]:
     kustomization = yaml.safe_load((root / "kustomization.yaml").read_text())
     (base,) = kustomization["resources"]
     base_dir = (root / base).resolve()
     if base_dir == DEPLOY.resolve():
         statefulset = DOCS["StatefulSet/rlmesh-envs"]
     else:
-        statefulset = _overlay(next(k for k, v in OVERLAYS.items() if v.resolve() == base_dir))
+        statefulset = _render(base_dir)
     for patch in kustomization["patches"]:
         assert patch["target"] == {"kind": "StatefulSet", "name": "rlmesh-envs"}
         statefulset = _patch(statefulset, yaml.safe_load((root / patch["path"]).read_text()))
@@ -402,3 +406,75 @@ def test_dockerfile_health_check_is_a_probe_of_the_serve_port() -> None:
     assert command[:2] == ["rlmesh-trio", "probe"]
     args = build_parser().parse_args(command[1:])
     assert parse_address(args.address) == TcpAddress("127.0.0.1", _container_port())
+
+
+# ---------------------------------------------------------------------------- recording
+
+
+RECORD_OVERLAY = ROOT / "deploy" / "kubernetes-record"
+
+
+def _kubelet_expand(arg: str, env: dict[str, str]) -> str:
+    """``$(VAR)`` in a container's args, as the kubelet expands it from the env."""
+    return re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), arg)
+
+
+def test_record_overlay_pods_continue_their_own_dataset_across_restarts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kubernetes-record overlay's command, run as the kubelet runs it ($(POD_NAME)
+    expanded from the pod's env, Minari's root on the pod's volume), twice: the restarted
+    pod continues its own dataset; the grace period covers the writer's last batch."""
+    minari = pytest.importorskip("minari")
+    spec = _render(RECORD_OVERLAY)["spec"]
+    pod_spec = spec["template"]["spec"]
+    (container,) = pod_spec["containers"]
+    assert pod_spec["terminationGracePeriodSeconds"] >= stop_bound(5.0, 5.0) + 120
+    (claim,) = spec["volumeClaimTemplates"]
+    (mount,) = container["volumeMounts"]
+    assert mount["name"] == claim["metadata"]["name"]
+    env_names = {e["name"]: e for e in container["env"]}
+    assert env_names["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    minari_root = env_names["MINARI_DATASETS_PATH"]["value"]
+    assert minari_root.startswith(mount["mountPath"] + "/")  # on the pod's own volume
+    assert pod_spec["securityContext"]["fsGroup"] == 65534  # the image's user writes it
+
+    volume = tmp_path / "volume"
+    pod_env = {
+        "POD_NAME": "rlmesh-envs-2",
+        "MINARI_DATASETS_PATH": str(volume / minari_root[len(mount["mountPath"]) + 1 :]),
+    }
+    model = rlmesh.numpy.Model(lambda obs: (np.asarray(obs)[..., 2] > 0).astype(np.int64))
+    for restart, seeds in enumerate((range(0, 10), range(50, 60))):
+        read_fd, write_fd = os.pipe()
+        args, env = _local_args(None, write_fd, container)
+        env.update(pod_env)
+        args = [_kubelet_expand(a, env) for a in args]
+        log_path = tmp_path / f"pod-{restart}.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "rlmesh_trio", *args],
+                pass_fds=(write_fd,),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=ROOT,
+            )
+        os.close(write_fd)
+        try:
+            with os.fdopen(read_fd, "rb") as ready:
+                (address,) = _read_addresses(ready, proc, 60.0, 1)
+            rlmesh.run(model, address, seeds=list(seeds))
+            proc.terminate()  # the kubelet's SIGTERM
+            assert proc.wait(60) == 0, log_path.read_text()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    monkeypatch.setenv("MINARI_DATASETS_PATH", pod_env["MINARI_DATASETS_PATH"])
+    dataset = minari.load_dataset("rlmesh/envs-rlmesh-envs-2-v0")
+    recorded = dataset.storage.get_episode_metadata(range(dataset.total_episodes))
+    seeds_recorded = {m.get("seed") for m in recorded}
+    said = dataset.storage.metadata["rlmesh_trio"]
+    assert {*range(10), *range(50, 60)} <= seeds_recorded
+    assert said["runs"] == 2 and said["complete"] is True

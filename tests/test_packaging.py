@@ -224,7 +224,7 @@ def test_the_image_installs_the_wheel_built_here_with_metrics_as_non_root(
     assert all(not re.search(r"(^|\s)/", a) for a in runs), "RUN paths must be relative"
     assert "pip install rlmesh-trio" not in (ROOT / "deploy/kubernetes/Dockerfile").read_text()
     script = (ROOT / "deploy/kubernetes/image.sh").read_text()
-    assert "[metrics]" in script and "-c " in script
+    assert 'extras="${4:-metrics}"' in script and "[${extras}]" in script and "-c " in script
     (user,) = [a for w, a in final if w == "USER"]
     assert user.split(":")[0] not in ("root", "0")
     (health,) = [a for w, a in final if w == "HEALTHCHECK"]

@@ -27,6 +27,10 @@ this file, which needs rlmesh-trio, rlmesh 0.1.0, gymnasium and trustme (the ses
    the same image again with ``--tls-cert-file``/``--tls-key-file`` from a throwaway CA
    (trustme), mounted read-only: the health check with ``--tls-ca-file``, ``VectorEnv``
    over TLS (rlmesh 0.1.0's client has no TLS), plaintext refused.
+   Where a Dockerfile takes ``ARG RLMESH_TRIO_EXTRAS``, it is built once more with
+   ``metrics,record`` and that image also records: its command with ``--record-dataset
+   --record-append``, driven, stopped, started again in the same container and driven
+   again; the image's own Minari then loads the dataset: both runs' episodes, complete.
 5. **The image's size**, reported.
 
 Usage: ``python tools/image.py [--root DIR] [--rebuild-base] [--dockerfile PATH ...]``.
@@ -233,11 +237,27 @@ def tag_of(dockerfile: Path) -> str:
     return f"localhost/rlmesh-trio-check/{slug}:ci"
 
 
-def build(buildah: Buildah, dockerfile: Path) -> str:
+RECORD_VARIANT = ("record", ["--build-arg", "RLMESH_TRIO_EXTRAS=metrics,record"])
+"""The Dockerfile built once more with the record extra, where it takes the build
+argument (deploy/kubernetes-record runs that image)."""
+
+
+def variants(dockerfile: Path) -> list[tuple[str, list[str]]]:
+    """(name, build arguments) of each image built from ``dockerfile``: as it is, and
+    with the record extra where it declares ``ARG RLMESH_TRIO_EXTRAS``."""
+    found: list[tuple[str, list[str]]] = [("", [])]
+    if re.search(r"^ARG\s+RLMESH_TRIO_EXTRAS\b", dockerfile.read_text(), flags=re.M):
+        found.append(RECORD_VARIANT)
+    return found
+
+
+def build(buildah: Buildah, dockerfile: Path, variant: str, build_args: list[str]) -> str:
     pip_conf = buildah.store / "pip.conf"
     pip_conf.write_text(f"[global]\ncert = {CA_BUNDLE}\n")
     tag = tag_of(dockerfile)
-    buildah("bud", "--pull=never", "--isolation", "chroot", "--format", "docker",
+    if variant:
+        tag = tag.replace(":ci", f"-{variant}:ci")
+    buildah("bud", "--pull=never", "--isolation", "chroot", "--format", "docker", *build_args,
             "-v", f"{CA_BUNDLE.parent}:{CA_BUNDLE.parent}:ro", "-v", f"{pip_conf}:/etc/pip.conf:ro",
             "-f", str(dockerfile), "-t", tag, str(ROOT))  # fmt: skip
     return tag
@@ -361,10 +381,14 @@ class Container:
 
 @contextlib.contextmanager
 def serving(
-    container: Container, extra_args: Sequence[str], mounts: Sequence[str], log_path: Path
+    container: Container,
+    extra_args: Sequence[str],
+    mounts: Sequence[str],
+    log_path: Path,
+    more_env: dict[str, str] | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
     image = container.image
-    env = {"RLMESH_ADDRESS": f"127.0.0.1:{image.port()}"}
+    env = {"RLMESH_ADDRESS": f"127.0.0.1:{image.port()}", **(more_env or {})}
     command = [*image.entrypoint, *image.cmd, *extra_args]
     log(f"serving: RLMESH_ADDRESS={env['RLMESH_ADDRESS']} {shlex.join(command)}")
     with open(log_path, "wb") as out:
@@ -578,6 +602,62 @@ def one_run(
     return findings
 
 
+RECORD_ID = "rlmesh/image-check-v0"
+RECORD_ROOT = "/tmp/rlmesh-trio-minari"
+
+
+def record_runs(
+    buildah: Buildah, image: Image, work: Path
+) -> list[str]:  # pragma: no cover - run in CI's image session
+    """The record variant: the image's command with ``--record-dataset ...
+    --record-append``, driven, stopped, started again in the same container (a restart)
+    and driven again; then the image's own Minari reads the dataset inside it."""
+    findings: list[str] = []
+    extra = ["--record-dataset", RECORD_ID, "--record-append"]
+    env = {"MINARI_DATASETS_PATH": RECORD_ROOT}
+    address = f"127.0.0.1:{image.port()}"
+    bound = stop_bound_of(image) + 120.0  # the writer's own bound for its last batch
+    with Container(buildah, image) as container:
+        for restart in range(2):
+            log_path = work / f"server-record-{restart}.log"
+            with serving(container, extra, [], log_path, env) as proc:
+                wait_healthy(container, list(image.healthcheck), [], proc)
+                server = server_process(proc.pid)
+                if server is None:
+                    raise Failed("no server process found under buildah run")
+                from rlmesh_trio.client import probe
+
+                report = probe(address, timeout_seconds=10.0)
+                if not report.serving or report.env_id is None:
+                    raise Failed(f"probe {address}: {report}")
+                import gymnasium as gym
+
+                policy = policy_for(gym.make(report.env_id).action_space)
+                findings.append(drive_rlmesh(address, report.env_id, policy) + " (recorded)")
+                took = stop(proc, server, bound)
+                findings.append(f"SIGTERM: exit 0 after {took:.1f} s, the dataset written")
+            text = log_path.read_text(errors="replace")
+            if "Traceback" in text or "died without stopping" in text:
+                raise Failed(f"the server's log:\n{text[-3000:]}")
+        script = (
+            f"import json, minari; d = minari.load_dataset({RECORD_ID!r}); "
+            "print(json.dumps([d.total_episodes, d.storage.metadata['rlmesh_trio']]))"
+        )
+        done = subprocess.run(
+            container.argv(["python", "-c", script], env, []),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if done.returncode != 0:
+            raise Failed(f"the image's Minari could not load the dataset: {done.stderr[-2000:]}")
+        total, said = json.loads(done.stdout.strip().splitlines()[-1])
+        if said.get("runs") != 2 or not said.get("complete") or total < 2 * len(SEEDS):
+            raise Failed(f"the dataset after two runs: {total} episodes, {said}")
+        findings.append(f"the image's Minari loads {total} episodes of 2 runs, complete")
+    return findings
+
+
 def drive(store: Path, tag: str) -> int:  # pragma: no cover - run in CI's image session
     """The inside half: in a fresh network namespace, run and drive ``tag``."""
     run(["ip", "link", "set", "lo", "up"], quiet=True)
@@ -590,6 +670,9 @@ def drive(store: Path, tag: str) -> int:  # pragma: no cover - run in CI's image
             for tls in (False, True):
                 for finding in one_run(buildah, image, work, tls=tls):
                     log(f"{tag}{' (TLS)' if tls else ''}: {finding}")
+            if f"-{RECORD_VARIANT[0]}:" in tag:
+                for finding in record_runs(buildah, image, work):
+                    log(f"{tag} (recording): {finding}")
         except Failed as exc:
             for path in sorted(work.glob("server*.log")):
                 log(f"{path.name}:\n{path.read_text(errors='replace')[-4000:]}")
@@ -641,15 +724,16 @@ def main(argv: list[str] | None = None) -> int:
                 name = dockerfile.relative_to(ROOT)
                 for base in base_images(dockerfile):
                     log(f"{base}: {ensure_base(buildah, base, rebuild=args.rebuild_base)}")
-                started = time.monotonic()
-                tag = build(buildah, dockerfile)
-                built = time.monotonic() - started
-                log(f"{name}: built {tag} in {built:.0f} s, {image_size(buildah, tag)}")
-                inside = ["unshare", "--net", "--fork", "--", sys.executable, __file__]
-                run([*inside, "--root", str(store), "--drive", tag])
-                results.append(
-                    f"{name}: built in {built:.0f} s, {image_size(buildah, tag)}, driven"
-                )
+                for variant, build_args in variants(dockerfile):
+                    started = time.monotonic()
+                    tag = build(buildah, dockerfile, variant, build_args)
+                    built = time.monotonic() - started
+                    size = image_size(buildah, tag)
+                    log(f"{name}: built {tag} in {built:.0f} s, {size}")
+                    inside = ["unshare", "--net", "--fork", "--", sys.executable, __file__]
+                    run([*inside, "--root", str(store), "--drive", tag])
+                    label = " ".join([str(name), *build_args])
+                    results.append(f"{label}: built in {built:.0f} s, {size}, driven")
     except Failed as exc:
         log(f"failed: {exc}")
         return 1
