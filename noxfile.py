@@ -1,6 +1,6 @@
 """Development sessions: ``nox -s tests | ray | tests-process | lowest | newest | suite |
 pythons | package | image | manifests | fuzz | envs | trainers | lint | typecheck | codegen |
-bench | soak``.
+bench | soak | soak-record``.
 
 Every session builds its own virtualenv (``venv`` backend). ``pyproject.toml`` declares
 ranges (``[project].dependencies``); the sessions install exact versions from a
@@ -330,6 +330,16 @@ def soak(session: nox.Session) -> None:
     (``nox -s soak -- --minutes 2``). Not a default session, not in CI."""
     session.install("-c", CI_CONSTRAINTS, ".[test]")
     session.run("python", "bench/soak_floods.py", *session.posargs)
+
+
+@nox.session(name="soak-record")
+def soak_record(session: nox.Session) -> None:
+    """The recording soak, bench/soak_record.py: a server recording every episode into a
+    Minari dataset, driven by rlmesh.run for ``--minutes`` (default 20); fails when the
+    storage child's memory grows past ``--rss-bound-mib``, the server does not exit 0 or
+    the dataset is not whole. Not a default session, not in CI."""
+    session.install("-c", CI_CONSTRAINTS, ".[test]")
+    session.run("python", "bench/soak_record.py", *session.posargs)
 
 
 if __name__ == "__main__":

@@ -693,3 +693,29 @@ def test_an_incomplete_dataset_stays_marked_when_continued(monkeypatch: pytest.M
     said = minari.load_dataset("rlmesh/lossy-v0").storage.metadata["rlmesh_trio"]
     assert said["complete"] is False and "no room" in said["error"]
     assert said["episodes_in_dataset"] == 1 and said["episodes_played"] == 2 and said["runs"] == 2
+
+
+def test_the_storage_child_is_replaced_by_a_fresh_one_as_it_writes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every CHILD_RECYCLE_EPISODES episodes (or past CHILD_RSS_GROWTH) the storage child
+    is replaced between batches: its memory stays bounded, and nothing is lost or
+    changed (totals, ids, episode metadata)."""
+    from rlmesh_trio._record import _dataset
+
+    monkeypatch.setattr(_dataset, "CHILD_RECYCLE_EPISODES", 4)
+    env = gym.make("CartPole-v1")
+    writer = DatasetWriter(
+        "rlmesh/recycled-v0", env.observation_space, env.action_space, own_process=True, capacity=4
+    )
+    acc = EpisodeAccumulator(0, env.observation_space, env.action_space, writer.put)
+    lengths = [play(env, acc, seed)[1] for seed in range(13)]
+    writer.close(60)
+    assert writer.children_recycled >= 2
+    dataset = minari.load_dataset("rlmesh/recycled-v0")
+    assert dataset.total_episodes == 13 and dataset.total_steps == sum(lengths)
+    assert [m["seed"] for m in episode_metadata(dataset)] == list(range(13))
+    for episode, meta in zip(dataset, episode_metadata(dataset), strict=True):
+        assert replay_equal(
+            gym.make("CartPole-v1"), meta["seed"], episode.actions, episode.observations
+        )

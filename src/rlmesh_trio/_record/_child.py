@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import pickle
 import signal
 import subprocess
@@ -194,6 +195,15 @@ class StorageChild:
         except subprocess.TimeoutExpired:
             self.kill()
         self._conn.close()
+
+    def rss(self) -> int | None:
+        """The child's resident memory in bytes (Linux), else None."""
+        try:
+            with open(f"/proc/{self._process.pid}/statm") as statm:
+                pages = int(statm.read().split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+        return pages * os.sysconf("SC_PAGE_SIZE")
 
     def kill(self) -> None:
         with contextlib.suppress(OSError):

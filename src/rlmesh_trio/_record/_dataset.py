@@ -66,6 +66,13 @@ __all__ = ["DatasetWriter", "dataset_path", "env_spec_for"]
 logger = logging.getLogger("rlmesh_trio.record")
 
 
+CHILD_RECYCLE_EPISODES = 10_000
+"""Episodes a storage child writes before a fresh one replaces it (see
+:meth:`DatasetWriter._recycle_child`; a start costs ~0.5 s)."""
+CHILD_RSS_GROWTH = 64 << 20
+"""Bytes a storage child may grow past its size after its first batch before a fresh
+one replaces it (Linux: its /proc/PID/statm)."""
+
 CHILD_START_TIMEOUT = 60.0
 """Seconds the storage child may take to start (an interpreter, minari and h5py imported:
 ~0.4 s here) before the dataset writer gives up: a startup error."""
@@ -203,6 +210,8 @@ class DatasetWriter:
         self.steps_written = 0
         self.episodes_queued = 0
         """Episodes put (written, waiting, or refused by a failed writer)."""
+        self.children_recycled = 0
+        """Storage children replaced by a fresh one (:meth:`_recycle_child`)."""
         self._counting = threading.Lock()
         self.infos_dropped = 0
         """Episodes whose infos were dropped (their structure varied)."""
@@ -307,6 +316,7 @@ class DatasetWriter:
         first = self._next_id
         if self._child is not None:
             steps, dropped = self._child.write(batch, first)
+            self._recycle_child(len(batch))
         else:
             steps, dropped = store_batch(self._storage, self._prepare, batch, first)
         for lane, index, reason in dropped:
@@ -331,6 +341,25 @@ class DatasetWriter:
     def _start_child(self) -> None:
         """The writer's thread, first: its storage child (which dies with this thread)."""
         self._child = StorageChild((self._storage, self._prepare), f"dataset {self.dataset_id}")
+        self._child_episodes = 0
+        self._child_rss: int | None = None
+
+    def _recycle_child(self, written: int) -> None:
+        """After a batch: a child that wrote :data:`CHILD_RECYCLE_EPISODES` episodes, or
+        grew :data:`CHILD_RSS_GROWTH` bytes past its size after its first batch, is
+        replaced by a fresh one (between batches: nothing is in flight), so the storage
+        process's memory stays bounded over a recording of any length (HDF5's and
+        Minari's per-file state grows with every episode written)."""
+        assert self._child is not None
+        self._child_episodes += written
+        rss = self._child.rss()
+        if self._child_rss is None:
+            self._child_rss = rss
+        grown = rss is not None and self._child_rss is not None and rss - self._child_rss
+        if self._child_episodes >= CHILD_RECYCLE_EPISODES or (grown and grown > CHILD_RSS_GROWTH):
+            self._child.close()
+            self.children_recycled += 1
+            self._start_child()
 
     def _finish(self) -> None:
         """The writer's thread ends: its storage child, if any, exits."""
