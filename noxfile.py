@@ -1,6 +1,6 @@
 """Development sessions: ``nox -s tests | ray | tests-process | lowest | newest | suite |
 pythons | package | image | manifests | fuzz | envs | trainers | lint | typecheck | codegen |
-bench | soak | soak-record``.
+bench | soak | soak-record | stress``.
 
 Every session builds its own virtualenv (``venv`` backend). ``pyproject.toml`` declares
 ranges (``[project].dependencies``); the sessions install exact versions from a
@@ -330,6 +330,21 @@ def soak(session: nox.Session) -> None:
     (``nox -s soak -- --minutes 2``). Not a default session, not in CI."""
     session.install("-c", CI_CONSTRAINTS, ".[test]")
     session.run("python", "bench/soak_floods.py", *session.posargs)
+
+
+@nox.session
+def stress(session: nox.Session) -> None:
+    """The suite's races again and again: 20 fresh servers recording the video of 8 thread
+    lanes of a pygame-rendered env (each lane's first render at once), and the lane
+    engine's stress tests. Not a default session, not in CI."""
+    session.install("-c", CI_CONSTRAINTS, ".[test]")
+    session.env["RLMESH_TRIO_VIDEO_RUNS"] = "20"
+    session.run(
+        "pytest",
+        "tests/test_record_serve.py::test_every_thread_lanes_video_is_written_with_a_real_classic_control_env",
+        "tests/test_lanes_engine_stress.py",
+        *session.posargs,
+    )
 
 
 @nox.session(name="soak-record")

@@ -768,6 +768,40 @@ async def test_lanes_render_their_first_frames_one_at_a_time(tmp_path: Path) -> 
             assert sum(1 for _ in container.decode(video=0)) == 5
 
 
+VIDEO_RUNS = int(os.environ.get("RLMESH_TRIO_VIDEO_RUNS", "2"))
+"""Fresh servers the next test starts (``nox -s stress`` runs 20): pygame's first render
+races only once per process."""
+
+
+@NEEDS_PYGAME
+@pytest.mark.parametrize("run", range(VIDEO_RUNS))
+def test_every_thread_lanes_video_is_written_with_a_real_classic_control_env(
+    run: int, tmp_path: Path, minari_root: Path
+) -> None:
+    """The reported case, as a user runs it: ``serve --env CartPole-v1 --num-envs 8
+    --kwargs-json '{"render_mode": "rgb_array"}' --record-video DIR`` (thread lanes: every
+    recorded lane renders for the first time at once; pygame's lazy ``surfarray`` import
+    is not thread-safe), then ``rlmesh.run`` over 16 seeds: every lane's every episode
+    has its video, and none stopped."""
+    rlmesh = pytest.importorskip("rlmesh")
+    from rlmesh.numpy import Model
+
+    directory = tmp_path / "video"
+    args = ["--env", "CartPole-v1", "--num-envs", "8"]
+    args += ["--kwargs-json", '{"render_mode": "rgb_array"}', "--record-video", str(directory)]
+    with cli_server(args, tmp_path, minari_root, SDL_VIDEODRIVER="dummy") as address:
+        result = rlmesh.run(Model(lambda o: int(o[2] > 0)), address, seeds=list(range(16)))
+    assert len(result.episodes) == 16
+    log = (tmp_path / "server.log").read_text(errors="replace")
+    assert "video recording stopped" not in log, log
+    for lane in range(8):
+        videos = sorted(directory.glob(f"lane-{lane:03d}-episode-*.mp4"))
+        assert len(videos) >= 2, (lane, sorted(p.name for p in directory.iterdir()))
+        for path in videos:
+            with av.open(str(path)) as container:
+                assert sum(1 for _ in container.decode(video=0)) >= 1
+
+
 async def test_a_failed_recording_is_raised_when_the_server_is_cancelled(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
