@@ -19,17 +19,21 @@ from hyperframe.frame import (
 )
 
 from rlmesh_trio._transport._flood import (
+    CLOSED_STREAM_FRAMES_BURST,
     CONTROL_FRAMES_BURST,
     CONTROL_FRAMES_PER_SECOND,
     EMPTY_FRAMES_BURST,
     ENHANCE_YOUR_CALM,
     FRAMES_PER_TURN,
+    HEADER_BLOCK_BYTES,
     PREFACE_SIZE,
     RESETS_BURST,
     RESETS_PER_SECOND,
+    STREAM_CLOSED,
     UNREAD_ANSWERS,
     Bucket,
     FrameGate,
+    HeldBlocks,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -347,3 +351,130 @@ def test_time_spent_full_earns_nothing() -> None:
     while bucket.take():
         taken += 1
     assert taken == 10
+
+
+# ---- header blocks bounded in bytes and time; frames on closed streams (issue 43) -------
+
+
+def _fed(g: FrameGate, data: bytes) -> None:
+    pos = 0
+    while pos < len(data) and g.flood is None:
+        pos += g.scan(data[pos:])
+
+
+def test_an_unfinished_header_block_is_bounded_in_bytes() -> None:
+    """HEADERS then CONTINUATION frames that never end the block: h2 bounds their count
+    (64), not their bytes; the gate closes the connection past HEADER_BLOCK_BYTES."""
+    g = gate()
+    fragment = b"\x00" * 16_000
+    frames = HeadersFrame(1, fragment).serialize()  # no END_HEADERS
+    for _ in range(HEADER_BLOCK_BYTES // 16_000 - 1):
+        frames += ContinuationFrame(1, fragment).serialize()
+    _fed(g, frames)
+    assert g.flood is None and g.block_since is not None
+    _fed(g, ContinuationFrame(1, fragment).serialize())
+    assert g.flood is not None and g.flood.code == ENHANCE_YOUR_CALM
+    assert "header block of more than" in g.flood.reason
+
+
+def test_a_finished_block_releases_what_it_held_and_a_real_request_is_nothing() -> None:
+    held = HeldBlocks(cap=100_000)
+    g = FrameGate(Clock(), Peer().stream_open, lambda: 0, held_blocks=held)
+    _fed(g, PREFACE)
+    _fed(g, HeadersFrame(1, b"\x00" * 16_000).serialize())
+    _fed(g, ContinuationFrame(1, b"\x00" * 14_000).serialize())
+    assert held.held == 30_000
+    _fed(g, ContinuationFrame(1, b"\x00" * 1_000, flags=["END_HEADERS"]).serialize())
+    assert held.held == 0 and g.block_since is None and g.flood is None
+    for stream_id in range(3, 2001, 2):  # a thousand ordinary requests
+        _fed(g, HeadersFrame(stream_id, b"\x82" * 200, flags=["END_HEADERS"]).serialize())
+    assert held.held == 0 and g.flood is None
+
+
+def test_unfinished_blocks_are_capped_over_every_connection() -> None:
+    """Each connection under its own limit, together past the server's: the one whose
+    block would pass the cap is closed; a closed connection gives its bytes back."""
+    held = HeldBlocks(cap=HEADER_BLOCK_BYTES * 3)
+    gates = []
+    for _ in range(3):
+        g = FrameGate(Clock(), Peer().stream_open, lambda: 0, held_blocks=held)
+        _fed(g, PREFACE)
+        for _ in range(4):
+            _fed(
+                g, (HeadersFrame if _ == 0 else ContinuationFrame)(1, b"\x00" * 16_000).serialize()
+            )
+        gates.append(g)
+    assert all(g.flood is None for g in gates) and held.held == 3 * 64_000
+    late = FrameGate(Clock(), Peer().stream_open, lambda: 0, held_blocks=held)
+    _fed(late, PREFACE)
+    _fed(late, HeadersFrame(1, b"\x00" * 16_000).serialize())
+    assert late.flood is not None and "too many unfinished header blocks" in late.flood.reason
+    assert held.held == 3 * 64_000
+    gates[0].close()
+    assert held.held == 2 * 64_000
+
+
+def test_a_header_block_unfinished_past_its_time_is_a_flood() -> None:
+    clock = Clock()
+    g = gate(clock=clock)
+    clock.now = 10.0
+    _fed(g, HeadersFrame(1, b"\x00" * 10).serialize())
+    assert g.block_since == 10.0
+    g.block_overdue(9.0)  # an older block's timer: nothing
+    assert g.flood is None
+    g.block_overdue(10.0)
+    assert g.flood is not None and "unfinished after" in g.flood.reason
+
+
+def test_frames_on_closed_streams_are_counted_and_headers_there_close_at_once() -> None:
+    clock = Clock()
+    peer = Peer()
+    peer.highest = 99  # streams 1..99 known, all closed
+    g = gate(peer, clock)
+    frames = b"".join(
+        DataFrame(1, b"x", flags=["END_STREAM"]).serialize()
+        for _ in range(CLOSED_STREAM_FRAMES_BURST)
+    )
+    _fed(g, frames)
+    assert g.flood is None
+    _fed(g, RstStreamFrame(3, error_code=8).serialize())
+    assert g.flood is not None and "on closed streams" in g.flood.reason
+    g = gate(peer, clock)
+    _fed(g, HeadersFrame(5, b"\x82", flags=["END_HEADERS", "END_STREAM"]).serialize())
+    assert g.flood is not None and g.flood.code == STREAM_CLOSED
+
+
+def test_calls_cut_off_by_their_connection_log_one_line_not_a_traceback_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """grpclib logs "Server error" with a traceback for every handler a GOAWAY or a reset
+    cut off: under a flood, hundreds. The filter makes them a few rate-limited one-line
+    INFO records; a handler's own error keeps its traceback."""
+    import logging
+    import sys
+
+    import h2.exceptions
+    from grpclib.exceptions import StreamTerminatedError
+
+    from rlmesh_trio._transport import _connection
+
+    def record(exc: BaseException) -> logging.LogRecord:
+        try:
+            try:
+                raise exc
+            except BaseException as inner:
+                raise RuntimeError("while sending trailers") from inner
+        except RuntimeError:
+            info = sys.exc_info()
+        return logging.LogRecord("grpclib.server", logging.ERROR, "x", 1, "Server error", (), info)
+
+    quiet = _connection.QuietCallEnds()
+    monkeypatch.setattr(_connection, "_CALL_ENDS", _connection.RateLimit(burst=3, window=60.0))
+    cut = [record(StreamTerminatedError("Connection lost")) for _ in range(50)]
+    cut += [record(h2.exceptions.ProtocolError("Invalid input in state ConnectionState.CLOSED"))]
+    kept = [r for r in cut if quiet.filter(r)]
+    assert len(kept) == 3
+    assert all(r.levelno == logging.INFO and r.exc_info is None for r in kept)
+    assert "ended with its connection" in kept[0].getMessage()
+    own = record(ValueError("a bug in a handler"))
+    assert quiet.filter(own) and own.exc_info is not None and own.levelno == logging.ERROR

@@ -29,8 +29,9 @@ ALSO_SCANNED: tuple[Path, ...] = (TRANSPORT.parent / "client" / "_grpc.py",)
 """Outside ``_transport/``, the one other module that drives h2 (the client's framing)."""
 LIBRARIES = ("h2", "grpclib", "hyperframe", "hpack")
 H2_HAS_OUR_PRIVATES = Version(_privates.library_version("h2")) >= Version("4.3")
-PYTHON_DUNDERS = {*dir(object), *dir(type), "__dispatch__"}
-"""Dunder names that are Python's (``super().__init__``), and grpclib's plugin hook."""
+PYTHON_DUNDERS = {*dir(object), *dir(type), *dir(BaseException()), "__dispatch__"}
+"""Dunder names that are Python's (``super().__init__``, an exception's ``__cause__``), and
+grpclib's plugin hook."""
 
 
 @pytest.fixture(autouse=True)

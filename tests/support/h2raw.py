@@ -325,7 +325,8 @@ class FrameReader:
 
     def __init__(self) -> None:
         self._buffer = bytearray()
-        self._decoder = hpack.Decoder()
+        self.decoder = hpack.Decoder()
+        self.decoder.max_allowed_table_size = 2**32 - 1  # what a client may advertise
         self._pending: tuple[int, int, bytearray] | None = None  # HEADERS awaiting CONTINUATION
         self.streams: dict[int, StreamView] = {}
         self.goaway: GoAwayFrame | None = None
@@ -407,7 +408,7 @@ class FrameReader:
 
     def _headers(self, stream_id: int, block: bytes, end: bool) -> None:
         decoded = [
-            (str(k, "utf-8"), str(v, "utf-8")) for k, v in self._decoder.decode(block, raw=True)
+            (str(k, "utf-8"), str(v, "utf-8")) for k, v in self.decoder.decode(block, raw=True)
         ]
         view = self.stream(stream_id)
         if view.headers is None:
@@ -498,6 +499,12 @@ class Connection:
 
     def stream(self, stream_id: int) -> StreamView:
         return self.reader.stream(stream_id)
+
+    @property
+    def server_table_size(self) -> int:
+        """The HPACK dynamic table size the server's encoder signalled it uses (our
+        decoder's table mirrors it)."""
+        return int(self.reader.decoder.header_table.maxsize)
 
     # ----------------------------------------------------------------- writing
 

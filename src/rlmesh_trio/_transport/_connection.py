@@ -43,9 +43,11 @@ import h2.config
 import h2.events
 import h2.exceptions
 import h2.settings
+import hpack
 from grpclib.config import Configuration
 from grpclib.const import Handler as MethodHandler
 from grpclib.encoding.base import CodecBase
+from grpclib.exceptions import StreamTerminatedError
 from grpclib.protocol import Connection as GrpclibConnection
 from grpclib.protocol import EventsProcessor, H2Protocol
 from grpclib.server import Handler as GrpclibHandler
@@ -57,7 +59,14 @@ from hyperframe.frame import GoAwayFrame
 
 from .._errors import CompressedRequestError, UnauthenticatedError
 from .._logging import RateLimit
-from ._flood import ADVERTISED_STREAMS, STREAMS_HARD_LIMIT, Flood, FrameGate
+from ._flood import (
+    ADVERTISED_STREAMS,
+    HEADER_BLOCK_SECONDS,
+    STREAMS_HARD_LIMIT,
+    Flood,
+    FrameGate,
+    HeldBlocks,
+)
 from ._h2frames import route_frames
 from ._headers import (
     HEADER_LIST_LIMIT,
@@ -251,6 +260,30 @@ class Dispatcher(GrpclibHandler):
         return not self._refusals and super().check_closed()
 
 
+ENCODER_TABLE_SIZE = 4096
+"""Bytes of HPACK dynamic table our encoder uses at most, whatever the client's
+SETTINGS_HEADER_TABLE_SIZE allows (RFC 7541 §4.2: an encoder may use less; the change is
+signalled in the next header block). h2 sizes it to the client's setting, up to 2**32-1:
+every distinct value we send (a ``grpc-message`` echoing a client's service name) then
+stays indexed for the connection's life, and hpack searches the table linearly on every
+header it encodes."""
+
+
+class CappedEncoder(hpack.Encoder):
+    """h2's HPACK encoder with its dynamic table capped at :data:`ENCODER_TABLE_SIZE`."""
+
+    @property
+    def header_table_size(self) -> int:
+        return int(self.header_table.maxsize)
+
+    @header_table_size.setter
+    def header_table_size(self, value: int) -> None:
+        # (hpack's own setter: the table resized, the change signalled in the next block)
+        self.header_table.maxsize = min(value, ENCODER_TABLE_SIZE)
+        if self.header_table.resized:
+            self.table_size_changes.append(self.header_table.maxsize)
+
+
 def ensure_nodelay(transport: asyncio.BaseTransport) -> None:
     """Pipelined lane requests stall ~40 ms per round on TCP without TCP_NODELAY."""
     sock = transport.get_extra_info("socket")
@@ -292,10 +325,13 @@ class Connection(H2Protocol):
         config: Configuration,
         h2_config: h2.config.H2Configuration,
         registry: set[Connection],
+        held_blocks: HeldBlocks | None = None,
     ) -> None:
         super().__init__(dispatcher, config, h2_config)
         self.dispatcher = dispatcher
         self._registry = registry
+        self._held_blocks = held_blocks
+        self._block_timer: asyncio.TimerHandle | None = None
         self._transport: asyncio.Transport | None = None
         self.readers: dict[int, RequestReader] = {}  # stream id -> its direct reader
         self._malformed = False  # a header block was a connection error
@@ -321,6 +357,7 @@ class Connection(H2Protocol):
         # What grpclib's H2Protocol.connection_made does, with public names only, so that
         # the h2 connection is ours to hold (grpclib keeps it private).
         h2_connection = self.h2 = H2Connection(config=self.h2_config)
+        h2_connection.encoder = CappedEncoder()  # (a public attribute of h2's connection)
         h2_connection.initiate_connection()
         initial = h2_connection.local_settings.initial_window_size
         if self.config.http2_connection_window_size != initial:
@@ -341,6 +378,7 @@ class Connection(H2Protocol):
             self._stream_open,
             self._output_backlog,
             h2_connection.max_inbound_frame_size,
+            self._held_blocks,
         )
         self.dispatcher.on_refused = self._gate.refused
         settings = h2_connection.local_settings
@@ -355,6 +393,10 @@ class Connection(H2Protocol):
         self._lost = True
         self._held = None
         self._registry.discard(self)
+        if self._gate is not None:
+            self._gate.close()  # what its unfinished header block held, released
+        if self._block_timer is not None:
+            self._block_timer.cancel()
         super().connection_lost(exc)
 
     def _h2(self) -> H2Connection:
@@ -402,11 +444,33 @@ class Connection(H2Protocol):
         if gate.flood is not None:
             self._flood(gate.flood)
             return
+        if gate.block_since is not None and self._block_timer is None:
+            self._block_timer = asyncio.get_running_loop().call_later(
+                HEADER_BLOCK_SECONDS, self._block_overdue, gate.block_since
+            )
         if end < len(data) and not self._closing():
             self._held = data[end:]
             assert self._transport is not None
             self._transport.pause_reading()
             asyncio.get_running_loop().call_soon(self._next_turn)
+
+    def _block_overdue(self, started: float) -> None:
+        """:data:`~._flood.HEADER_BLOCK_SECONDS` after a header block started: closed if
+        that block is still unfinished; else watched again if another one is."""
+        self._block_timer = None
+        gate = self._gate
+        if gate is None or self._lost or self._closing():
+            return
+        gate.block_overdue(started)
+        if gate.flood is not None:
+            self._flood(gate.flood)
+        elif gate.block_since is not None:
+            delay = max(
+                0.0, gate.block_since + HEADER_BLOCK_SECONDS - asyncio.get_running_loop().time()
+            )
+            self._block_timer = asyncio.get_running_loop().call_later(
+                delay, self._block_overdue, gate.block_since
+            )
 
     def _next_turn(self) -> None:
         held, self._held = self._held, None
@@ -592,6 +656,55 @@ class Connection(H2Protocol):
         if self._transport is not None and not self._transport.is_closing():
             self.processor.close("server stopped")
             asyncio.get_running_loop().call_later(CLOSE_LINGER, self._reset)
+
+
+_CALL_ENDS = RateLimit()
+"""At most a few lines per window about calls cut off by their connection's end."""
+
+
+def _connection_gone(exc: BaseException | None, depth: int = 0) -> bool:
+    """``exc``, or what caused it, says the call's connection or stream is gone (a
+    GOAWAY, a reset, a close): not the handler's fault."""
+    if exc is None or depth > 8:
+        return False
+    if isinstance(exc, (StreamTerminatedError, h2.exceptions.StreamClosedError)):
+        return True
+    if isinstance(exc, (ConnectionError, asyncio.CancelledError)):
+        return True
+    if isinstance(exc, h2.exceptions.ProtocolError) and "CLOSED" in str(exc):
+        return True  # h2: a frame sent on a closed connection or stream
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_connection_gone(e, depth + 1) for e in exc.exceptions)
+    return _connection_gone(exc.__cause__ or exc.__context__, depth + 1)
+
+
+class QuietCallEnds(logging.Filter):
+    """On grpclib's server logger: a call whose handler was cut off by its connection's
+    end (a GOAWAY of a flood limit, a client's reset, a close) is logged by grpclib as
+    "Server error" or "Application error" with a traceback of four exceptions, once per
+    handler: hundreds a second under a flood. Such records become one rate-limited
+    INFO line saying how many; every other record passes as it is."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.exc_info or not _connection_gone(record.exc_info[1]):
+            return True
+        held = _CALL_ENDS.allow()
+        if held is None:
+            return False
+        record.msg = "a call ended with its connection (GOAWAY, reset or close)%s"
+        record.args = (f"; {held} more not logged" if held else "",)
+        record.exc_info = None
+        record.exc_text = None
+        record.levelno = logging.INFO
+        record.levelname = logging.getLevelName(logging.INFO)
+        return True
+
+
+def quiet_call_ends() -> None:
+    """Install :class:`QuietCallEnds` on grpclib's server logger (once)."""
+    logger = logging.getLogger("grpclib.server")
+    if not any(isinstance(f, QuietCallEnds) for f in logger.filters):
+        logger.addFilter(QuietCallEnds())
 
 
 def _report(message: str, exc: BaseException | None = None) -> None:

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 __all__ = [
     "ADVERTISED_STREAMS",
+    "CLOSED_STREAM_FRAMES_BURST",
+    "CLOSED_STREAM_FRAMES_PER_SECOND",
     "CONTROL_FRAMES_BURST",
     "CONTROL_FRAMES_PER_SECOND",
     "EMPTY_FRAMES_BURST",
@@ -36,14 +38,19 @@ __all__ = [
     "ENHANCE_YOUR_CALM",
     "FRAMES_PER_TURN",
     "FRAME_SIZE_ERROR",
+    "HEADER_BLOCKS_HELD_BYTES",
+    "HEADER_BLOCK_BYTES",
+    "HEADER_BLOCK_SECONDS",
     "PREFACE_SIZE",
     "RESETS_BURST",
     "RESETS_PER_SECOND",
     "STREAMS_HARD_LIMIT",
+    "STREAM_CLOSED",
     "UNREAD_ANSWERS",
     "Bucket",
     "Flood",
     "FrameGate",
+    "HeldBlocks",
 ]
 
 FRAMES_PER_TURN = 128
@@ -94,6 +101,34 @@ UNREAD_ANSWERS = 1000
 output is not being read -- the socket does not take our bytes and they pile up in the
 transport's buffer (CVE-2019-9512 / 9515: nghttp2 caps such queued answers at 1,000).
 Reset whenever the buffer is empty again."""
+
+HEADER_BLOCK_BYTES = 64 << 10
+"""Bytes of one header block (a HEADERS frame and its CONTINUATION frames, as sent:
+HPACK-encoded) a connection may send before it ends the block. h2 holds every fragment
+until the block ends and bounds their count only (64 frames: up to 1 MiB a connection,
+held by a client that never ends the block); a real gRPC request's headers are a few
+hundred bytes, and our decoded-size answer (431) stops at 16 KiB. The reference closes
+after about 12 frames of 16 KiB."""
+
+HEADER_BLOCK_SECONDS = 5.0
+"""Seconds a header block may stay unfinished (a client ends one in a write or two)
+before the connection is closed."""
+
+HEADER_BLOCKS_HELD_BYTES = 8 << 20
+"""Bytes of unfinished header blocks the whole server holds at once (over every
+connection): past it, the connection whose block would pass it is closed."""
+
+CLOSED_STREAM_FRAMES_BURST = 1000
+"""Frames on streams already closed on our side (DATA, RST_STREAM), at once. Each makes
+h2 work and may be answered (RST_STREAM STREAM_CLOSED) to a client that need not read;
+a real client sends a few, in the moment before it learns the stream ended."""
+
+CLOSED_STREAM_FRAMES_PER_SECOND = 100.0
+"""How fast that budget refills."""
+
+STREAM_CLOSED = 0x5
+"""The GOAWAY error code of HEADERS on a stream already closed (RFC 9113 §5.1): the
+connection is closed before its header block is decoded, as the reference does."""
 
 ENHANCE_YOUR_CALM = 0xB
 """The GOAWAY error code of a limit passed (RFC 9113 §7)."""
@@ -148,6 +183,27 @@ class Bucket:
         return True
 
 
+class HeldBlocks:
+    """The bytes of unfinished header blocks over every connection of a server (loop
+    thread only): the server-wide cap, :data:`HEADER_BLOCKS_HELD_BYTES`."""
+
+    __slots__ = ("cap", "held")
+
+    def __init__(self, cap: int = HEADER_BLOCKS_HELD_BYTES) -> None:
+        self.cap = cap
+        self.held = 0
+
+    def hold(self, size: int) -> bool:
+        """Hold ``size`` bytes more; False (nothing held) when the cap would be passed."""
+        if self.held + size > self.cap:
+            return False
+        self.held += size
+        return True
+
+    def release(self, size: int) -> None:
+        self.held -= size
+
+
 class FrameGate:
     """One connection's frame counter and turn slicer (loop thread only).
 
@@ -158,9 +214,13 @@ class FrameGate:
     """
 
     __slots__ = (
+        "_block_bytes",
+        "_clock",
+        "_closed",
         "_control",
         "_empty",
         "_head",
+        "_held_blocks",
         "_max_frame_size",
         "_output_backlog",
         "_preface",
@@ -168,6 +228,7 @@ class FrameGate:
         "_skip",
         "_stream_open",
         "_unread",
+        "block_since",
         "flood",
     )
 
@@ -177,8 +238,16 @@ class FrameGate:
         stream_open: Callable[[int], bool | None],
         output_backlog: Callable[[], int],
         max_frame_size: int = 16_384,
+        held_blocks: HeldBlocks | None = None,
     ) -> None:
         self._max_frame_size = max_frame_size
+        self._clock = clock
+        self._closed = Bucket(CLOSED_STREAM_FRAMES_BURST, CLOSED_STREAM_FRAMES_PER_SECOND, clock)
+        self._held_blocks = HeldBlocks() if held_blocks is None else held_blocks
+        self._block_bytes = 0
+        self.block_since: float | None = None
+        """When the header block under way started (None: none is): the connection
+        closes it past :data:`HEADER_BLOCK_SECONDS` (:meth:`block_overdue`)."""
         self._resets = Bucket(RESETS_BURST, RESETS_PER_SECOND, clock)
         self._empty = Bucket(EMPTY_FRAMES_BURST, EMPTY_FRAMES_PER_SECOND, clock)
         self._control = Bucket(CONTROL_FRAMES_BURST, CONTROL_FRAMES_PER_SECOND, clock)
@@ -190,6 +259,42 @@ class FrameGate:
         self._skip = 0  # payload bytes of the current frame still to come
         self.flood: Flood | None = None
         """Set once a limit is passed (by :meth:`scan` or :meth:`refused`)."""
+
+    def block_overdue(self, started: float) -> None:
+        """The connection's timer: the header block that started at ``started`` is still
+        unfinished past :data:`HEADER_BLOCK_SECONDS`."""
+        if self.flood is None and self.block_since == started:
+            self.flood = Flood(
+                ENHANCE_YOUR_CALM, f"a header block unfinished after {HEADER_BLOCK_SECONDS} s"
+            )
+
+    def close(self) -> None:
+        """The connection is gone: what its unfinished header block held is released."""
+        self._end_block()
+
+    def _end_block(self) -> None:
+        if self._block_bytes:
+            self._held_blocks.release(self._block_bytes)
+        self._block_bytes = 0
+        self.block_since = None
+
+    def _block(self, length: int, ends: bool) -> None:
+        """A fragment of a header block (a HEADERS or CONTINUATION frame) of ``length``."""
+        if self.block_since is None and not ends:
+            self.block_since = self._clock()
+        if self._block_bytes + length > HEADER_BLOCK_BYTES:
+            self.flood = Flood(
+                ENHANCE_YOUR_CALM, f"a header block of more than {HEADER_BLOCK_BYTES} bytes"
+            )
+        elif not ends:
+            if self._held_blocks.hold(length):
+                self._block_bytes += length
+            else:
+                self.flood = Flood(
+                    ENHANCE_YOUR_CALM, "the server holds too many unfinished header blocks"
+                )
+        if ends or self.flood is not None:
+            self._end_block()
 
     def refused(self) -> None:
         """We reset a stream before answering it (refused, malformed): one reset spent."""
@@ -249,6 +354,9 @@ class FrameGate:
 
     def _frame(self, kind: int, flags: int, stream_id: int, length: int, first: int) -> None:
         if kind == _DATA:
+            if self._stream_open(stream_id) is False:  # (h2 answers: count, not serve)
+                self._on_closed_stream("DATA")
+                return
             if flags & _END_STREAM:
                 return
             # Padded: the first byte is the pad length; all padding is no data either.
@@ -257,16 +365,25 @@ class FrameGate:
                 self.flood = Flood(ENHANCE_YOUR_CALM, "too many empty DATA frames")
             return
         if kind == _HEADERS:
-            if self._stream_open(stream_id) is None:  # a new stream (not trailers)
+            state = self._stream_open(stream_id)
+            if state is False:  # closed: before h2 decodes the block
+                self.flood = Flood(STREAM_CLOSED, "HEADERS on a closed stream")
+                return
+            self._block(length, bool(flags & _END_HEADERS))
+            if state is None and self.flood is None:  # a new stream (not trailers)
                 self._answer_owed()
             return
         if kind == _RST_STREAM:
-            if self._stream_open(stream_id) is not False and not self._resets.take():
+            if self._stream_open(stream_id) is False:
+                self._on_closed_stream("RST_STREAM")
+            elif not self._resets.take():
                 self.flood = Flood(ENHANCE_YOUR_CALM, "too many streams reset by the client")
             return
         if kind == _CONTINUATION:
             if length == 0 and not flags & _END_HEADERS and not self._empty.take():
                 self.flood = Flood(ENHANCE_YOUR_CALM, "too many empty CONTINUATION frames")
+                return
+            self._block(length, bool(flags & _END_HEADERS))
             return
         if kind in (_PUSH_PROMISE, _GOAWAY):
             return  # h2's answer (PROTOCOL_ERROR; the peer is leaving)
@@ -275,6 +392,10 @@ class FrameGate:
             return
         if kind in (_PING, _SETTINGS) and not flags & _ACK:
             self._answer_owed()
+
+    def _on_closed_stream(self, what: str) -> None:
+        if not self._closed.take():
+            self.flood = Flood(ENHANCE_YOUR_CALM, f"too many {what} frames on closed streams")
 
     def _answer_owed(self) -> None:
         """A frame we must answer: count it while our answers are not being read."""

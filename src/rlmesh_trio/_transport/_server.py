@@ -67,7 +67,8 @@ from .._wire import (
     decode_shutdown_request,
 )
 from .._wire import encode_health_response as health_response
-from ._connection import Connection, Dispatcher
+from ._connection import Connection, Dispatcher, quiet_call_ends
+from ._flood import HeldBlocks
 from ._join import OFF_LOOP_DECODE_BYTES, JoinCall, JoinContext
 from ._reflection import ReflectionServices
 from ._routes import ReplyRoutes
@@ -189,6 +190,9 @@ class LoopServer:
         self._stop_requested = asyncio.Event()
         self._changed = asyncio.Event()  # a unary call or a Join ended, or busy changed
         self.protocols: set[Connection] = set()
+        quiet_call_ends()  # grpclib's traceback per handler a GOAWAY cut off: one line
+        self.held_blocks = HeldBlocks()
+        """The bytes of unfinished header blocks over every connection (a cap)."""
         self.join: JoinCall | None = None
         self._busy: set[JoinCall] = set()  # Join sessions with work in flight
         self._unary_calls = 0
@@ -277,6 +281,7 @@ class LoopServer:
             self.config,
             self.h2_config,
             self.protocols,
+            self.held_blocks,
         )
 
     def request_stop(self, reason: str, *, drain: bool = True) -> None:

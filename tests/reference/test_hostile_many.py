@@ -1,0 +1,180 @@
+"""HTTP/2 under many hostile connections (issue 43): header blocks bounded in bytes and
+time, our HPACK encoder's table capped, frames on closed streams counted -- against ours
+and, where it behaves the same, the reference.
+
+Each test starts a server of its own (its RSS is the test's), and a bystander times a
+Handshake every 0.1 s on a connection of its own while the attack runs (as in
+``test_hostile_floods.py``, whose helpers these are).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from support import h2raw
+from support.params import SERVER_KINDS
+from support.refserver import ServerPool
+from test_hostile import rss_mib
+from test_hostile_floods import (
+    BYSTANDER_BOUND,
+    assert_serves,
+    config,
+    fresh,
+)
+
+from rlmesh_trio._transport._flood import HEADER_BLOCK_SECONDS
+
+pytestmark = [
+    pytest.mark.interop,
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc"),
+]
+
+HOLDERS = 100
+"""Connections that each hold an unfinished header block (the attack used 200 and 1,000;
+100 is enough to see the growth: before, +115 MiB)."""
+
+FRAGMENT = 16_000
+FRAGMENTS = 63
+"""A HEADERS frame and 62 CONTINUATION frames of 16,000 bytes, no END_HEADERS: under h2's
+64-frame bound, ~1 MiB a connection."""
+
+RSS_BOUND_MIB = 48
+"""MiB the server's RSS may grow over the whole attack (before: 65 -> 294 MiB for 200
+connections)."""
+
+
+def _health_request(service: str) -> bytes:
+    """grpc.health.v1.HealthCheckRequest {service}: field 1, a string."""
+    name = service.encode()
+    size = len(name)
+    varint = b""
+    while True:
+        byte, size = size & 0x7F, size >> 7
+        varint += bytes([byte | (0x80 if size else 0)])
+        if not size:
+            break
+    return (b"\x0a" + varint + name) if name else b""
+
+
+def _held_block(stream_id: int = 1) -> list[bytes]:
+    frames = [h2raw.frame(h2raw.HEADERS, stream_id, b"\x00" * FRAGMENT)]
+    frames += [h2raw.frame(h2raw.CONTINUATION, stream_id, b"\x00" * FRAGMENT)] * (FRAGMENTS - 1)
+    return frames
+
+
+@pytest.mark.parametrize("kind", SERVER_KINDS)
+def test_many_connections_holding_unfinished_header_blocks(servers: ServerPool, kind: str) -> None:
+    """Row 1: HOLDERS connections, each a header block that never ends. Every one is
+    closed (ours at 64 KiB: GOAWAY ENHANCE_YOUR_CALM; the reference after about 12
+    frames), the server's memory stays within RSS_BOUND_MIB and a bystander is served."""
+    with fresh(servers, kind, config()) as server:
+        rss_start = rss_mib(server.pid)
+        conns = []
+        with h2raw.Bystander(server.address) as bystander:
+            try:
+                for _ in range(HOLDERS):
+                    conn = h2raw.Connection(server.address, timeout=5.0)
+                    conns.append(conn)
+                    conn.start()
+                    for chunk in _held_block():
+                        if conn.try_send(chunk) is not None:
+                            break
+                deadline = time.monotonic() + 10.0
+                for conn in conns:
+                    conn.read_until_closed(max(0.1, deadline - time.monotonic()))
+                open_ones = [c for c in conns if c.closed is None]
+                peak = rss_mib(server.pid)
+            finally:
+                for conn in conns:
+                    conn.close()
+        report = bystander.report()
+        assert not open_ones, f"{len(open_ones)} of {HOLDERS} connections still open"
+        assert peak <= rss_start + RSS_BOUND_MIB, (rss_start, peak)
+        if kind == "ours":
+            codes = {c.goaway_code for c in conns}
+            assert codes <= {h2raw.ENHANCE_YOUR_CALM, None}, codes
+        assert not report.failures and report.worst < BYSTANDER_BOUND, report
+        assert_serves(server)
+
+
+def test_a_header_block_left_unfinished_is_closed_in_seconds(servers: ServerPool) -> None:
+    """A HEADERS frame without END_HEADERS, then silence: the connection is closed
+    HEADER_BLOCK_SECONDS later (before: never)."""
+    with fresh(servers, "ours", config()) as server:
+        with h2raw.Connection(server.address, timeout=5.0) as conn:
+            conn.start()
+            conn.pump(1.0)  # the server's SETTINGS, acknowledged: nothing owed after
+            conn.ack_settings = False  # (any frame inside a header block is an error)
+            conn.send(h2raw.frame(h2raw.HEADERS, 1, b"\x00" * 100))
+            started = time.monotonic()
+            assert conn.read_until_closed(HEADER_BLOCK_SECONDS + 5.0)
+            took = time.monotonic() - started
+        assert HEADER_BLOCK_SECONDS - 0.5 <= took <= HEADER_BLOCK_SECONDS + 5.0
+        assert conn.goaway_code == h2raw.ENHANCE_YOUR_CALM
+        assert_serves(server)
+
+
+HEALTH_CALLS = 3000
+
+
+@pytest.mark.parametrize("kind", SERVER_KINDS)
+def test_an_unbounded_header_table_setting_costs_constant_memory_per_call(
+    servers: ServerPool, kind: str
+) -> None:
+    """Row 2: SETTINGS_HEADER_TABLE_SIZE 2**32-1, then health checks of 3,000 distinct
+    service names (each echoed in the answer's ``grpc-message``). Before, every value
+    stayed indexed in our encoder's table: +4.2 KB a call, kept. Now the table is 4,096
+    bytes whatever the client allows: the RSS stays flat, as the reference's."""
+    with fresh(servers, kind, config()) as server:
+        with h2raw.Connection(server.address, timeout=10.0) as conn:
+            conn.start({h2raw.HEADER_TABLE_SIZE: 2**32 - 1})
+            conn.unary(1, h2raw.HEALTH_CHECK, _health_request("warm-up"))
+            rss_start = rss_mib(server.pid)
+            stream_id = 3
+            for index in range(HEALTH_CALLS):
+                name = f"service-{index:06d}-" + "x" * 180
+                view = conn.unary(stream_id, h2raw.HEALTH_CHECK, _health_request(name))
+                assert view.answered, index
+                stream_id += 2
+            rss_end = rss_mib(server.pid)
+            table = conn.server_table_size
+        assert rss_end - rss_start < 6, (rss_start, rss_end)
+        if kind == "ours":  # (the reference's encoder: its own, smaller, choice)
+            assert table <= 4096, table
+
+
+@pytest.mark.parametrize("kind", SERVER_KINDS)
+def test_headers_on_a_closed_stream_close_the_connection(servers: ServerPool, kind: str) -> None:
+    """Row 5: a call answered (its stream closed), then HEADERS on that stream again:
+    GOAWAY and close at once, before its block is decoded (ours: STREAM_CLOSED), as the
+    reference does. Before: decoded, answered RST_STREAM, again and again."""
+    with fresh(servers, kind, config()) as server:
+        with h2raw.Connection(server.address, timeout=5.0) as conn:
+            conn.start()
+            assert conn.unary(1, h2raw.HEALTH_CHECK, _health_request("")).answered
+            conn.send(h2raw.headers(1, h2raw.HEALTH_CHECK, end_stream=True))
+            assert conn.read_until_closed(5.0)
+        assert conn.goaway is not None
+        if kind == "ours":
+            assert conn.goaway_code == h2raw.STREAM_CLOSED
+        assert_serves(server)
+
+
+def test_data_on_closed_streams_from_a_client_that_never_reads(servers: ServerPool) -> None:
+    """Row 5: DATA(END_STREAM) frames on an answered stream, by a client that never reads:
+    each was answered RST_STREAM(STREAM_CLOSED), queued without end (3 M frames: 39 MB).
+    Now counted: GOAWAY(ENHANCE_YOUR_CALM) and close, the memory flat."""
+    with fresh(servers, "ours", config()) as server:
+        with h2raw.Connection(server.address, timeout=5.0, rcvbuf=16 << 10) as conn:
+            conn.start()
+            assert conn.unary(1, h2raw.HEALTH_CHECK, _health_request("")).answered
+            rss_start = rss_mib(server.pid)
+            chunk = h2raw.data(1, b"x", end_stream=True) * 1000
+            with h2raw.Flood(conn, [chunk] * 300, read=False) as writer:
+                writer.wait(5.0)
+            assert conn.wait_peer_closed(5.0)
+            assert rss_mib(server.pid) - rss_start < 16
+        assert_serves(server)
