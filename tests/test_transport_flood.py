@@ -29,11 +29,13 @@ from rlmesh_trio._transport._flood import (
     PREFACE_SIZE,
     RESETS_BURST,
     RESETS_PER_SECOND,
+    SERVER_BUDGETS,
     STREAM_CLOSED,
     UNREAD_ANSWERS,
     Bucket,
     FrameGate,
     HeldBlocks,
+    ServerBudget,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -379,7 +381,7 @@ def test_an_unfinished_header_block_is_bounded_in_bytes() -> None:
 
 def test_a_finished_block_releases_what_it_held_and_a_real_request_is_nothing() -> None:
     held = HeldBlocks(cap=100_000)
-    g = FrameGate(Clock(), Peer().stream_open, lambda: 0, held_blocks=held)
+    g = FrameGate(Clock(), Peer().stream_open, lambda: 0, server=ServerBudget(Clock(), held))
     _fed(g, PREFACE)
     _fed(g, HeadersFrame(1, b"\x00" * 16_000).serialize())
     _fed(g, ContinuationFrame(1, b"\x00" * 14_000).serialize())
@@ -397,7 +399,7 @@ def test_unfinished_blocks_are_capped_over_every_connection() -> None:
     held = HeldBlocks(cap=HEADER_BLOCK_BYTES * 3)
     gates = []
     for _ in range(3):
-        g = FrameGate(Clock(), Peer().stream_open, lambda: 0, held_blocks=held)
+        g = FrameGate(Clock(), Peer().stream_open, lambda: 0, server=ServerBudget(Clock(), held))
         _fed(g, PREFACE)
         for _ in range(4):
             _fed(
@@ -405,7 +407,7 @@ def test_unfinished_blocks_are_capped_over_every_connection() -> None:
             )
         gates.append(g)
     assert all(g.flood is None for g in gates) and held.held == 3 * 64_000
-    late = FrameGate(Clock(), Peer().stream_open, lambda: 0, held_blocks=held)
+    late = FrameGate(Clock(), Peer().stream_open, lambda: 0, server=ServerBudget(Clock(), held))
     _fed(late, PREFACE)
     _fed(late, HeadersFrame(1, b"\x00" * 16_000).serialize())
     assert late.flood is not None and "too many unfinished header blocks" in late.flood.reason
@@ -478,3 +480,42 @@ def test_calls_cut_off_by_their_connection_log_one_line_not_a_traceback_each(
     assert "ended with its connection" in kept[0].getMessage()
     own = record(ValueError("a bug in a handler"))
     assert quiet.filter(own) and own.exc_info is not None and own.levelno == logging.ERROR
+
+
+def test_many_connections_under_their_own_limits_spend_the_servers_budget() -> None:
+    """Issue 43, row 3: connections each at 90 % of its own control-frame rate, together
+    far past the server's: once the server's budget is spent, those sending more than
+    their share are closed; a bystander that sends a few frames is never."""
+    clock = Clock()
+    server = ServerBudget(clock)
+    attackers = []
+    for _ in range(150):
+        g = FrameGate(clock, Peer().stream_open, lambda: 0, server=server)
+        _fed(g, PREFACE)
+        attackers.append(g)
+    bystander = FrameGate(clock, Peer().stream_open, lambda: 0, server=server)
+    _fed(bystander, PREFACE)
+    per_tick = int(CONTROL_FRAMES_PER_SECOND * 0.9 / 10)  # 90 % of the rate, in 0.1 s
+    ping = PingFrame(0, opaque_data=b"\0" * 8).serialize()
+    for tick in range(100):  # 10 s
+        clock.now = tick / 10
+        for g in attackers:
+            if g.flood is None:
+                _fed(g, ping * per_tick)
+        _fed(bystander, WindowUpdateFrame(0, window_increment=1).serialize())
+    closed = [g for g in attackers if g.flood is not None]
+    # what is left fits in the server's rate: about twenty such connections
+    survivors = len(attackers) - len(closed)
+    _, server_rate = SERVER_BUDGETS["control"]
+    assert survivors * per_tick * 10 <= server_rate, survivors
+    assert len(closed) >= 120, len(closed)
+    assert all("more than its share" in g.flood.reason for g in closed if g.flood)
+    assert bystander.flood is None
+    # one connection alone, at the same 90 %, is never closed
+    alone = ServerBudget(clock)
+    g = FrameGate(clock, Peer().stream_open, lambda: 0, server=alone)
+    _fed(g, PREFACE)
+    for tick in range(100, 200):
+        clock.now = tick / 10
+        _fed(g, ping * per_tick)
+    assert g.flood is None

@@ -45,6 +45,17 @@ DEFAULT_MAX_GIVEN_UP_LANES = 0
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 """Per-message size limit, both directions (SPEC §1.8)."""
 
+DEFAULT_MAX_CONNECTIONS = 1024
+"""Connections one endpoint serves at once: far above any trainer's or fleet's (a client
+holds one or two), well under a process's usual 1,024-4,096 file descriptors shared with
+the lanes' pipes and files."""
+
+DEFAULT_FIRST_REQUEST_TIMEOUT = 30.0
+"""Seconds a connection may stay open without beginning a call before it is closed: a
+client connects to call (rlmesh's clients, probes and fleets call at once); a
+connection that never does only holds a socket and memory. The reference keeps such a
+connection forever."""
+
 DEFAULT_CLOSE_TIMEOUT = 5.0
 """Seconds the lanes get, together, to close their envs at server stop."""
 
@@ -63,6 +74,10 @@ class ServeOptions:
     ``allow_remote_shutdown``: accept the Shutdown RPC (also enabled by the
     environment variable ``RLMESH_ALLOW_REMOTE_SHUTDOWN=1|true``).
     ``idle_timeout_seconds``: stop after this long without Join activity (None: never).
+    ``max_connections``: connections served at once (more are closed as they come, a
+    warning said); ``first_request_timeout_seconds``: a connection that has not begun a
+    call this long after it opened (not even sent the HTTP/2 preface) is closed (None:
+    never, as the reference). See docs/operations.md, "Hostile clients".
     ``drain_timeout_seconds``: at stop, how long in-flight requests may still finish.
     ``close_timeout_seconds``: at stop, how long the lanes together may take to close
     their envs; a lane still stuck after that is abandoned (and named in the log).
@@ -123,6 +138,8 @@ class ServeOptions:
 
     allow_remote_shutdown: bool = False
     idle_timeout_seconds: float | None = None
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    first_request_timeout_seconds: float | None = DEFAULT_FIRST_REQUEST_TIMEOUT
     drain_timeout_seconds: float | None = None
     close_timeout_seconds: float | None = None
     workflow_edition: str | None = None
@@ -249,6 +266,8 @@ class Resolved:
 
     allow_remote_shutdown: bool
     idle_timeout: float | None
+    max_connections: int
+    first_request_timeout: float | None
     drain_timeout: float
     close_timeout: float
     workflow_edition: str
@@ -349,6 +368,13 @@ def resolve(options: ServeOptions, environ: Mapping[str, str] = os.environ) -> R
             _seconds(name, value, zero_ok=True)
     if options.idle_timeout_seconds is not None:
         _seconds("idle_timeout_seconds", options.idle_timeout_seconds, zero_ok=False)
+    if options.first_request_timeout_seconds is not None:
+        _seconds(
+            "first_request_timeout_seconds", options.first_request_timeout_seconds, zero_ok=False
+        )
+    conns = options.max_connections
+    if isinstance(conns, bool) or not isinstance(conns, int) or conns < 1:
+        raise ValueError(f"max_connections must be an int >= 1, got {conns!r}")
     size = options.max_message_bytes
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"max_message_bytes must be an int >= 1, got {size!r}")
@@ -415,6 +441,10 @@ def resolve(options: ServeOptions, environ: Mapping[str, str] = os.environ) -> R
     return Resolved(
         allow_remote_shutdown=options.remote_shutdown_allowed(environ),
         idle_timeout=None if idle is None else float(idle),
+        max_connections=options.max_connections,
+        first_request_timeout=None
+        if options.first_request_timeout_seconds is None
+        else float(options.first_request_timeout_seconds),
         drain_timeout=DEFAULT_DRAIN_TIMEOUT if drain is None else float(drain),
         close_timeout=DEFAULT_CLOSE_TIMEOUT if close is None else float(close),
         workflow_edition=edition,

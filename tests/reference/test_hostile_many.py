@@ -178,3 +178,87 @@ def test_data_on_closed_streams_from_a_client_that_never_reads(servers: ServerPo
             assert conn.wait_peer_closed(5.0)
             assert rss_mib(server.pid) - rss_start < 16
         assert_serves(server)
+
+
+# ---------------------------------------------------------------- connections (row 3)
+
+
+async def _in_thread(fn: object, *args: object) -> object:
+    import trio
+
+    return await trio.to_thread.run_sync(fn, *args)  # type: ignore[arg-type]
+
+
+async def test_connections_past_the_cap_are_closed_and_the_rest_served() -> None:
+    """--max-connections: the connections past it are closed as they come; those within
+    it, and a new one once a place is free, are served."""
+    import trio
+    from support import envs
+    from support.serving import served
+
+    from rlmesh_trio.client import probe
+
+    async with served(envs.make_cartpole, num_envs=1, max_connections=3) as address:
+
+        def hold_and_try() -> tuple[list[str | None], bool]:
+            held = [h2raw.Connection(address, timeout=5.0) for _ in range(3)]
+            try:
+                for conn in held:
+                    conn.start()
+                    conn.pump(0.5)
+                extra = h2raw.Connection(address, timeout=5.0)
+                with extra:
+                    extra.try_send(h2raw.preface())
+                    extra.read_until_closed(5.0)
+                    refused = extra.closed
+                open_ones = [c.closed for c in held]
+            finally:
+                for conn in held:
+                    conn.close()
+            return [refused, *open_ones], True
+
+        with trio.fail_after(60):
+            states, _ = await _in_thread(hold_and_try)  # type: ignore[misc]
+            assert states[0] is not None  # the fourth: closed
+            assert states[1:] == [None, None, None]  # the three: open
+            report = None
+            for _ in range(50):  # the three are gone: a place is free again
+                report = await _in_thread(probe, address)
+                if report.serving:  # type: ignore[attr-defined]
+                    break
+                await trio.sleep(0.1)
+            assert report is not None and report.serving  # type: ignore[attr-defined]
+
+
+async def test_a_connection_that_begins_no_call_is_closed_after_the_timeout() -> None:
+    """A connection that sends the preface and nothing more (or not even that) is
+    closed first_request_timeout_seconds after it opened (GOAWAY NO_ERROR where a
+    preface was sent); one that calls is not."""
+    import trio
+    from support import envs
+    from support.serving import served
+
+    async with served(envs.make_cartpole, num_envs=1, first_request_timeout_seconds=1.0) as address:
+
+        def idle(send_preface: bool) -> tuple[str | None, float]:
+            with h2raw.Connection(address, timeout=5.0) as conn:
+                started = time.monotonic()
+                if send_preface:
+                    conn.start()
+                else:
+                    conn.ack_settings = False  # (an ACK before the preface is an error)
+                conn.read_until_closed(6.0)
+                return conn.closed, time.monotonic() - started
+
+        def busy() -> str | None:
+            with h2raw.Connection(address, timeout=5.0) as conn:
+                conn.start()
+                assert conn.unary(1, h2raw.HEALTH_CHECK, b"").answered
+                conn.read_until_closed(2.5)
+                return conn.closed
+
+        with trio.fail_after(60):
+            for send_preface in (True, False):
+                closed, took = await _in_thread(idle, send_preface)  # type: ignore[misc]
+                assert closed is not None and 0.8 <= took < 4.0, (send_preface, closed, took)
+            assert await _in_thread(busy) is None

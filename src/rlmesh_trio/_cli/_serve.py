@@ -33,7 +33,9 @@ from .._lanes import UNKNOWN_ENV_ID
 from .._logging import JsonFormatter
 from .._logging import configure as configure_logging
 from .._options import (
+    DEFAULT_FIRST_REQUEST_TIMEOUT,
     DEFAULT_MAX_ABANDONED_LANES,
+    DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_GIVEN_UP_LANES,
     EVENT_LOOPS,
     FAULT_POLICIES,
@@ -129,6 +131,22 @@ def add_serve_parser(commands: Any) -> None:
         type=seconds(minimum_exclusive=True),
         metavar="S",
         help="stop after this long without Join activity (default: never)",
+    )
+    serve.add_argument(
+        "--max-connections",
+        type=int,
+        metavar="N",
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="connections served at once; more are closed as they come "
+        f"(default: {DEFAULT_MAX_CONNECTIONS})",
+    )
+    serve.add_argument(
+        "--first-request-timeout-seconds",
+        type=_seconds_or_never,
+        metavar="S",
+        default=DEFAULT_FIRST_REQUEST_TIMEOUT,
+        help="close a connection that has not begun a call this long after it opened "
+        f"(default: {DEFAULT_FIRST_REQUEST_TIMEOUT:g}; 'never': as the reference)",
     )
     serve.add_argument(
         "--drain-timeout-seconds",
@@ -395,6 +413,13 @@ def _fail(what: str, exc: BaseException, debug: bool) -> int:
     return 1
 
 
+def _seconds_or_never(value: str) -> float | None:
+    """An argparse type: seconds > 0, or ``never`` (None)."""
+    if value.strip().lower() == "never":
+        return None
+    return seconds(minimum_exclusive=True)(value)
+
+
 ADDRESS_ENV = "RLMESH_ADDRESS"
 """rlmesh's container bind contract: a full bind address (``host:port``, ``port``,
 ``tcp://host:port``, ``unix:///path``), used when ``--address`` is not given."""
@@ -472,6 +497,8 @@ def _configure(args: argparse.Namespace, address: str) -> _Config:
     options = ServeOptions(
         allow_remote_shutdown=args.allow_remote_shutdown,
         idle_timeout_seconds=args.idle_timeout_seconds,
+        max_connections=args.max_connections,
+        first_request_timeout_seconds=args.first_request_timeout_seconds,
         drain_timeout_seconds=args.drain_timeout_seconds,
         close_timeout_seconds=args.close_timeout_seconds,
         workflow_edition=edition,

@@ -65,7 +65,7 @@ from ._flood import (
     STREAMS_HARD_LIMIT,
     Flood,
     FrameGate,
-    HeldBlocks,
+    ServerBudget,
 )
 from ._h2frames import route_frames
 from ._headers import (
@@ -325,12 +325,18 @@ class Connection(H2Protocol):
         config: Configuration,
         h2_config: h2.config.H2Configuration,
         registry: set[Connection],
-        held_blocks: HeldBlocks | None = None,
+        budget: ServerBudget | None = None,
+        *,
+        max_connections: int | None = None,
+        first_request_timeout: float | None = None,
     ) -> None:
         super().__init__(dispatcher, config, h2_config)
+        self._max_connections = max_connections
+        self._first_request_timeout = first_request_timeout
+        self._first_request_timer: asyncio.TimerHandle | None = None
         self.dispatcher = dispatcher
         self._registry = registry
-        self._held_blocks = held_blocks
+        self._budget = budget
         self._block_timer: asyncio.TimerHandle | None = None
         self._transport: asyncio.Transport | None = None
         self.readers: dict[int, RequestReader] = {}  # stream id -> its direct reader
@@ -350,6 +356,11 @@ class Connection(H2Protocol):
             # Before a byte of HTTP/2 (Python's TLS layer cannot refuse inside the
             # handshake: OpenSSL goes on without ALPN when nothing matches).
             _report("a TLS client that did not negotiate h2 by ALPN was refused")
+            self._lost = True
+            cast(asyncio.Transport, transport).abort()
+            return
+        if self._max_connections is not None and len(self._registry) >= self._max_connections:
+            _report(f"a connection past --max-connections ({self._max_connections}) was closed")
             self._lost = True
             cast(asyncio.Transport, transport).abort()
             return
@@ -378,7 +389,7 @@ class Connection(H2Protocol):
             self._stream_open,
             self._output_backlog,
             h2_connection.max_inbound_frame_size,
-            self._held_blocks,
+            self._budget,
         )
         self.dispatcher.on_refused = self._gate.refused
         settings = h2_connection.local_settings
@@ -386,6 +397,10 @@ class Connection(H2Protocol):
             settings.__class__ = _EarlyStreams
         ensure_nodelay(transport)
         self._registry.add(self)
+        if self._first_request_timeout is not None:
+            self._first_request_timer = loop.call_later(
+                self._first_request_timeout, self._first_request_overdue
+            )
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._transport is None:
@@ -397,6 +412,8 @@ class Connection(H2Protocol):
             self._gate.close()  # what its unfinished header block held, released
         if self._block_timer is not None:
             self._block_timer.cancel()
+        if self._first_request_timer is not None:
+            self._first_request_timer.cancel()
         super().connection_lost(exc)
 
     def _h2(self) -> H2Connection:
@@ -453,6 +470,15 @@ class Connection(H2Protocol):
             assert self._transport is not None
             self._transport.pause_reading()
             asyncio.get_running_loop().call_soon(self._next_turn)
+
+    def _first_request_overdue(self) -> None:
+        """``first_request_timeout`` after the connection opened: closed (GOAWAY
+        NO_ERROR) if it has not begun a call."""
+        self._first_request_timer = None
+        if self._lost or self._closing() or self._h2().highest_inbound_stream_id:
+            return
+        log.debug("a connection that began no call in %s s is closed", self._first_request_timeout)
+        self._goaway_and_close(ErrorCodes.NO_ERROR, None)
 
     def _block_overdue(self, started: float) -> None:
         """:data:`~._flood.HEADER_BLOCK_SECONDS` after a header block started: closed if

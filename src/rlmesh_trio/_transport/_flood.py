@@ -44,6 +44,7 @@ __all__ = [
     "PREFACE_SIZE",
     "RESETS_BURST",
     "RESETS_PER_SECOND",
+    "SERVER_BUDGETS",
     "STREAMS_HARD_LIMIT",
     "STREAM_CLOSED",
     "UNREAD_ANSWERS",
@@ -51,6 +52,7 @@ __all__ = [
     "Flood",
     "FrameGate",
     "HeldBlocks",
+    "ServerBudget",
 ]
 
 FRAMES_PER_TURN = 128
@@ -204,6 +206,45 @@ class HeldBlocks:
         self.held -= size
 
 
+SERVER_BUDGETS = {
+    # kind: (burst, per second) over every connection of a server
+    "reset": (20 * RESETS_BURST, 20 * RESETS_PER_SECOND),
+    "empty": (20 * EMPTY_FRAMES_BURST, 20 * EMPTY_FRAMES_PER_SECOND),
+    "control": (20 * CONTROL_FRAMES_BURST, 20 * CONTROL_FRAMES_PER_SECOND),
+    "closed": (20 * CLOSED_STREAM_FRAMES_BURST, 20 * CLOSED_STREAM_FRAMES_PER_SECOND),
+}
+"""The same kinds of frames, counted over every connection of the server: twenty
+connections at once may spend their own budgets in full. Past the server's, a connection
+that spends more than its share (the server's rate over the connections open) is closed,
+GOAWAY(ENHANCE_YOUR_CALM); one that spends less (a bystander) is not. Many connections
+each under its own limits (the attack of issue 43: 100-200 connections at 90 % of every
+rate) otherwise add up to more than one transport loop can serve while answering
+others."""
+
+
+class ServerBudget:
+    """What every connection of one server spends together (loop thread only): the
+    :data:`SERVER_BUDGETS` buckets, the connections open, and the bytes of unfinished
+    header blocks (:class:`HeldBlocks`)."""
+
+    __slots__ = ("blocks", "buckets", "connections", "rates")
+
+    def __init__(self, clock: Callable[[], float], blocks: HeldBlocks | None = None) -> None:
+        self.buckets = {
+            kind: Bucket(burst, rate, clock) for kind, (burst, rate) in SERVER_BUDGETS.items()
+        }
+        self.rates = {kind: rate for kind, (_burst, rate) in SERVER_BUDGETS.items()}
+        self.blocks = HeldBlocks() if blocks is None else blocks
+        self.connections = 0
+
+    def take(self, kind: str) -> bool:
+        return self.buckets[kind].take()
+
+    def share(self, kind: str) -> float:
+        """A connection's fair share of the server's rate for ``kind``, per second."""
+        return self.rates[kind] / max(1, self.connections)
+
+
 class FrameGate:
     """One connection's frame counter and turn slicer (loop thread only).
 
@@ -218,16 +259,20 @@ class FrameGate:
         "_clock",
         "_closed",
         "_control",
+        "_counted",
         "_empty",
         "_head",
         "_held_blocks",
         "_max_frame_size",
         "_output_backlog",
         "_preface",
+        "_rate",
         "_resets",
+        "_server",
         "_skip",
         "_stream_open",
         "_unread",
+        "_window",
         "block_since",
         "flood",
     )
@@ -238,12 +283,18 @@ class FrameGate:
         stream_open: Callable[[int], bool | None],
         output_backlog: Callable[[], int],
         max_frame_size: int = 16_384,
-        held_blocks: HeldBlocks | None = None,
+        server: ServerBudget | None = None,
     ) -> None:
         self._max_frame_size = max_frame_size
         self._clock = clock
         self._closed = Bucket(CLOSED_STREAM_FRAMES_BURST, CLOSED_STREAM_FRAMES_PER_SECOND, clock)
-        self._held_blocks = HeldBlocks() if held_blocks is None else held_blocks
+        budget = ServerBudget(clock) if server is None else server
+        budget.connections += 1
+        self._server: ServerBudget | None = budget
+        self._held_blocks = budget.blocks
+        self._window = clock()
+        self._counted = 0  # budgeted frames since self._window
+        self._rate = 0.0  # budgeted frames per second, over the last whole window
         self._block_bytes = 0
         self.block_since: float | None = None
         """When the header block under way started (None: none is): the connection
@@ -269,8 +320,35 @@ class FrameGate:
             )
 
     def close(self) -> None:
-        """The connection is gone: what its unfinished header block held is released."""
+        """The connection is gone: what its unfinished header block held is released,
+        and it no longer counts among the server's connections."""
         self._end_block()
+        if self._server is not None:  # (once)
+            self._server.connections -= 1
+            self._server = None
+
+    def _spend(self, own: Bucket, kind: str, reason: str) -> None:
+        """One frame of ``kind``: from this connection's budget (past it: ``reason``),
+        then from the server's (past it, a connection over its share is closed)."""
+        if not own.take():
+            self.flood = Flood(ENHANCE_YOUR_CALM, reason)
+            return
+        now = self._clock()
+        if now - self._window >= 1.0:
+            self._rate = self._counted / (now - self._window)
+            self._window, self._counted = now, 0
+        self._counted += 1
+        server = self._server
+        if (
+            server is not None
+            and not server.take(kind)
+            and max(self._rate, float(self._counted)) > server.share(kind)
+        ):
+            self.flood = Flood(
+                ENHANCE_YOUR_CALM,
+                f"the server's budget of {kind} frames is spent, and this connection "
+                f"sends more than its share",
+            )
 
     def _end_block(self) -> None:
         if self._block_bytes:
@@ -298,8 +376,8 @@ class FrameGate:
 
     def refused(self) -> None:
         """We reset a stream before answering it (refused, malformed): one reset spent."""
-        if self.flood is None and not self._resets.take():
-            self.flood = Flood(ENHANCE_YOUR_CALM, "too many streams refused")
+        if self.flood is None:
+            self._spend(self._resets, "reset", "too many streams refused")
 
     def scan(self, data: bytes) -> int:
         """Count the frames of ``data`` (the next bytes of the connection) and return how
@@ -361,8 +439,8 @@ class FrameGate:
                 return
             # Padded: the first byte is the pad length; all padding is no data either.
             empty = length == 0 or (flags & _PADDED and first >= 0 and first + 1 >= length)
-            if empty and not self._empty.take():
-                self.flood = Flood(ENHANCE_YOUR_CALM, "too many empty DATA frames")
+            if empty:
+                self._spend(self._empty, "empty", "too many empty DATA frames")
             return
         if kind == _HEADERS:
             state = self._stream_open(stream_id)
@@ -376,26 +454,26 @@ class FrameGate:
         if kind == _RST_STREAM:
             if self._stream_open(stream_id) is False:
                 self._on_closed_stream("RST_STREAM")
-            elif not self._resets.take():
-                self.flood = Flood(ENHANCE_YOUR_CALM, "too many streams reset by the client")
+            else:
+                self._spend(self._resets, "reset", "too many streams reset by the client")
             return
         if kind == _CONTINUATION:
-            if length == 0 and not flags & _END_HEADERS and not self._empty.take():
-                self.flood = Flood(ENHANCE_YOUR_CALM, "too many empty CONTINUATION frames")
-                return
+            if length == 0 and not flags & _END_HEADERS:
+                self._spend(self._empty, "empty", "too many empty CONTINUATION frames")
+                if self.flood is not None:
+                    return
             self._block(length, bool(flags & _END_HEADERS))
             return
         if kind in (_PUSH_PROMISE, _GOAWAY):
             return  # h2's answer (PROTOCOL_ERROR; the peer is leaving)
-        if not self._control.take():
-            self.flood = Flood(ENHANCE_YOUR_CALM, "too many control frames")
+        self._spend(self._control, "control", "too many control frames")
+        if self.flood is not None:
             return
         if kind in (_PING, _SETTINGS) and not flags & _ACK:
             self._answer_owed()
 
     def _on_closed_stream(self, what: str) -> None:
-        if not self._closed.take():
-            self.flood = Flood(ENHANCE_YOUR_CALM, f"too many {what} frames on closed streams")
+        self._spend(self._closed, "closed", f"too many {what} frames on closed streams")
 
     def _answer_owed(self) -> None:
         """A frame we must answer: count it while our answers are not being read."""

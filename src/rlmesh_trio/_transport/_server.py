@@ -68,7 +68,7 @@ from .._wire import (
 )
 from .._wire import encode_health_response as health_response
 from ._connection import Connection, Dispatcher, quiet_call_ends
-from ._flood import HeldBlocks
+from ._flood import ServerBudget
 from ._join import OFF_LOOP_DECODE_BYTES, JoinCall, JoinContext
 from ._reflection import ReflectionServices
 from ._routes import ReplyRoutes
@@ -191,8 +191,8 @@ class LoopServer:
         self._changed = asyncio.Event()  # a unary call or a Join ended, or busy changed
         self.protocols: set[Connection] = set()
         quiet_call_ends()  # grpclib's traceback per handler a GOAWAY cut off: one line
-        self.held_blocks = HeldBlocks()
-        """The bytes of unfinished header blocks over every connection (a cap)."""
+        self.budget = ServerBudget(loop.time)
+        """What every connection spends together: frames, unfinished header blocks."""
         self.join: JoinCall | None = None
         self._busy: set[JoinCall] = set()  # Join sessions with work in flight
         self._unary_calls = 0
@@ -281,7 +281,9 @@ class LoopServer:
             self.config,
             self.h2_config,
             self.protocols,
-            self.held_blocks,
+            self.budget,
+            max_connections=self.options.max_connections,
+            first_request_timeout=self.options.first_request_timeout,
         )
 
     def request_stop(self, reason: str, *, drain: bool = True) -> None:
