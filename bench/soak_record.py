@@ -34,6 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _support  # noqa: F401  (the test harness as ``support``: see bench/_support.py)
+from support.recording import storage_children
+
 ROOT = Path(__file__).resolve().parent.parent
 DATASET = "rlmesh/soak-v0"
 SEEDS_PER_RUN = 400
@@ -45,19 +48,6 @@ def statm_mib(pid: int) -> float | None:
     except (OSError, ValueError, IndexError):
         return None
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def storage_children(server: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (stat.parent / "cmdline").read_bytes()
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == server and b"rlmesh_trio._recordchild" in cmdline:
-            found.append(int(stat.parent.name))
-    return found
 
 
 def main() -> int:

@@ -189,9 +189,13 @@ def pod(tmp_path: Path) -> Iterator[Any]:
         token: str | None,
         container: dict[str, Any] | None = None,
         files: dict[str, str] | None = None,
+        pod_env: dict[str, str] | None = None,
     ) -> str:
         read_fd, write_fd = os.pipe()
         args, env = _local_args(token, write_fd, container, files)
+        if pod_env:  # what the kubelet adds (the downward API), $(VAR) expanded in args
+            env.update(pod_env)
+            args = [_kubelet_expand(a, env) for a in args]
         log_path = tmp_path / f"pod-{len(procs)}.log"
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
@@ -211,6 +215,7 @@ def pod(tmp_path: Path) -> Iterator[Any]:
                 text = log_path.read_text(errors="replace")
                 raise RuntimeError(f"{shlex.join(args)} did not start: {text}") from None
 
+    start.procs = procs  # type: ignore[attr-defined]  (the pods started, in order)
     try:
         yield start
     finally:
@@ -420,7 +425,7 @@ def _kubelet_expand(arg: str, env: dict[str, str]) -> str:
 
 
 def test_record_overlay_pods_continue_their_own_dataset_across_restarts(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pod: Any
 ) -> None:
     """The kubernetes-record overlay's command, run as the kubelet runs it ($(POD_NAME)
     expanded from the pod's env, Minari's root on the pod's volume), twice: the restarted
@@ -445,32 +450,12 @@ def test_record_overlay_pods_continue_their_own_dataset_across_restarts(
         "MINARI_DATASETS_PATH": str(volume / minari_root[len(mount["mountPath"]) + 1 :]),
     }
     model = rlmesh.numpy.Model(lambda obs: (np.asarray(obs)[..., 2] > 0).astype(np.int64))
-    for restart, seeds in enumerate((range(0, 10), range(50, 60))):
-        read_fd, write_fd = os.pipe()
-        args, env = _local_args(None, write_fd, container)
-        env.update(pod_env)
-        args = [_kubelet_expand(a, env) for a in args]
-        log_path = tmp_path / f"pod-{restart}.log"
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "rlmesh_trio", *args],
-                pass_fds=(write_fd,),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=ROOT,
-            )
-        os.close(write_fd)
-        try:
-            with os.fdopen(read_fd, "rb") as ready:
-                (address,) = _read_addresses(ready, proc, 60.0, 1)
-            rlmesh.run(model, address, seeds=list(seeds))
-            proc.terminate()  # the kubelet's SIGTERM
-            assert proc.wait(60) == 0, log_path.read_text()
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    for seeds in (range(0, 10), range(50, 60)):  # the pod, then the pod restarted
+        address = pod(None, container=container, pod_env=pod_env)
+        rlmesh.run(model, address, seeds=list(seeds))
+        proc = pod.procs[-1]
+        proc.terminate()  # the kubelet's SIGTERM
+        assert proc.wait(60) == 0
     monkeypatch.setenv("MINARI_DATASETS_PATH", pod_env["MINARI_DATASETS_PATH"])
     dataset = minari.load_dataset("rlmesh/envs-rlmesh-envs-2-v0")
     recorded = dataset.storage.get_episode_metadata(range(dataset.total_episodes))

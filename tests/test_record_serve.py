@@ -15,7 +15,7 @@ import importlib.util
 import json
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from support.recording import (
     private_minari_root,
     put_blocked,
     replay_equal,
+    storage_children,
 )
 from support.serving import served
 
@@ -802,57 +803,62 @@ def test_every_thread_lanes_video_is_written_with_a_real_classic_control_env(
                 assert sum(1 for _ in container.decode(video=0)) >= 1
 
 
-async def test_a_failed_recording_is_raised_when_the_server_is_cancelled(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A writer that fails while the server serves: the lanes serve on (the failure said
-    once), and cancelling the server (how a signal stops the CLI, or an embedding program
-    stops it) raises the recording's failure rather than the cancellation."""
+async def _play_truncated(ep: Any, seeds: range) -> None:
+    """An episode on each of 2 lanes per seed (make_cartpole_trunc3: 3 steps each)."""
+    for seed in seeds:
+        await ep.reset(seeds=[seed, seed + 1000])
+        for _ in range(3):
+            await ep.step(np.array([0, 1]))
+
+
+async def _record_then_cancel(
+    dataset_id: str, body: Callable[[Any], Awaitable[None]]
+) -> list[BaseException]:
+    """``serve_env`` (CartPole truncated at 3 steps, 2 lanes) recording into
+    ``dataset_id``; ``body(endpoint)`` in a session; then the server cancelled (how a
+    signal stops the CLI): the ``RecordingError``s it raised."""
     from rlmesh_trio._record._worker import RecordingError
 
-    def full_disk(self: DatasetWriter, batch: list[Any]) -> int:
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(DatasetWriter, "_write", full_disk)
-
-    async def serve_record_and_cancel() -> None:
+    async def serve() -> None:
         async with trio.open_nursery() as nursery:
             info = await nursery.start(
                 functools.partial(
                     serve_env,
                     envs.make_cartpole_trunc3,
                     num_envs=2,
-                    options=ServeOptions(record_dataset="rlmesh/full-v0"),
+                    options=ServeOptions(record_dataset=dataset_id),
                 )
             )
             async with open_endpoint(info.address) as ep:
-                for seed in range(20):  # past the writer's first batch
-                    await ep.reset(seeds=[seed, seed + 100])
-                    for _ in range(3):
-                        await ep.step(np.array([0, 1]))
+                await body(ep)
             nursery.cancel_scope.cancel()
 
     caught: list[BaseException] = []
-    with trio.fail_after(60):
+    with trio.fail_after(90):
         try:
-            await serve_record_and_cancel()
+            await serve()
         except* RecordingError as group:  # from the nursery: in a group
             caught.extend(group.exceptions)
+    return caught
+
+
+async def test_a_failed_recording_is_raised_when_the_server_is_cancelled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A writer that fails while the server serves: the lanes serve on (the failure said
+    once), and cancelling the server (how a signal stops the CLI, or an embedding program
+    stops it) raises the recording's failure rather than the cancellation."""
+
+    def full_disk(self: DatasetWriter, batch: list[Any]) -> int:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(DatasetWriter, "_write", full_disk)
+
+    async def body(ep: Any) -> None:
+        await _play_truncated(ep, range(20))  # past the writer's first batch
+
+    caught = await _record_then_cancel("rlmesh/full-v0", body)
     assert len(caught) == 1 and "No space left on device" in str(caught[0])
-
-
-def _storage_children() -> list[int]:
-    """The dataset storage children of this process (``python -m rlmesh_trio._recordchild``)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (stat.parent / "cmdline").read_bytes()
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == os.getpid() and b"rlmesh_trio._recordchild" in cmdline:
-            found.append(int(stat.parent.name))
-    return found
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the child in /proc")
@@ -865,50 +871,26 @@ async def test_a_killed_storage_child_leaves_a_dataset_that_loads_and_says_so(
     with the episodes played counted."""
     import signal
 
-    from rlmesh_trio._record._worker import RecordingError
-
     metadata_file = minari_root / "rlmesh" / "killed-v0" / "data" / "metadata.json"
 
     def written() -> int:
         return int(json.loads(metadata_file.read_text()).get("total_episodes", 0))
 
-    async def play(ep: Any, rounds: int, first_seed: int) -> None:
-        for seed in range(first_seed, first_seed + rounds):
-            await ep.reset(seeds=[seed, seed + 1000])
-            for _ in range(3):  # make_cartpole_trunc3: truncated at the third step
-                await ep.step(np.array([0, 1]))
-
     before = 0
 
-    async def serve_kill_and_cancel() -> None:
+    async def body(ep: Any) -> None:
         nonlocal before
-        async with trio.open_nursery() as nursery:
-            info = await nursery.start(
-                functools.partial(
-                    serve_env,
-                    envs.make_cartpole_trunc3,
-                    num_envs=2,
-                    options=ServeOptions(record_dataset="rlmesh/killed-v0"),
-                )
-            )
-            async with open_endpoint(info.address) as ep:
-                seed = 0
-                while written() == 0:  # until a batch is on disk
-                    await play(ep, 8, seed)
-                    seed += 8
-                    await trio.sleep(0.05)
-                (child,) = _storage_children()
-                before = written()
-                os.kill(child, signal.SIGKILL)
-                await play(ep, 40, 5000)  # the lanes serve on
-            nursery.cancel_scope.cancel()
+        seed = 0
+        while written() == 0:  # until a batch is on disk
+            await _play_truncated(ep, range(seed, seed + 8))
+            seed += 8
+            await trio.sleep(0.05)
+        (child,) = storage_children(os.getpid())
+        before = written()
+        os.kill(child, signal.SIGKILL)
+        await _play_truncated(ep, range(5000, 5040))  # the lanes serve on
 
-    caught: list[BaseException] = []
-    with trio.fail_after(90):
-        try:
-            await serve_kill_and_cancel()
-        except* RecordingError as group:
-            caught.extend(group.exceptions)
+    caught = await _record_then_cancel("rlmesh/killed-v0", body)
     assert len(caught) == 1, caught
     text = str(caught[0])
     assert "storage process is gone" in text and "marked incomplete" in text, text

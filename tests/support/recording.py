@@ -19,6 +19,7 @@ __all__ = [
     "private_minari_root",
     "put_blocked",
     "replay_equal",
+    "storage_children",
 ]
 
 NEEDS_PYGAME = pytest.mark.skipif(
@@ -84,3 +85,18 @@ def put_blocked(worker: Any) -> threading.Event:
     signalling = _Signalling(worker)
     worker._not_full = signalling
     return signalling.waiting
+
+
+def storage_children(parent: int) -> list[int]:
+    """The dataset storage children of process ``parent`` (``python -m
+    rlmesh_trio._recordchild``), from /proc (Linux)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and b"rlmesh_trio._recordchild" in cmdline:
+            found.append(int(stat.parent.name))
+    return found
