@@ -986,37 +986,19 @@ def test_a_restarted_cli_endpoint_continues_its_dataset(tmp_path: Path, minari_r
     """``--record-append``: the same command run twice (a restart) keeps one dataset,
     the first run's episodes untouched; without the flag the restart is refused at its
     start, before any env is built, naming the flag."""
-    import signal
     import subprocess
     import sys
 
     rlmesh = pytest.importorskip("rlmesh")
     from rlmesh.numpy import Model
 
-    command = [sys.executable, *SERVE_CARTPOLE, "--record-dataset", "rlmesh/restarts-v0"]
+    args = ["--env", "CartPole-v1", "--num-envs", "4", "--record-dataset", "rlmesh/restarts-v0"]
+    command = [sys.executable, "-m", "rlmesh_trio", "serve", *args]
     env = {**os.environ, "MINARI_DATASETS_PATH": str(minari_root)}
 
-    def run_once(seeds: range, *extra: str) -> None:
-        read_fd, write_fd = os.pipe()
-        proc = subprocess.Popen(
-            [*command, *extra, "--ready-fd", str(write_fd)],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            pass_fds=(write_fd,),
-        )
-        os.close(write_fd)
-        try:
-            with os.fdopen(read_fd, "rb") as ready:
-                address = ready.read().decode().strip()
+    def run_once(seeds: range, *extra: str) -> None:  # started, driven, Ctrl-C: exit 0
+        with cli_server([*args, *extra], tmp_path, minari_root) as address:
             rlmesh.run(Model(lambda o: int(o[2] > 0)), address, seeds=seeds)
-            proc.send_signal(signal.SIGINT)
-            _, err = proc.communicate(timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-        assert proc.returncode == 0, err.decode()
 
     run_once(range(0, 12), "--record-append")  # a new dataset: the flag is harmless
     first = minari.load_dataset("rlmesh/restarts-v0")
