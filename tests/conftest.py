@@ -24,9 +24,12 @@ def _idle_trio_workers() -> set[threading.Thread]:
     """
     try:
         from trio._core._thread_cache import THREAD_CACHE
-    except ImportError:  # pragma: no cover - trio internals moved
-        return set()
-    return {worker._thread for worker in list(THREAD_CACHE._idle_workers)}
+
+        return {worker._thread for worker in list(THREAD_CACHE._idle_workers)}
+    except (ImportError, AttributeError):  # pragma: no cover - trio's internals moved
+        # Fallback: every thread of trio's cache (named "Trio thread N"); a lane's
+        # thread is never one of them (rlmesh-trio names its own).
+        return {t for t in threading.enumerate() if t.name.startswith("Trio thread")}
 
 
 def leaked_threads(before: set[threading.Thread], timeout: float) -> list[threading.Thread]:

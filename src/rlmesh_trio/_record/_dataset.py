@@ -76,7 +76,6 @@ one replaces it (Linux: its /proc/PID/statm)."""
 CHILD_START_TIMEOUT = 60.0
 """Seconds the storage child may take to start (an interpreter, minari and h5py imported:
 ~0.4 s here) before the dataset writer gives up: a startup error."""
-"""The infos key that marks a cut episode (its last entry says why)."""
 
 INSTALL_HINT = (
     "dataset recording needs minari with h5py: the record extra (pip install '.[record]' "

@@ -417,8 +417,8 @@ class LoopServer:
 
     # -- work off the loop, memory
 
-    async def off_loop(self, fn: Callable[..., Any], data: Any, num_envs: int) -> Any:
-        """``fn(data, num_envs=num_envs)`` on the worker thread; the loop serves meanwhile."""
+    async def off_loop(self, fn: Callable[[Any], Any], data: Any) -> Any:
+        """``fn(data)`` on the worker thread; the loop serves meanwhile."""
         future: asyncio.Future[Any] = self.loop.create_future()
 
         def done(result: outcome.Outcome[Any]) -> None:
@@ -428,7 +428,7 @@ class LoopServer:
                 else:
                     future.set_result(result.unwrap())
 
-        self.worker.submit(lambda: fn(data, num_envs=num_envs), self.to_loop, done)
+        self.worker.submit(lambda: fn(data), self.to_loop, done)
         return await future
 
     def big_message_done(self) -> None:
@@ -582,7 +582,7 @@ class LoopServer:
 
     async def _decoded(self, data: bytes | bytearray, decode: Callable[[Any], Any]) -> Any:
         if len(data) > OFF_LOOP_DECODE_BYTES:
-            return await self.off_loop(lambda d, num_envs: decode(d), data, 0)
+            return await self.off_loop(decode, data)
         return decode(data)
 
     async def _handshake(self, stream: Stream[bytes, bytes]) -> None:
