@@ -8,6 +8,10 @@ background thread (``tests/support/h2raw.py``) with every write bounded:
 * ``rapid-reset`` -- 20,000 HEADERS + RST_STREAM pairs on the health path, 100 a write;
 * ``empty-data`` -- 200,000 empty DATA frames on a Join stream;
 * ``ping`` / ``settings`` / ``window-update`` -- 100,000 control frames;
+* ``continuation-hold`` -- a header block that never ends (HEADERS and 62 CONTINUATION
+  frames of 16,000 bytes, issue 43);
+* ``closed-stream-data`` -- 300,000 DATA(END_STREAM) frames on a health check's stream
+  once it is answered (issue 43);
 
 alternately by a client that reads the server's answers and one that never does (a
 16 KiB receive buffer). Each flood is expected to end with the server closing the
@@ -79,6 +83,22 @@ FLOODS = [
         "empty-data",
         h2raw.headers(1, JOIN),
         lambda: h2raw.empty_data_frames(1, EMPTY_FRAMES),
+    ),
+    FloodKind(
+        # HEADERS then CONTINUATION frames that never end the block (issue 43, row 1)
+        "continuation-hold",
+        b"",
+        lambda: (
+            [h2raw.frame(h2raw.HEADERS, 1, b"\x00" * 16_000)]
+            + [h2raw.frame(h2raw.CONTINUATION, 1, b"\x00" * 16_000)] * 62
+        ),
+    ),
+    FloodKind(
+        # DATA(END_STREAM) on a stream the server answered and closed (issue 43, row 5)
+        "closed-stream-data",
+        h2raw.headers(1, h2raw.HEALTH_CHECK)
+        + h2raw.data(1, h2raw.grpc_message(b""), end_stream=True),
+        lambda: [h2raw.data(1, b"x", end_stream=True) * 1000] * 300,
     ),
     FloodKind("ping", b"", lambda: h2raw.control_frames("ping", CONTROL_FRAMES)),
     FloodKind("settings", b"", lambda: h2raw.control_frames("settings", CONTROL_FRAMES)),
