@@ -121,7 +121,7 @@ HEADER_BLOCKS_HELD_BYTES = 8 << 20
 connection): past it, the connection whose block would pass it is closed."""
 
 CLOSED_STREAM_FRAMES_BURST = 1000
-"""Frames on streams already closed on our side (DATA, RST_STREAM), at once. Each makes
+"""DATA frames on streams already closed on our side, at once. Each makes
 h2 work and may be answered (RST_STREAM STREAM_CLOSED) to a client that need not read;
 a real client sends a few, in the moment before it learns the stream ended."""
 
@@ -452,10 +452,11 @@ class FrameGate:
                 self._answer_owed()
             return
         if kind == _RST_STREAM:
-            if self._stream_open(stream_id) is False:
-                self._on_closed_stream("RST_STREAM")
-            else:
-                self._spend(self._resets, "reset", "too many streams reset by the client")
+            # Every reset counts, whatever read it comes in: of a stream opened in this
+            # read (h2 has not seen it yet: the classic "Rapid Reset"), of one still
+            # open, or of one we answered already (the client read the answer in
+            # between: a split-read "Rapid Reset" threw away the same work).
+            self._spend(self._resets, "reset", "too many streams reset by the client")
             return
         if kind == _CONTINUATION:
             if length == 0 and not flags & _END_HEADERS:
