@@ -315,7 +315,6 @@ class DatasetWriter:
         first = self._next_id
         if self._child is not None:
             steps, dropped = self._child.write(batch, first)
-            self._recycle_child(len(batch))
         else:
             steps, dropped = store_batch(self._storage, self._prepare, batch, first)
         for lane, index, reason in dropped:
@@ -335,6 +334,8 @@ class DatasetWriter:
         self.steps_written += steps
         size = _tree_size(self._data)
         grown, self._size = size - self._size, size
+        if self._child is not None:  # (after the counters: this batch is written)
+            self._recycle_child(len(batch))
         return grown
 
     def _start_child(self) -> None:
