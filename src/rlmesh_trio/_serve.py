@@ -33,8 +33,7 @@ from ._metrics import ServerMetrics, start_http
 from ._options import STOP_SLACK, Resolved, ServeOptions, resolve
 from ._record._served import ServedRecording, served_recording
 from ._session import Endpoint, Session
-from ._transport import TransportService
-from ._transport._server import Wiring
+from ._transport import TransportService, Wiring
 
 log = logging.getLogger("rlmesh_trio.serve")
 
@@ -269,7 +268,7 @@ def compose(engine: LaneEngine, options: Resolved) -> Wiring:
     """The server around started lanes, wired once: endpoint, session factory, metrics.
 
     ``engine`` has run up to ``task_status.started`` (its contract is agreed). The
-    :class:`~rlmesh_trio._transport._server.Wiring` is handed unchanged to the transport;
+    :class:`~rlmesh_trio._transport.Wiring` is handed unchanged to the transport;
     the tests build their servers with this same function (a fake session goes in with
     ``dataclasses.replace``). Metrics are made (not yet served) when ``options`` asks for
     them, and then every session observes what it does.

@@ -18,7 +18,8 @@ Its modules, from the Trio side down to the bytes:
   unary reads, reflection's servicers;
 * :mod:`._h2frames` -- the direct DATA path: a Join's plain DATA frames past h2's objects;
 * :mod:`._headers` -- the request header block, checked as the reference checks it;
-* :mod:`._flood` -- what one connection may cost (flood limits, per-turn slices);
+* :mod:`._flood` -- what one connection, and all of them together, may cost (flood
+  limits, header blocks, the server's budget, per-turn slices);
 * :mod:`._privates` -- every private name of grpclib and h2 used, its check and fallback.
 
 The wire's names (paths, the service name) are :mod:`rlmesh_trio._wire`'s, imported from
@@ -26,5 +27,6 @@ there. ``rlmesh-trio probe`` and the fleets' health checks are a client's job:
 :func:`rlmesh_trio.client.probe`.
 """
 
+from ._server import Wiring as Wiring
 from ._service import THREAD_NAME as THREAD_NAME
 from ._service import TransportService as TransportService
