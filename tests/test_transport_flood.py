@@ -523,3 +523,17 @@ def test_many_connections_under_their_own_limits_spend_the_servers_budget() -> N
         clock.now = tick / 10
         _fed(g, ping * per_tick)
     assert g.flood is None
+
+
+def test_a_priority_frame_making_its_stream_depend_on_itself_is_cut_out() -> None:
+    """RFC 9113 §5.3.1: a stream error. The gate stops before the frame and names it,
+    so that the connection resets that stream alone (h2 would close the connection)."""
+    g = gate()
+    before = HeadersFrame(1, b"\x82", flags=["END_HEADERS"]).serialize()
+    bad = PriorityFrame(1, depends_on=1, stream_weight=15).serialize()
+    ok = PriorityFrame(3, depends_on=1, stream_weight=15).serialize()
+    data = before + bad + ok
+    end = g.scan(data)
+    assert end == len(before) and g.excised == (1, len(bad)) and g.flood is None
+    g.excised = None
+    assert g.scan(data[end + len(bad) :]) == len(ok) and g.excised is None

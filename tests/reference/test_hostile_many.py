@@ -262,3 +262,21 @@ async def test_a_connection_that_begins_no_call_is_closed_after_the_timeout() ->
                 closed, took = await _in_thread(idle, send_preface)  # type: ignore[misc]
                 assert closed is not None and 0.8 <= took < 4.0, (send_preface, closed, took)
             assert await _in_thread(busy) is None
+
+
+@pytest.mark.parametrize("kind", SERVER_KINDS)
+def test_a_stream_that_depends_on_itself_is_reset_alone(servers: ServerPool, kind: str) -> None:
+    """PRIORITY making an open Join stream depend on itself (RFC 9113 §5.3.1: a stream
+    error): that stream is reset PROTOCOL_ERROR, the connection and its other calls go on
+    (before: GOAWAY PROTOCOL_ERROR from h2, every call on the connection lost)."""
+    priority = h2raw.frame(h2raw.PRIORITY, 1, (1).to_bytes(4, "big") + b"\x0f")
+    with fresh(servers, kind, config()) as server:
+        with h2raw.Connection(server.address, timeout=5.0) as conn:
+            conn.start(then=h2raw.headers(1, "/rlmesh.env.v1.EnvService/Join"))
+            conn.read_until(lambda: conn.stream(1).headers is not None, 2.0)
+            conn.send(priority)
+            assert conn.read_until(lambda: conn.stream(1).reset_code is not None, 5.0)
+            assert conn.stream(1).reset_code == h2raw.PROTOCOL_ERROR
+            assert conn.unary(3, h2raw.HEALTH_CHECK, b"").answered
+            assert conn.goaway is None and conn.closed is None
+        assert_serves(server)

@@ -55,7 +55,7 @@ from grpclib.server import Stream
 from h2.connection import H2Connection
 from h2.errors import ErrorCodes
 from h2.settings import SettingCodes
-from hyperframe.frame import GoAwayFrame
+from hyperframe.frame import GoAwayFrame, RstStreamFrame
 
 from .._errors import CompressedRequestError, UnauthenticatedError
 from .._logging import RateLimit
@@ -455,12 +455,23 @@ class Connection(H2Protocol):
     def _take(self, data: bytes) -> None:
         gate = self._gate
         assert gate is not None
-        end = gate.scan(data)
-        if end:
-            self._deliver(data if end == len(data) else data[:end])
-        if gate.flood is not None:
-            self._flood(gate.flood)
-            return
+        while True:
+            end = gate.scan(data)
+            if end:
+                self._deliver(data if end == len(data) else data[:end])
+            if gate.flood is not None:
+                self._flood(gate.flood)
+                return
+            if gate.excised is None:
+                break
+            stream_id, size = gate.excised
+            gate.excised = None
+            data = data[end + size :]
+            if self._closing():
+                return
+            self._reset_stream(stream_id, ErrorCodes.PROTOCOL_ERROR)
+            if not data:
+                return
         if gate.block_since is not None and self._block_timer is None:
             self._block_timer = asyncio.get_running_loop().call_later(
                 HEADER_BLOCK_SECONDS, self._block_overdue, gate.block_since
@@ -479,6 +490,30 @@ class Connection(H2Protocol):
             return
         log.debug("a connection that began no call in %s s is closed", self._first_request_timeout)
         self._goaway_and_close(ErrorCodes.NO_ERROR, None)
+
+    def _reset_stream(self, stream_id: int, code: ErrorCodes) -> None:
+        """A stream error of the client's (its frame cut out by the gate): RST_STREAM
+        ``code`` for that stream alone, its handler cancelled as for a client's reset."""
+        h2_connection = self._h2()
+        stream = h2_connection.streams.get(stream_id)
+        if stream is not None and not stream.closed:
+            with contextlib.suppress(h2.exceptions.H2Error):
+                h2_connection.reset_stream(stream_id, code)
+            try:
+                event = h2.events.StreamReset(stream_id=stream_id)
+            except TypeError:  # h2 before 4.3: an event made empty, then filled
+                event = h2.events.StreamReset()  # type: ignore[call-arg]
+                event.stream_id = stream_id
+            event.error_code = code
+            event.remote_reset = False
+            self.processor.process(event)  # grpclib cancels the call's handler
+        elif stream is None and stream_id > h2_connection.highest_inbound_stream_id:
+            # An idle stream h2 has not seen: the RST_STREAM written past it, after what
+            # h2 queued (whole frames).
+            self.connection.flush()
+            assert self._transport is not None
+            self._transport.write(RstStreamFrame(stream_id, error_code=code).serialize())
+        self.connection.flush()
 
     def _block_overdue(self, started: float) -> None:
         """:data:`~._flood.HEADER_BLOCK_SECONDS` after a header block started: closed if

@@ -274,6 +274,7 @@ class FrameGate:
         "_unread",
         "_window",
         "block_since",
+        "excised",
         "flood",
     )
 
@@ -310,6 +311,10 @@ class FrameGate:
         self._skip = 0  # payload bytes of the current frame still to come
         self.flood: Flood | None = None
         """Set once a limit is passed (by :meth:`scan` or :meth:`refused`)."""
+        self.excised: tuple[int, int] | None = None
+        """(stream id, bytes): :meth:`scan` stopped before a frame that must not reach h2
+        (a PRIORITY frame making its stream depend on itself); the connection drops those
+        bytes, resets the stream and scans on."""
 
     def block_overdue(self, started: float) -> None:
         """The connection's timer: the header block that started at ``started`` is still
@@ -422,6 +427,11 @@ class FrameGate:
             self._frame(kind, flags, stream_id & _STREAM_ID_MASK, length, first)
             if self.flood is not None:
                 return start
+            if kind == _PRIORITY and self._depends_on_itself(data, start, pos, length, stream_id):
+                # RFC 9113 §5.3.1: a stream error, not the connection's (h2 would close
+                # it): cut out here, the stream reset by the connection.
+                self.excised = (stream_id & _STREAM_ID_MASK, 9 + length)
+                return start
             self._skip = length
             frames += 1
             if frames >= FRAMES_PER_TURN:
@@ -429,6 +439,14 @@ class FrameGate:
                 self._skip -= taken
                 return pos + taken
         return pos
+
+    @staticmethod
+    def _depends_on_itself(data: bytes, start: int, pos: int, length: int, stream_id: int) -> bool:
+        """A whole PRIORITY frame of this read (header and body) naming its own stream."""
+        if length != 5 or start != pos - 9 or pos + 5 > len(data):
+            return False  # (split over reads, or malformed: left to h2)
+        depends_on = int.from_bytes(data[pos : pos + 4], "big") & _STREAM_ID_MASK
+        return stream_id != 0 and depends_on == stream_id & _STREAM_ID_MASK
 
     def _frame(self, kind: int, flags: int, stream_id: int, length: int, first: int) -> None:
         if kind == _DATA:
