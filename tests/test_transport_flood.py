@@ -462,7 +462,7 @@ def test_calls_cut_off_by_their_connection_log_one_line_not_a_traceback_each(
     import h2.exceptions
     from grpclib.exceptions import StreamTerminatedError
 
-    from rlmesh_trio._transport import _connection
+    from rlmesh_trio._transport import _quiet
 
     def record(exc: BaseException) -> logging.LogRecord:
         try:
@@ -474,8 +474,8 @@ def test_calls_cut_off_by_their_connection_log_one_line_not_a_traceback_each(
             info = sys.exc_info()
         return logging.LogRecord("grpclib.server", logging.ERROR, "x", 1, "Server error", (), info)
 
-    quiet = _connection.QuietCallEnds()
-    monkeypatch.setattr(_connection, "_CALL_ENDS", _connection.RateLimit(burst=3, window=60.0))
+    quiet = _quiet.QuietCallEnds()
+    monkeypatch.setattr(_quiet, "_CALL_ENDS", _quiet.RateLimit(burst=3, window=60.0))
     cut = [record(StreamTerminatedError("Connection lost")) for _ in range(50)]
     cut += [record(h2.exceptions.ProtocolError("Invalid input in state ConnectionState.CLOSED"))]
     kept = [r for r in cut if quiet.filter(r)]

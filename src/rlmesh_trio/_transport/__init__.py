@@ -17,9 +17,11 @@ Its modules, from the Trio side down to the bytes:
 * :mod:`._shim` -- the rest of grpclib's seam: codec, method table, the Join's sender,
   unary reads, reflection's servicers;
 * :mod:`._h2frames` -- the direct DATA path: a Join's plain DATA frames past h2's objects;
-* :mod:`._headers` -- the request header block, checked as the reference checks it;
+* :mod:`._headers` -- the request header block, checked as the reference checks it; our
+  HPACK encoder, its table capped;
 * :mod:`._flood` -- what one connection, and all of them together, may cost (flood
   limits, header blocks, the server's budget, per-turn slices);
+* :mod:`._quiet` -- calls cut off by their connection: one rate-limited log line;
 * :mod:`._privates` -- every private name of grpclib and h2 used, its check and fallback.
 
 The wire's names (paths, the service name) are :mod:`rlmesh_trio._wire`'s, imported from

@@ -43,11 +43,9 @@ import h2.config
 import h2.events
 import h2.exceptions
 import h2.settings
-import hpack
 from grpclib.config import Configuration
 from grpclib.const import Handler as MethodHandler
 from grpclib.encoding.base import CodecBase
-from grpclib.exceptions import StreamTerminatedError
 from grpclib.protocol import Connection as GrpclibConnection
 from grpclib.protocol import EventsProcessor, H2Protocol
 from grpclib.server import Handler as GrpclibHandler
@@ -70,6 +68,7 @@ from ._flood import (
 from ._h2frames import route_frames
 from ._headers import (
     HEADER_LIST_LIMIT,
+    CappedEncoder,
     Verdict,
     check_request_headers,
     for_dispatch,
@@ -258,30 +257,6 @@ class Dispatcher(GrpclibHandler):
 
     def check_closed(self) -> bool:
         return not self._refusals and super().check_closed()
-
-
-ENCODER_TABLE_SIZE = 4096
-"""Bytes of HPACK dynamic table our encoder uses at most, whatever the client's
-SETTINGS_HEADER_TABLE_SIZE allows (RFC 7541 §4.2: an encoder may use less; the change is
-signalled in the next header block). h2 sizes it to the client's setting, up to 2**32-1:
-every distinct value we send (a ``grpc-message`` echoing a client's service name) then
-stays indexed for the connection's life, and hpack searches the table linearly on every
-header it encodes."""
-
-
-class CappedEncoder(hpack.Encoder):
-    """h2's HPACK encoder with its dynamic table capped at :data:`ENCODER_TABLE_SIZE`."""
-
-    @property
-    def header_table_size(self) -> int:
-        return int(self.header_table.maxsize)
-
-    @header_table_size.setter
-    def header_table_size(self, value: int) -> None:
-        # (hpack's own setter: the table resized, the change signalled in the next block)
-        self.header_table.maxsize = min(value, ENCODER_TABLE_SIZE)
-        if self.header_table.resized:
-            self.table_size_changes.append(self.header_table.maxsize)
 
 
 def ensure_nodelay(transport: asyncio.BaseTransport) -> None:
@@ -717,55 +692,6 @@ class Connection(H2Protocol):
         if self._transport is not None and not self._transport.is_closing():
             self.processor.close("server stopped")
             asyncio.get_running_loop().call_later(CLOSE_LINGER, self._reset)
-
-
-_CALL_ENDS = RateLimit()
-"""At most a few lines per window about calls cut off by their connection's end."""
-
-
-def _connection_gone(exc: BaseException | None, depth: int = 0) -> bool:
-    """``exc``, or what caused it, says the call's connection or stream is gone (a
-    GOAWAY, a reset, a close): not the handler's fault."""
-    if exc is None or depth > 8:
-        return False
-    if isinstance(exc, (StreamTerminatedError, h2.exceptions.StreamClosedError)):
-        return True
-    if isinstance(exc, (ConnectionError, asyncio.CancelledError)):
-        return True
-    if isinstance(exc, h2.exceptions.ProtocolError) and "CLOSED" in str(exc):
-        return True  # h2: a frame sent on a closed connection or stream
-    if isinstance(exc, BaseExceptionGroup):
-        return all(_connection_gone(e, depth + 1) for e in exc.exceptions)
-    return _connection_gone(exc.__cause__ or exc.__context__, depth + 1)
-
-
-class QuietCallEnds(logging.Filter):
-    """On grpclib's server logger: a call whose handler was cut off by its connection's
-    end (a GOAWAY of a flood limit, a client's reset, a close) is logged by grpclib as
-    "Server error" or "Application error" with a traceback of four exceptions, once per
-    handler: hundreds a second under a flood. Such records become one rate-limited
-    INFO line saying how many; every other record passes as it is."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if not record.exc_info or not _connection_gone(record.exc_info[1]):
-            return True
-        held = _CALL_ENDS.allow()
-        if held is None:
-            return False
-        record.msg = "a call ended with its connection (GOAWAY, reset or close)%s"
-        record.args = (f"; {held} more not logged" if held else "",)
-        record.exc_info = None
-        record.exc_text = None
-        record.levelno = logging.INFO
-        record.levelname = logging.getLevelName(logging.INFO)
-        return True
-
-
-def quiet_call_ends() -> None:
-    """Install :class:`QuietCallEnds` on grpclib's server logger (once)."""
-    logger = logging.getLogger("grpclib.server")
-    if not any(isinstance(f, QuietCallEnds) for f in logger.filters):
-        logger.addFilter(QuietCallEnds())
 
 
 def _report(message: str, exc: BaseException | None = None) -> None:

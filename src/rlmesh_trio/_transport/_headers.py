@@ -36,9 +36,13 @@ from __future__ import annotations
 import enum
 import re
 
+import hpack
+
 __all__ = [
+    "ENCODER_TABLE_SIZE",
     "HEADER_ENCODING",
     "HEADER_LIST_LIMIT",
+    "CappedEncoder",
     "Verdict",
     "check_request_headers",
     "for_dispatch",
@@ -184,3 +188,27 @@ def header_value(headers: list[tuple[str, str]], name: str) -> str | None:
         if key == name:
             return value
     return None
+
+
+ENCODER_TABLE_SIZE = 4096
+"""Bytes of HPACK dynamic table our encoder uses at most, whatever the client's
+SETTINGS_HEADER_TABLE_SIZE allows (RFC 7541 §4.2: an encoder may use less; the change is
+signalled in the next header block). h2 sizes it to the client's setting, up to 2**32-1:
+every distinct value we send (a ``grpc-message`` echoing a client's service name) then
+stays indexed for the connection's life, and hpack searches the table linearly on every
+header it encodes."""
+
+
+class CappedEncoder(hpack.Encoder):
+    """h2's HPACK encoder with its dynamic table capped at :data:`ENCODER_TABLE_SIZE`."""
+
+    @property
+    def header_table_size(self) -> int:
+        return int(self.header_table.maxsize)
+
+    @header_table_size.setter
+    def header_table_size(self, value: int) -> None:
+        # (hpack's own setter: the table resized, the change signalled in the next block)
+        self.header_table.maxsize = min(value, ENCODER_TABLE_SIZE)
+        if self.header_table.resized:
+            self.table_size_changes.append(self.header_table.maxsize)

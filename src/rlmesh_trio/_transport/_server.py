@@ -67,9 +67,10 @@ from .._wire import (
     decode_shutdown_request,
 )
 from .._wire import encode_health_response as health_response
-from ._connection import Connection, Dispatcher, quiet_call_ends
+from ._connection import Connection, Dispatcher
 from ._flood import ServerBudget
 from ._join import OFF_LOOP_DECODE_BYTES, JoinCall, JoinContext
+from ._quiet import quiet_call_ends
 from ._reflection import ReflectionServices
 from ._routes import ReplyRoutes
 from ._shim import (
