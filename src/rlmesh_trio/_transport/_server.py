@@ -77,6 +77,7 @@ from ._shim import (
     MethodTable,
     RawCodec,
     read_message,
+    reset_if_open,
     send_trailers_only,
     server_config,
 )
@@ -614,6 +615,10 @@ class LoopServer:
         status = HEALTH_NOT_SERVING if unhealthy else HEALTH_SERVING
         await stream.send_message(health_response(status))
         await stream.send_trailing_metadata()
+        # Answered before the client's END_STREAM (RFC 9113 §8.1): RST_STREAM(NO_ERROR),
+        # else the stream stays half-open and such calls add up to h2's limit, which
+        # then closes the connection with every call on it.
+        reset_if_open(stream)
 
     async def _unknown(self, stream: Stream[bytes, bytes]) -> None:
         raise UnknownMethodError()
