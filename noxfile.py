@@ -323,8 +323,9 @@ def bench(session: nox.Session) -> None:
 @nox.session
 def soak(session: nox.Session) -> None:
     """The flood soak, bench/soak_floods.py: our server under HTTP/2 floods (rapid reset,
-    empty DATA, PING / SETTINGS / WINDOW_UPDATE), one connection after another, for
-    ``--minutes`` (default 10) while another client does a Handshake every 0.1 s. Fails on
+    empty DATA, PING / SETTINGS / WINDOW_UPDATE, held header blocks, DATA on closed
+    streams), one connection after another, and every few rounds 100 connections at once,
+    for ``--minutes`` (default 10) while another client does a Handshake every 0.1 s. Fails on
     a Handshake of 1 s or more or failed, a flood not answered GOAWAY and close, or RSS
     growth past ``--rss-slack-mib``; arguments after ``--`` go to the script
     (``nox -s soak -- --minutes 2``). Not a default session, not in CI."""

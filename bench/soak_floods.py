@@ -12,6 +12,11 @@ background thread (``tests/support/h2raw.py``) with every write bounded:
   frames of 16,000 bytes, issue 43);
 * ``closed-stream-data`` -- 300,000 DATA(END_STREAM) frames on a health check's stream
   once it is answered (issue 43);
+* ``distributed`` -- every ``--distributed-every`` rounds, ``--distributed-connections``
+  (100) connections at once, each writing PINGs at 90 % of our per-connection rate for
+  ``--distributed-seconds`` (5): each under its own limits, together past the server's
+  budget (issue 43, row 3; ``bench/soak_distributed.py``); every one must be closed, and
+  the bystander's Handshakes in its window are reported apart;
 
 alternately by a client that reads the server's answers and one that never does (a
 16 KiB receive buffer). Each flood is expected to end with the server closing the
@@ -44,6 +49,7 @@ from typing import Any
 
 import _support  # noqa: F401  (the test harness as ``support``: see bench/_support.py)
 from _common import rss_mib
+from soak_distributed import flood as distributed_flood
 from support import h2raw
 from support.refserver import ServerConfig, ServerProcess, start_server
 
@@ -194,6 +200,37 @@ def run_round(
         time.sleep(PAUSE)
 
 
+@dataclass
+class DistributedResult:
+    connections: int
+    closed: int
+    latencies: list[float]
+    """The bystander's Handshakes that ended within the flood's window."""
+
+    @property
+    def ok(self) -> bool:
+        return self.closed == self.connections
+
+
+def run_distributed(
+    server: ServerProcess, bystander: h2raw.Bystander, args: argparse.Namespace
+) -> DistributedResult:
+    """The distributed flood once; the bystander's Handshakes of its window apart."""
+    first = len(bystander.latencies)
+    outcome = distributed_flood(
+        server.address, args.distributed_connections, args.distributed_seconds, 0.9
+    )
+    result = DistributedResult(
+        outcome["connections"], outcome["closed"], list(bystander.latencies[first:])
+    )
+    if not result.ok:
+        print(
+            f"  distributed flood: {result.closed} of {result.connections} closed", file=sys.stderr
+        )
+    time.sleep(PAUSE)
+    return result
+
+
 def summary(values: list[float]) -> dict[str, float]:
     return {
         "count": len(values),
@@ -219,6 +256,14 @@ def main(argv: list[str] | None = None) -> int:
         help="a bystander Handshake this slow (seconds) fails the soak (default 1)",
     )
     parser.add_argument("--num-envs", type=int, default=2)
+    parser.add_argument(
+        "--distributed-every",
+        type=int,
+        default=5,
+        help="rounds between two distributed floods (default 5; 0: none)",
+    )
+    parser.add_argument("--distributed-connections", type=int, default=100)
+    parser.add_argument("--distributed-seconds", type=float, default=5.0)
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
     if not Path("/proc/self/status").exists():
@@ -227,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     chunks = {kind.name: kind.chunks() for kind in FLOODS}
     server = start_server("ours", ServerConfig(env_id="CartPole-v1", num_envs=args.num_envs))
     results: list[FloodResult] = []
+    distributed: list[DistributedResult] = []
     rss: list[float] = []
     began = time.monotonic()
     try:
@@ -244,6 +290,10 @@ def main(argv: list[str] | None = None) -> int:
             while time.monotonic() < deadline:
                 run_round(server, chunks, results, rounds % 2 == 0, rss, deadline)
                 rounds += 1
+                every = args.distributed_every
+                if every and rounds % every == 0 and time.monotonic() < deadline:
+                    distributed.append(run_distributed(server, bystander, args))
+                    rss.append(rss_mib(server.pid))
                 if rounds % 10 == 0:
                     elapsed = (time.monotonic() - began) / 60
                     report = bystander.report()
@@ -263,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
 
     latencies = summary(report.latencies)
     floods = Counter((r.kind, r.reads) for r in results)
-    not_closed = [r for r in results if not r.ok]
+    not_closed = [r for r in results if not r.ok] + [d for d in distributed if not d.ok]
     growth = rss_end - rss_start
     failed = {
         "latency": latencies["worst"] >= args.latency_bound,
@@ -282,6 +332,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"{floods[(kind.name, reads)]:5} floods, closed {len(closes):5}, "
                 f"worst close {max(closes, default=0.0):.3f} s, (GOAWAY code, end) {dict(codes)}"
             )
+    window = summary([x for d in distributed for x in d.latencies])
+    print(
+        f"  {'distributed':14} {'reads':12} {len(distributed):5} floods of "
+        f"{args.distributed_connections} connections, closed "
+        f"{sum(d.closed for d in distributed)} of "
+        f"{sum(d.connections for d in distributed)}; bystander in their windows: "
+        f"{window['count']} Handshakes, p50 {window['p50'] * 1000:.1f} ms, "
+        f"p99 {window['p99'] * 1000:.1f} ms, worst {window['worst'] * 1000:.1f} ms"
+    )
     print(
         f"bystander Handshakes: {latencies['count']}, failed {len(report.failures)}, "
         f"p50 {latencies['p50'] * 1000:.1f} ms, p99 {latencies['p99'] * 1000:.1f} ms, "
@@ -302,6 +361,10 @@ def main(argv: list[str] | None = None) -> int:
         payload: dict[str, Any] = {
             "minutes": args.minutes,
             "floods": [asdict(r) for r in results],
+            "distributed": [
+                {"connections": d.connections, "closed": d.closed} for d in distributed
+            ],
+            "distributed_bystander": window,
             "bystander": {**latencies, "failures": report.failures},
             "rss_mib": {
                 "before": rss_before,
