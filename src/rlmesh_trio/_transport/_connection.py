@@ -1,23 +1,16 @@
-"""One HTTP/2 connection of the server: grpclib's two per-connection classes, subclassed.
+"""One HTTP/2 connection of the server: grpclib's ``H2Protocol``, subclassed.
 
-* ``grpclib.server.Handler`` (:class:`Dispatcher`) sees request headers before dispatch:
-  refuse streams while stopping or past our MAX_CONCURRENT_STREAMS, refuse compressed or
-  unauthenticated requests (trailers-only, from tasks of its own: ``cancel``/``close``/
-  ``wait_closed`` know them), remember the last stream id for GOAWAY, and give a
-  direct-path call (the Join) its :class:`~._reader.RequestReader` from its first frame.
-  The handler task grpclib creates inside ``accept`` finds its connection and h2-level
-  stream in a context variable (:func:`call_of`).
-* ``grpclib.protocol.H2Protocol`` (:class:`Connection`), its ``connection_made`` done here
-  with grpclib's public ``Connection`` and ``EventsProcessor``, so the h2 connection is
-  ours to hold: track connections, pass every byte through the frame gate
-  (:mod:`._flood`), a turn's slice at a time, hand a Join's DATA to its reader (past h2's
-  frame objects on the direct DATA path, :mod:`._h2frames`), write GOAWAY frames, cut
-  connections, answer an HTTP/2 protocol error with the GOAWAY h2 prepared (grpclib
-  closes without sending it), ignore the events grpclib has no handler for (extension
-  frames) and empty DATA (grpclib's buffer would take it for the end). h2's own stream
-  limit is raised above the advertised one by the class of its ``local_settings``
-  (:class:`_EarlyStreams`, a subclass of the public ``h2.settings.Settings``), so the
-  streams past it are refused one by one.
+:class:`Connection` does grpclib's ``connection_made`` with grpclib's public
+``Connection`` and ``EventsProcessor``, so the h2 connection is ours to hold: track
+connections, pass every byte through the frame gate (:mod:`._flood`), a turn's slice at
+a time, hand a Join's DATA to its reader (past h2's frame objects on the direct DATA
+path, :mod:`._h2frames`), write GOAWAY frames, cut connections, answer an HTTP/2
+protocol error with the GOAWAY h2 prepared (grpclib closes without sending it), ignore
+the events grpclib has no handler for (extension frames) and empty DATA (grpclib's
+buffer would take it for the end). h2's own stream limit is raised above the advertised
+one by the class of its ``local_settings`` (:class:`_EarlyStreams`, a subclass of the
+public ``h2.settings.Settings``), so the streams past it are refused one by one. Which
+streams are served is its :class:`~._dispatch.Dispatcher`'s to say.
 
 A connection we close lingers: what h2 queued (its GOAWAY last) is written, our side is
 shut, and what the client still sends is read and dropped until it closes or
@@ -32,33 +25,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import logging
 import socket
 import struct
-from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import h2.config
 import h2.events
 import h2.exceptions
 import h2.settings
 from grpclib.config import Configuration
-from grpclib.const import Handler as MethodHandler
-from grpclib.encoding.base import CodecBase
 from grpclib.protocol import Connection as GrpclibConnection
 from grpclib.protocol import EventsProcessor, H2Protocol
-from grpclib.server import Handler as GrpclibHandler
-from grpclib.server import Stream
 from h2.connection import H2Connection
 from h2.errors import ErrorCodes
 from h2.settings import SettingCodes
 from hyperframe.frame import GoAwayFrame, RstStreamFrame
 
-from .._errors import CompressedRequestError, UnauthenticatedError
 from .._logging import RateLimit
+from ._dispatch import Dispatcher, current_call
 from ._flood import (
-    ADVERTISED_STREAMS,
     HEADER_BLOCK_SECONDS,
     STREAMS_HARD_LIMIT,
     Flood,
@@ -66,20 +52,13 @@ from ._flood import (
     ServerBudget,
 )
 from ._h2frames import route_frames
-from ._headers import (
-    HEADER_LIST_LIMIT,
-    CappedEncoder,
-    Verdict,
-    check_request_headers,
-    for_dispatch,
-    header_list_size,
-    header_value,
-)
-from ._privates import direct_data_path, dispatch_events
+from ._headers import CappedEncoder
+from ._privates import direct_data_path
 from ._reader import RequestReader
 
 if TYPE_CHECKING:
     from grpclib.protocol import Stream as H2Stream
+    from grpclib.server import Stream
 
 log = logging.getLogger("rlmesh_trio.transport")
 
@@ -96,167 +75,12 @@ _REPORTS = RateLimit()
 their number."""
 
 
-class Admission(Protocol):
-    """What :class:`Dispatcher` asks the server about each new stream.
-
-    A Protocol, not ``LoopServer`` itself: ``_server.py`` imports this module (it builds
-    the dispatcher and reads the connections), so naming it here would be a cycle. The
-    server is the only implementation."""
-
-    @property
-    def closing(self) -> bool: ...
-
-    def authorized(self, path: str | None, authorization: str | None) -> bool: ...
-
-    def refuse(self, stream: H2Stream, error: Exception, release: Callable[[], Any]) -> Any: ...
-
-
-_CALL: contextvars.ContextVar[tuple[Connection, H2Stream]] = contextvars.ContextVar("_CALL")
-"""The connection and h2-level stream of the call whose handler task this is: set by
-:meth:`Dispatcher.accept` around grpclib's ``accept``, which creates the handler task
-(a task copies the context it was created in). Public ground: grpclib's server
-``Stream`` keeps its h2-level stream in a private attribute."""
-
-
 def call_of(stream: Stream[Any, Any]) -> tuple[Connection, H2Stream]:
     """The :class:`Connection` and h2-level stream of ``stream``, the call this handler
     task (or a task it started) serves."""
-    try:
-        return _CALL.get()
-    except LookupError:
-        raise RuntimeError("not inside a request handler's task") from None
-
-
-def h2_stream(stream: Stream[Any, Any]) -> H2Stream:
-    return call_of(stream)[1]
-
-
-def _count(headers: list[tuple[str, str]], name: str) -> int:
-    return sum(1 for key, _ in headers if key == name)
-
-
-class Dispatcher(GrpclibHandler):
-    """One per connection: grpclib's request dispatcher, with our admission checks."""
-
-    def __init__(
-        self,
-        admission: Admission,
-        mapping: dict[str, MethodHandler],  # a MethodTable (_shim.py)
-        codec: CodecBase,
-        direct_paths: frozenset[str] = frozenset(),
-    ) -> None:
-        super().__init__(mapping, codec, None, dispatch_events())
-        self._admission = admission
-        self._direct_paths = direct_paths
-        self._refusals: dict[H2Stream, asyncio.Task[None]] = {}
-        self.owner: Connection | None = None  # set by the connection
-        self.last_stream_id = 0
-        # Set by the connection: a header block that is a connection error (GOAWAY);
-        # how many streams it has dispatched and not released; a stream refused.
-        self.on_connection_error: Callable[[], None] | None = None
-        self.streams_in_use: Callable[[], int] = lambda: 0
-        self.on_refused: Callable[[], None] = lambda: None
-
-    def accept(
-        self, stream: H2Stream, headers: list[tuple[str, str]], release_stream: Callable[[], Any]
-    ) -> None:
-        if not stream.closable:
-            # Reset by the client in the same read as its HEADERS ("Rapid Reset"): no
-            # handler, no task, nothing to answer (the frame gate counted the reset).
-            release_stream()
-            return
-        # grpclib registered this stream before calling us: it counts itself.
-        if self._admission.closing or self.streams_in_use() > ADVERTISED_STREAMS:
-            # After GOAWAY, or past our MAX_CONCURRENT_STREAMS (a client may open more
-            # before it read our SETTINGS): "not processed, safe to retry", this stream
-            # alone (RFC 9113 §5.1.2, §8.7).
-            if stream.closable:  # not already reset by the client
-                stream.reset_nowait(ErrorCodes.REFUSED_STREAM)
-                self.on_refused()
-            release_stream()
-            return
-        verdict, repeated = check_request_headers(headers)
-        if verdict is not Verdict.OK:
-            # The reference's answers to a malformed header block (see _headers.py).
-            log.debug("malformed request headers: %s", verdict.value)
-            if verdict is Verdict.RESET_STREAM:
-                if stream.closable:
-                    stream.reset_nowait(ErrorCodes.PROTOCOL_ERROR)
-                    self.on_refused()
-            elif self.on_connection_error is not None:
-                self.on_connection_error()
-            release_stream()
-            return
-        if header_list_size(headers) > HEADER_LIST_LIMIT:
-            # The reference's answer: 431, then RST_STREAM(PROTOCOL_ERROR); nothing
-            # dispatched, the connection kept.
-            self.on_refused()
-            self._refuse(
-                stream,
-                answer_and_reset(
-                    stream, [(":status", "431")], release_stream, ErrorCodes.PROTOCOL_ERROR
-                ),
-            )
-            return
-        if stream.id is not None:
-            self.last_stream_id = max(self.last_stream_id, stream.id)
-        # With a token, a repeated authorization is refused: which one would count?
-        ambiguous = repeated and _count(headers, "authorization") > 1
-        headers = for_dispatch(headers, repeated)
-        error: Exception | None = None
-        # Pseudo-headers are unique here: this :path is the one grpclib dispatches on.
-        path = header_value(headers, ":path")
-        if not self._admission.authorized(path, header_value(headers, "authorization")) or (
-            ambiguous and not self._admission.authorized(path, None)
-        ):
-            error = UnauthenticatedError()
-        else:
-            encoding = header_value(headers, "grpc-encoding")
-            if encoding is not None and encoding != "identity":
-                error = CompressedRequestError(encoding)
-        if error is not None:
-            self._refuse(stream, self._admission.refuse(stream, error, release_stream))
-            return
-        owner = self.owner
-        assert owner is not None and stream.id is not None
-        if path in self._direct_paths:
-            # Its DATA goes to a reader of ours from the first frame on (held until the
-            # handler starts it), never to grpclib's per-stream buffer.
-            reader = RequestReader(owner, stream.id)
-            release_stream = reader.releasing(release_stream)
-        token = _CALL.set((owner, stream))
-        try:
-            super().accept(stream, headers, release_stream)
-        finally:
-            _CALL.reset(token)
-
-    def _refuse(self, stream: H2Stream, answer: Coroutine[Any, Any, None]) -> None:
-        """Answer a stream that is not dispatched, in a task of its own (a client reset
-        cancels it, see :meth:`cancel`)."""
-        task = self.loop.create_task(answer)
-        self._refusals[stream] = task
-        task.add_done_callback(lambda _: self._refusals.pop(stream, None))
-
-    def cancel(self, stream: H2Stream) -> None:
-        task = self._refusals.pop(stream, None)
-        if task is not None:
-            task.cancel()
-            return
-        super().cancel(stream)
-
-    def close(self) -> None:
-        for task in self._refusals.values():
-            task.cancel()
-        super().close()
-
-    async def wait_closed(self) -> None:
-        refusals = list(self._refusals.values())
-        if refusals:
-            await asyncio.wait(refusals)
-        await super().wait_closed()
-
-    def check_closed(self) -> bool:
-        return not self._refusals and super().check_closed()
+    connection, raw = current_call()
+    assert isinstance(connection, Connection)
+    return connection, raw
 
 
 def ensure_nodelay(transport: asyncio.BaseTransport) -> None:
@@ -708,22 +532,3 @@ def alpn_is_h2(transport: asyncio.BaseTransport) -> bool:
     §3.2): a client that offered only ``http/1.1``, or nothing, would not speak HTTP/2."""
     ssl_object = transport.get_extra_info("ssl_object")
     return ssl_object is None or ssl_object.selected_alpn_protocol() == "h2"
-
-
-async def answer_and_reset(
-    stream: H2Stream,
-    headers: list[tuple[str, str]],
-    release_stream: Callable[[], Any],
-    reset_code: ErrorCodes = ErrorCodes.NO_ERROR,
-) -> None:
-    """The only answer a refused stream gets: ``headers`` (end of stream), then
-    RST_STREAM(``reset_code``) if the stream is still open, so nothing more of the
-    request is read; ``release_stream`` in every case."""
-    try:
-        await stream.send_headers(headers, end_stream=True)
-        if stream.closable:
-            stream.reset_nowait(reset_code)
-    except Exception:
-        log.debug("could not answer a refused stream", exc_info=True)
-    finally:
-        release_stream()

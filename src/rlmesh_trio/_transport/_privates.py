@@ -131,7 +131,7 @@ REACHES: tuple[Reach, ...] = (
         "the body bytes h2 counts on a stream (take_plain_data)",
         _PUBLIC_DATA,
     ),
-    # -- grpclib: building the request handler as grpclib's Server does (_connection.py,
+    # -- grpclib: building the request handler as grpclib's Server does (_dispatch.py,
     # _shim.server_config)
     Reach(
         "grpclib",

@@ -1,7 +1,7 @@
 """The Join's request reader: one stream's gRPC messages, cut out inside the connection's
 data callback and acknowledged to h2 only as they are consumed.
 
-:class:`~._shim.Dispatcher` makes one for a direct-path call (the Join) as its stream is
+:class:`~._dispatch.Dispatcher` makes one for a direct-path call (the Join) as its stream is
 accepted; :class:`~._connection.Connection` hands it the stream's DATA (past h2's frame
 objects on the direct DATA path, :func:`~._h2frames.route_frames`, else from h2's
 ``DataReceived`` events); :class:`~._join.JoinCall` starts, pauses, stops and closes it.
@@ -62,7 +62,7 @@ class ReaderConnection(Protocol):
 class RequestReader:
     """Reads one stream's gRPC messages inside the connection's data callback.
 
-    No reader task and no queue: created by :class:`~._shim.Dispatcher` as the stream
+    No reader task and no queue: created by :class:`~._dispatch.Dispatcher` as the stream
     is accepted, it takes the stream's DATA from its first frame on (the
     :class:`~._connection.Connection` hands it to :meth:`feed`; grpclib's per-stream
     buffer never sees it) and holds it until the handler calls :meth:`start`; from then

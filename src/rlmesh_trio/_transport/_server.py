@@ -67,7 +67,8 @@ from .._wire import (
     decode_shutdown_request,
 )
 from .._wire import encode_health_response as health_response
-from ._connection import Connection, Dispatcher
+from ._connection import Connection
+from ._dispatch import Dispatcher
 from ._flood import ServerBudget
 from ._join import OFF_LOOP_DECODE_BYTES, JoinCall, JoinContext
 from ._quiet import quiet_call_ends

@@ -38,7 +38,8 @@ from grpclib.server import Stream
 
 from .._errors import UNEXPECTED_EOF, FrameError
 from .._wire import PREFIX_SIZE, SMALL_MESSAGE, encode_grpc_message, parse_prefix
-from ._connection import Connection, answer_and_reset, call_of, h2_stream
+from ._connection import Connection, call_of
+from ._dispatch import answer_and_reset, h2_stream
 from ._h2frames import put_plain_data
 from ._headers import HEADER_ENCODING
 from ._privates import library_version, server_configuration
@@ -199,7 +200,7 @@ def reset_if_open(stream: Stream[Any, Any]) -> None:
 
 
 def reader_of(stream: Stream[Any, Any], connections: set[Connection]) -> RequestReader | None:
-    """The reader :class:`Dispatcher` made for ``stream`` (a direct path's call), None
+    """The reader :class:`~._dispatch.Dispatcher` made for ``stream`` (a direct path's call), None
     once its connection is gone."""
     connection, raw = call_of(stream)
     if connection not in connections or raw.id is None:
