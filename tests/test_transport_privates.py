@@ -58,7 +58,13 @@ def test_every_listed_private_is_there_in_the_installed_library(
 ) -> None:
     owner = _resolve(reach.owner)
     assert reach.why and reach.fallback
-    if reach.access == "import":
+    if reach.access == "override":
+        # A method of the library's that a subclass of ours replaces: still there, and
+        # still called by the library (checked by behaviour where the override lives).
+        assert isinstance(owner, type) and callable(getattr(owner, reach.name))
+    elif reach.access == "behaviour":
+        _check_behaviour(reach)
+    elif reach.access == "import":
         assert (
             importlib.import_module(f"{reach.owner}.{reach.name}")
             if hasattr(owner, "__path__") and not hasattr(owner, reach.name)
@@ -80,6 +86,58 @@ def test_every_listed_private_is_there_in_the_installed_library(
         assert hasattr(instance, reach.name)
     else:
         assert callable(getattr(owner, reach.name))
+
+
+def _check_behaviour(reach: _privates.Reach) -> None:
+    """The behaviour reaches, each on a real object of the installed library."""
+    import h2.config
+    import h2.connection
+    import h2.settings
+
+    from rlmesh_trio._transport._connection import _EarlyStreams
+    from rlmesh_trio._transport._flood import ADVERTISED_STREAMS, STREAMS_HARD_LIMIT
+
+    if reach.name == "state":
+        server = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+        server.initiate_connection()
+        assert isinstance(server.state_machine, h2.connection.H2ConnectionStateMachine)
+        assert server.state_machine.state is h2.connection.ConnectionState.IDLE
+    elif reach.name == "__class__":
+        server = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+        settings = server.local_settings
+        assert type(settings) is h2.settings.Settings
+        settings.__class__ = _EarlyStreams
+        # h2 now admits streams past the advertised limit (the dispatcher refuses them)
+        assert settings.max_concurrent_streams == STREAMS_HARD_LIMIT > ADVERTISED_STREAMS
+    else:
+        raise AssertionError(f"no behaviour check for {reach.name}")
+
+
+def test_the_clients_graceful_goaway_override_is_called_by_h2() -> None:
+    """The client's _receive_goaway_frame: h2 still dispatches a GOAWAY to it, and after
+    a graceful one the client still takes a stream's trailers."""
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    from rlmesh_trio.client._grpc import _GracefulH2Connection
+
+    client = _GracefulH2Connection(h2.config.H2Configuration(client_side=True))
+    server = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+    client.initiate_connection()
+    client.send_headers(
+        1, [(":method", "POST"), (":scheme", "http"), (":path", "/p"), (":authority", "x")]
+    )
+    server.receive_data(client.data_to_send())
+    server.send_headers(1, [(":status", "200")])
+    server.close_connection()  # GOAWAY(NO_ERROR)
+    goaway = server.data_to_send()
+    server.state_machine.state = h2.connection.ConnectionState.SERVER_OPEN
+    server.send_headers(1, [("grpc-status", "0")], end_stream=True)
+    events = client.receive_data(goaway + server.data_to_send())
+    kinds = [type(event) for event in events]
+    assert h2.events.ConnectionTerminated in kinds
+    assert h2.events.StreamEnded in kinds, kinds
 
 
 def _our_names() -> set[str]:
@@ -104,15 +162,83 @@ def _our_names() -> set[str]:
     return names
 
 
+def _is_super_call(node: ast.expr) -> bool:
+    return (
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super"
+    )
+
+
+def _library_names(tree: ast.Module) -> dict[str, str]:
+    """The names a module binds to the libraries, as dotted paths: ``from h2.connection
+    import H2Connection as C`` binds C to ``h2.connection.H2Connection``; ``import
+    h2.settings`` binds h2 to ``h2``."""
+    names: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module.split(".")[0] in LIBRARIES:
+                for alias in node.names:
+                    names[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in LIBRARIES:
+                    bound = alias.asname or alias.name.split(".")[0]
+                    names[bound] = alias.name if alias.asname else bound
+    return names
+
+
+def _resolve_dotted(dotted: str) -> object | None:
+    """The object at ``dotted`` (a module path, then attributes), None if not there."""
+    parts = dotted.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            obj: object = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for attribute in parts[split:]:
+            obj = getattr(obj, attribute, None)
+            if obj is None:
+                return None
+        return obj
+    return None
+
+
+def _library_overrides(
+    file: str, node: ast.ClassDef, library_names: dict[str, str]
+) -> list[tuple[str, int, str]]:
+    """Underscored methods of a class of ours that replace one of a library base's:
+    an override of a private is a reach into it (it must still be called)."""
+    bases: list[object] = []
+    for base in node.bases:
+        dotted = ast.unparse(base)
+        root, _, rest = dotted.partition(".")
+        if root in library_names:
+            resolved = _resolve_dotted(f"{library_names[root]}.{rest}".rstrip("."))
+            if isinstance(resolved, type):
+                bases.append(resolved)
+    found = []
+    for item in node.body:
+        if (
+            isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and item.name.startswith("_")
+            and item.name not in PYTHON_DUNDERS
+            and any(hasattr(base, item.name) for base in bases)
+        ):
+            found.append((file, item.lineno, item.name))
+    return found
+
+
 def _private_uses() -> list[tuple[str, int, str]]:
     """(file, line, name) of every private of another library used in ``_transport/``
     and the client's ``_grpc.py``:
     an underscored attribute of anything but ``self``/``cls`` that the package does not
-    define itself, and every underscored name imported from the libraries."""
+    define itself, every underscored name imported from the libraries, every
+    ``super()._x``, and every underscored method of ours that overrides a library base
+    class's."""
     ours = _our_names()
     uses: list[tuple[str, int, str]] = []
     for path in [*sorted(TRANSPORT.glob("*.py")), *ALSO_SCANNED]:
         tree = ast.parse(path.read_text(encoding="utf-8"))
+        library_names = _library_names(tree)
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module:
                 root = node.module.split(".")[0]
@@ -136,12 +262,18 @@ def _private_uses() -> list[tuple[str, int, str]]:
                 base = node.value
                 if isinstance(base, ast.Name) and base.id in ("self", "cls"):
                     continue
+                if _is_super_call(base) and node.attr not in PYTHON_DUNDERS:
+                    # super()._x: the library's private, whatever our subclass defines
+                    uses.append((path.name, node.lineno, node.attr))
+                    continue
                 if node.attr.startswith("__") and node.attr.endswith("__"):
                     if node.attr in PYTHON_DUNDERS:
                         continue  # Python's own, and grpclib's documented plugin hook
                 elif node.attr in ours:
                     continue
                 uses.append((path.name, node.lineno, node.attr))
+            elif isinstance(node, ast.ClassDef):
+                uses.extend(_library_overrides(path.name, node, library_names))
             elif isinstance(node, ast.keyword) and node.arg and node.arg.startswith("_"):
                 uses.append((path.name, node.value.lineno, node.arg))
             elif (
@@ -168,22 +300,39 @@ def test_the_scan_sees_a_private_use(tmp_path: Path, monkeypatch: pytest.MonkeyP
     """The scan itself: a new underscored reach in a transport module is found."""
     probe = tmp_path / "_probe.py"
     probe.write_text(
+        "import h2.connection\n"
         "from grpclib.protocol import _Secret\n"
         "def f(conn):\n"
         "    return conn._connection_internals, getattr(conn, '_hidden_thing')\n"
+        "class C(h2.connection.H2Connection):\n"
+        "    def _receive_ping_frame(self, frame):\n"
+        "        return super()._receive_ping_frame(frame)\n"
+        "    def _a_helper_of_ours(self):\n"
+        "        return super()._open_streams(lambda s: True)\n"
     )
     monkeypatch.setattr(f"{__name__}.TRANSPORT", tmp_path)  # only the probe is scanned
     monkeypatch.setattr(f"{__name__}.ALSO_SCANNED", ())
-    names = {name for _, _, name in _private_uses()}
-    assert names == {"_Secret", "_connection_internals", "_hidden_thing"}
+    uses = _private_uses()
+    names = {name for _, _, name in uses}
+    assert names == {
+        "_Secret",
+        "_connection_internals",
+        "_hidden_thing",
+        "_receive_ping_frame",  # the override, and its super() call
+        "_open_streams",  # super() from a helper of ours
+    }
+    assert ("_probe.py", 6, "_receive_ping_frame") in uses  # the def line
 
 
 def test_every_h2_reach_is_in_the_structural_check() -> None:
-    """check_h2 checks each h2 entry by name: a new one cannot be listed unchecked."""
+    """check_h2 checks each h2 entry of the direct DATA path by name (those whose
+    fallback is the public path): a new one cannot be listed unchecked. The others are
+    checked here, each by its access: :func:`_check_behaviour`, an override's test."""
     source = Path(_privates.__file__).read_text(encoding="utf-8")
     check = source[source.index("def check_h2") : source.index("def direct_data_path")]
     for reach in _privates.REACHES:
-        if reach.library == "h2":
+        direct = reach.fallback.startswith(_privates.PUBLIC_DATA)
+        if reach.library == "h2" and direct and reach.access in ("read", "write"):
             assert f'"{reach.name}"' in check, reach.name
 
 

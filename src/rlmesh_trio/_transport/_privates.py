@@ -6,7 +6,11 @@ it, why, and what the transport does when it is not what the code expects. Nothi
 of the two libraries is private to us: ``tests/test_transport_privates.py`` resolves every
 entry against real objects of the installed versions, and scans ``_transport/`` and the
 client's ``_grpc.py`` (the one other module that drives h2) so that a private use missing
-from this list fails the suite.
+from this list fails the suite: an underscored name read, written, called or imported, a
+``super()._x`` call, and a method of ours overriding a library class's private one. What
+no scan sees, behaviour the libraries do not promise (an internal attribute without an
+underscore, an object's class swapped), is listed too (``access="behaviour"``), each
+checked on a real object.
 
 The one path that needs h2's privates, the Join's direct DATA path (:mod:`._h2frames`),
 is checked once per process before the first connection (:func:`direct_data_path`):
@@ -32,6 +36,7 @@ from typing import Any, Literal
 
 __all__ = [
     "DIRECT_DATA_ENV",
+    "PUBLIC_DATA",
     "REACHES",
     "Reach",
     "check_h2",
@@ -55,13 +60,19 @@ class Reach:
     owner: str
     """Where the name lives: ``module`` or ``module:Class``."""
     name: str
-    access: Literal["read", "write", "call", "import", "argument"]
+    access: Literal["read", "write", "call", "import", "argument", "override", "behaviour"]
+    """``override``: a method of ours replaces the library's private one (in a subclass);
+    ``behaviour``: no underscore, but what the library does not promise (an attribute of
+    its internals read or written, an object's class swapped)."""
     why: str
     fallback: str
     """What the transport does when the name is not what the code expects."""
 
 
-_PUBLIC_DATA = "h2's public receive_data / send_data for every frame (direct_data_path)"
+PUBLIC_DATA = "h2's public receive_data / send_data for every frame (direct_data_path)"
+"""The fallback of every reach of the direct DATA path: each is checked by name in
+:func:`check_h2`."""
+_PUBLIC_DATA = PUBLIC_DATA
 
 REACHES: tuple[Reach, ...] = (
     # -- h2: the Join's direct DATA path (_h2frames.py)
@@ -130,6 +141,40 @@ REACHES: tuple[Reach, ...] = (
         "write",
         "the body bytes h2 counts on a stream (take_plain_data)",
         _PUBLIC_DATA,
+    ),
+    Reach(
+        "h2",
+        "h2.connection:H2ConnectionStateMachine",
+        "state",
+        "behaviour",
+        "the connection's state read: a frame bypasses h2 only while it is SERVER_OPEN "
+        "(h2_idle, put_plain_data); the client writes it back after a graceful GOAWAY "
+        "(client/_grpc.py: _GracefulH2Connection)",
+        _PUBLIC_DATA + "; the client: see _receive_goaway_frame",
+    ),
+    # -- h2: the streams past our advertised limit refused one by one (_connection.py)
+    Reach(
+        "h2",
+        "h2.settings:Settings",
+        "__class__",
+        "behaviour",
+        "a connection's local settings made an _EarlyStreams (a subclass of the public "
+        "Settings) so that h2 admits streams past the advertised max_concurrent_streams, "
+        "which the dispatcher then refuses alone (REFUSED_STREAM)",
+        "left as h2 made them when they are not exactly h2.settings.Settings: h2 then "
+        "refuses the streams past the advertised limit itself",
+    ),
+    # -- h2: the client keeps open streams after a graceful GOAWAY (client/_grpc.py)
+    Reach(
+        "h2",
+        "h2.connection:H2Connection",
+        "_receive_goaway_frame",
+        "override",
+        "after a GOAWAY(NO_ERROR) the client goes on reading the replies and trailers of "
+        "the streams already open (h2 closes the connection at any GOAWAY)",
+        "not called when renamed: a graceful stop ends the client's calls still open with "
+        "h2's error, as any lost connection (tests/test_transport_privates.py checks the "
+        "override is live)",
     ),
     # -- grpclib: building the request handler as grpclib's Server does (_dispatch.py,
     # _shim.server_config)
