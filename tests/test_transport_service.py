@@ -952,17 +952,17 @@ async def ordered_bursts(address: str) -> list[str]:
 async def test_replies_keep_their_order_across_the_direct_and_queued_paths(
     monkeypatch: pytest.MonkeyPatch, serve_options: ServeOptions
 ) -> None:
-    from rlmesh_trio._transport import _shim
+    from rlmesh_trio._transport import _writer
 
     paths: list[bool] = []
-    try_send = _shim.StreamSender.try_send
+    try_send = _writer.StreamSender.try_send
 
-    def counted(self: _shim.StreamSender, message: bytes) -> bool:
+    def counted(self: _writer.StreamSender, message: bytes) -> bool:
         sent = try_send(self, message)
         paths.append(sent)
         return sent
 
-    monkeypatch.setattr(_shim.StreamSender, "try_send", counted)
+    monkeypatch.setattr(_writer.StreamSender, "try_send", counted)
     FakeSession.instances = []
     async with running(session_factory=FakeSession, options=serve_options) as server:
         out = await in_thread(ordered_bursts(server.address))
@@ -1102,16 +1102,16 @@ async def test_replies_of_one_callback_leave_in_one_data_frame(
 ) -> None:
     """Coalescing: the three replies one request produces are handed to h2 as one
     payload (one DATA frame, one socket write), the messages intact and in order."""
-    from rlmesh_trio._transport import _shim
+    from rlmesh_trio._transport import _writer
 
     payloads: list[bytes] = []
-    try_send = _shim.StreamSender.try_send
+    try_send = _writer.StreamSender.try_send
 
-    def recorded(self: _shim.StreamSender, payload: bytes) -> bool:
+    def recorded(self: _writer.StreamSender, payload: bytes) -> bool:
         payloads.append(bytes(payload))
         return try_send(self, payload)
 
-    monkeypatch.setattr(_shim.StreamSender, "try_send", recorded)
+    monkeypatch.setattr(_writer.StreamSender, "try_send", recorded)
     FakeSession.instances = []
 
     async def three(address: str) -> list[str | None]:

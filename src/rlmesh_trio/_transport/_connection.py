@@ -55,6 +55,7 @@ from ._h2frames import route_frames
 from ._headers import CappedEncoder
 from ._privates import direct_data_path
 from ._reader import RequestReader
+from ._writer import Output
 
 if TYPE_CHECKING:
     from grpclib.protocol import Stream as H2Stream
@@ -214,6 +215,11 @@ class Connection(H2Protocol):
         if self._first_request_timer is not None:
             self._first_request_timer.cancel()
         super().connection_lost(exc)
+
+    def output(self) -> Output:
+        """What this connection's replies are written with (:class:`~._writer.Output`)."""
+        assert self.h2 is not None and self._transport is not None
+        return Output(self.connection, self.h2, self._transport, self._direct)
 
     def _h2(self) -> H2Connection:
         assert self.h2 is not None

@@ -3,7 +3,7 @@
 Requests are cut from the stream's DATA inside the connection's data callback
 (:class:`~._reader.RequestReader`: no reader task, no queue), decoded and fed to the
 session; the session's actions are performed here (post lane jobs, send replies,
-timers, end). A reply is written at once (:class:`~._shim.StreamSender`) when nothing is
+timers, end). A reply is written at once (:class:`~._writer.StreamSender`) when nothing is
 queued before it and the flow-control window and the socket take it; otherwise it is
 queued for the one writer task, which sends in order, so a slow client never blocks the
 loop. Lane replies come back through the server's one
@@ -37,7 +37,7 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import h2.exceptions
 import outcome
@@ -69,11 +69,12 @@ from .._session import (
     Wedged,
 )
 from .._wire import PREFIX_SIZE, decode_join_request, encode_join_response_framed
-from ._connection import Connection
+from ._connection import Connection, call_of
 from ._deadlines import Deadlines
 from ._reader import RequestReader
-from ._shim import StreamSender, reader_of, reset_if_open, send_framed
+from ._shim import reader_of
 from ._states import JoinState, check_join_move
+from ._writer import StreamSender, reset_if_open, send_framed
 
 if TYPE_CHECKING:
     from .._metrics import ServerMetrics
@@ -119,6 +120,26 @@ _GONE_ALREADY: Final = (JoinState.BROKEN, JoinState.CLOSED)
 """_break(): nothing is sent already (a failed send, then the handler's end)."""
 
 
+class JoinRoutes(Protocol):
+    """Where a Join's lane jobs go and their replies come back from (the server's
+    :class:`~._routes.ReplyRoutes`)."""
+
+    def post(self, lane: int, job: Job, call: JoinCall) -> None:
+        """Post a lane job whose reply is to be routed to ``call`` (raises
+        ``LaneError`` when the lane refuses it)."""
+
+    def gather(self, job_id: int, lanes: list[int], call: JoinCall) -> Gather:
+        """Routes for one job id posted to several lanes for ``call``, and the gather
+        whose ``reply`` those posts carry."""
+
+    def post_to(self, lane: int, job: Job, reply: ReplyFn) -> None:
+        """Post a lane job with a gather's ``reply`` (raises ``LaneError`` on a
+        refusal)."""
+
+    def release(self, gather: Gather) -> list[LaneReply]:
+        """End a gather early: the replies it holds, their routes used."""
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class JoinContext:
     """What a Join needs of its server: built once by the server, shared by its Joins."""
@@ -130,9 +151,8 @@ class JoinContext:
     max_message_bytes: int
     protocols: set[Connection]
     """The server's live connections (to find a stream's)."""
-    post: Callable[[int, Job, JoinCall], None]
-    """Post a lane job whose reply is to be routed to this Join (raises ``LaneError``
-    when the lane refuses it)."""
+    routes: JoinRoutes
+    """Where a Join's lane jobs are posted and their replies routed back."""
     wedged: Callable[[int, Job, float], None] | None
     """The lane engine's ``wedged`` (None: no supervision)."""
     report_limit: RateLimit
@@ -144,13 +164,6 @@ class JoinContext:
     """After every Join event (busy tracking, the idle timer)."""
     reading: Callable[[], bool]
     """Whether Join streams still read requests (false once the drain is over)."""
-    gather: Callable[[int, list[int], JoinCall], Gather] | None = None
-    """Routes for one job id posted to several lanes for this Join, and the gather whose
-    ``reply`` those posts carry (None: every lane's reply is routed on its own)."""
-    post_to: Callable[[int, Job, ReplyFn], None] | None = None
-    """Post a lane job with a gather's ``reply`` (raises ``LaneError`` on a refusal)."""
-    release: Callable[[Gather], list[LaneReply]] | None = None
-    """End a gather early: the replies it holds, their routes used."""
     left: Callable[[], None] | None = None
     """The client's session ended, called once per Join before its trailers go out (so
     before the client can see the end): the recorders mark the episodes it left open."""
@@ -213,8 +226,7 @@ class JoinCall:
         self._drive(self.session.on_timer, token)
 
     def _release_gathers(self) -> None:
-        release = self.context.release
-        assert release is not None  # set whenever ``gather`` is
+        release = self.context.routes.release
         gathers = list(self.gathers.values())
         self.gathers.clear()
         taken = [reply for gather in gathers for reply in release(gather)]
@@ -320,8 +332,7 @@ class JoinCall:
         """Post this callback's lane jobs, in order. Done at the flush that ends the
         callback, not as each request is read: a lane woken while the loop still holds
         the GIL for the rest of the read would only wait for it."""
-        post = self.context.post
-        gathering = self.context.gather is not None
+        post = self.context.routes.post
         while self.posts:
             posts, self.posts = self.posts, []
             i, count = 0, len(posts)
@@ -329,7 +340,7 @@ class JoinCall:
                 action = posts[i]
                 job_id = action.job.id
                 j = i + 1
-                if gathering and action.barrier:  # a serial op's lanes: nothing overtakes
+                if action.barrier:  # a serial op's lanes: nothing overtakes
                     while j < count and posts[j].job.id == job_id:
                         j += 1
                 if j - i > 1:
@@ -346,8 +357,8 @@ class JoinCall:
     def _post_gathered(self, group: list[Post]) -> None:
         """Post one job's lanes with one gather: their replies cross to the loop once. A
         lane's refusal is its answer, gathered like the others'."""
-        gather, post_to = self.context.gather, self.context.post_to
-        assert gather is not None and post_to is not None
+        routes = self.context.routes
+        gather, post_to = routes.gather, routes.post_to
         job_id = group[0].job.id
         collected = gather(job_id, [action.lane for action in group], self)
         self.gathers[job_id] = collected
@@ -521,7 +532,9 @@ class JoinCall:
         try:
             # SPEC §1.3: the 0.1.0 clients wait for the response headers before sending.
             await self.stream.send_initial_metadata()
-            self.sender = StreamSender(self.stream)
+            connection, raw = call_of(self.stream)
+            assert raw.id is not None
+            self.sender = StreamSender(connection.output(), raw.id)
             writer = self.loop.create_task(self._write_loop())
             if self.context.reading():
                 self._start_reading()

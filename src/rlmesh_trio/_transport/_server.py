@@ -78,10 +78,10 @@ from ._shim import (
     MethodTable,
     RawCodec,
     read_message,
-    reset_if_open,
     send_trailers_only,
     server_config,
 )
+from ._writer import reset_if_open
 
 if TYPE_CHECKING:
     from grpclib.protocol import Stream as H2Stream
@@ -396,10 +396,7 @@ class LoopServer:
             num_envs=self.endpoint.num_envs,
             max_message_bytes=self.max_message_bytes,
             protocols=self.protocols,
-            post=routes.post,
-            gather=routes.gather,
-            post_to=routes.post_to,
-            release=routes.release,
+            routes=routes,
             wedged=self.lanes.wedged,
             report_limit=self.report_limit,
             metrics=self.metrics,

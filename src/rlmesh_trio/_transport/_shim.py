@@ -1,19 +1,14 @@
-"""grpclib's seam: the raw codec, the method table, the server's configuration, the Join's
-sender, unary reads, reflection's servicers.
+"""grpclib's seam: the raw codec, the method table, the server's configuration, unary
+reads and trailers-only answers, a Join's reader found, reflection's servicers.
 
 Every private name of grpclib and h2 this package uses is listed, with why and its
 fallback, in :mod:`._privates` (``tests/test_transport_privates.py`` fails on one that is
-not). The connection's own classes (grpclib's ``Handler`` and ``H2Protocol`` subclassed)
-are in :mod:`._connection`, the Join's request reader in :mod:`._reader`. What this
-module builds on, by public names:
+not). The connection's own classes (grpclib's ``H2Protocol`` and ``Handler``
+subclassed) are in :mod:`._connection` and :mod:`._dispatch`; a Join's input is read by
+its :class:`~._reader.RequestReader` (inside the connection's data callback,
+acknowledged to h2 only as it is consumed), its output written by :mod:`._writer`. What
+this module builds on, by public names:
 
-* The Join's fast path (issue 9): :class:`StreamSender` writes a reply's DATA frames with
-  the connection's h2 (grpclib's public ``Connection.write_ready`` says the socket takes
-  them) at once when the flow-control window takes them; the
-  :class:`~._reader.RequestReader` takes the stream's DATA inside the connection's data
-  callback and acknowledges it to h2 only as it is consumed; :func:`send_framed` sends an
-  already framed message with grpclib's h2-level ``Stream.send_data`` (its flow control
-  and write-ready waits).
 * The direct DATA path (issue 20, :mod:`._h2frames`) takes a Join's plain DATA frames and
   queues its replies past h2's frame objects, changing exactly what h2 would; it needs
   h2's privates and is checked once per process (:func:`._privates.direct_data_path`):
@@ -40,7 +35,6 @@ from .._errors import UNEXPECTED_EOF, FrameError
 from .._wire import PREFIX_SIZE, SMALL_MESSAGE, encode_grpc_message, parse_prefix
 from ._connection import Connection, call_of
 from ._dispatch import answer_and_reset, h2_stream
-from ._h2frames import put_plain_data
 from ._headers import HEADER_ENCODING
 from ._privates import library_version, server_configuration
 
@@ -185,20 +179,6 @@ def reflection_servicers(service_names: tuple[str, ...], pool: Any) -> tuple[Any
     return servicers[0], servicers[1]
 
 
-async def send_framed(stream: Stream[Any, Any], payload: bytes) -> None:
-    """Send a framed gRPC message (prefix included) as grpclib's ``send_message`` would,
-    flow control and all, without grpclib framing it again (one copy less of a big
-    reply). The stream's initial metadata must have been sent."""
-    await h2_stream(stream).send_data(payload)
-
-
-def reset_if_open(stream: Stream[Any, Any]) -> None:
-    """After our trailers: whatever the client still sends on this stream is not read."""
-    raw = h2_stream(stream)
-    if raw.closable:
-        raw.reset_nowait()
-
-
 def reader_of(stream: Stream[Any, Any], connections: set[Connection]) -> RequestReader | None:
     """The reader :class:`~._dispatch.Dispatcher` made for ``stream`` (a direct path's call), None
     once its connection is gone."""
@@ -206,61 +186,3 @@ def reader_of(stream: Stream[Any, Any], connections: set[Connection]) -> Request
     if connection not in connections or raw.id is None:
         return None
     return connection.readers.get(raw.id)
-
-
-class StreamSender:
-    """Writes one stream's framed gRPC messages synchronously when nothing holds them back.
-
-    :meth:`try_send` hands a message's DATA frames to h2 at once when the socket is
-    writable (grpclib's ``write_ready``: the transport is under its high-water mark) and
-    the stream's flow-control window (h2's, the minimum of the stream's and the
-    connection's) takes the whole message; otherwise it returns False and the caller
-    queues the message for the awaiting :func:`send_framed`. The frames reach the
-    socket on :meth:`flush`, so that the replies of several lanes handled in one loop
-    callback go out in one write. Bytes on the wire are exactly grpclib's: the message
-    as framed by :func:`~rlmesh_trio._wire.encode_join_response_framed`, split at the
-    peer's max frame size.
-    """
-
-    __slots__ = ("_connection", "_direct", "_h2", "_id", "_transport")
-
-    def __init__(self, stream: Stream[Any, Any]) -> None:
-        connection, raw = call_of(stream)
-        assert raw.id is not None and connection._transport is not None
-        self._id: int = raw.id
-        self._connection = connection.connection
-        self._h2 = connection._h2()
-        self._transport = connection._transport
-        self._direct = connection._direct
-
-    def try_send(self, payload: bytes) -> bool:
-        """Queue a framed gRPC message (prefix included) on the h2 connection now, or
-        return False (nothing was sent).
-
-        Raises h2's errors when the stream is gone (reset, connection closed).
-        """
-        if not self._connection.write_ready.is_set() or self._transport.is_closing():
-            return False
-        h2c = self._h2
-        size = h2c.max_outbound_frame_size
-        direct = self._direct
-        if direct and len(payload) <= size and put_plain_data(h2c, self._id, payload):
-            return True  # the everyday reply: one frame, the windows checked on the way
-        if h2c.local_flow_control_window(self._id) < len(payload):
-            return False
-        if len(payload) <= size:
-            h2c.send_data(self._id, payload)
-        else:
-            view = memoryview(payload)
-            for pos in range(0, len(payload), size):
-                chunk = view[pos : pos + size]
-                if not (direct and put_plain_data(h2c, self._id, chunk)):
-                    h2c.send_data(self._id, chunk)
-            view.release()
-        return True
-
-    def flush(self) -> None:
-        """Write what h2 has buffered (no-op when nothing is)."""
-        data = self._h2.data_to_send()
-        if data and not self._transport.is_closing():
-            self._transport.write(data)
