@@ -20,12 +20,14 @@ from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Protocol
 
 from grpclib.const import Handler as MethodHandler
+from grpclib.const import Status
 from grpclib.encoding.base import CodecBase
 from grpclib.server import Handler as GrpclibHandler
 from grpclib.server import Stream
 from h2.errors import ErrorCodes
 
-from .._errors import CompressedRequestError, UnauthenticatedError
+from .._errors import CompressedRequestError, UnauthenticatedError, grpc_status
+from .._wire import encode_grpc_message
 from ._flood import ADVERTISED_STREAMS
 from ._headers import (
     HEADER_LIST_LIMIT,
@@ -55,8 +57,6 @@ class Admission(Protocol):
     def closing(self) -> bool: ...
 
     def authorized(self, path: str | None, authorization: str | None) -> bool: ...
-
-    def refuse(self, stream: H2Stream, error: Exception, release: Callable[[], Any]) -> Any: ...
 
 
 _CALL: contextvars.ContextVar[tuple[ReaderConnection, H2Stream]] = contextvars.ContextVar("_CALL")
@@ -164,7 +164,8 @@ class Dispatcher(GrpclibHandler):
             if encoding is not None and encoding != "identity":
                 error = CompressedRequestError(encoding)
         if error is not None:
-            self._refuse(stream, self._admission.refuse(stream, error, release_stream))
+            code, message = grpc_status(error)
+            self._refuse(stream, send_trailers_only(stream, code, message, release_stream))
             return
         owner = self.owner
         assert owner is not None and stream.id is not None
@@ -225,3 +226,20 @@ async def answer_and_reset(
         log.debug("could not answer a refused stream", exc_info=True)
     finally:
         release_stream()
+
+
+async def send_trailers_only(
+    stream: H2Stream, status: int, message: str, release_stream: Callable[[], Any]
+) -> None:
+    """A trailers-only response on an h2 stream grpclib has not wrapped (SPEC §1.5, §1.7)."""
+    await answer_and_reset(
+        stream,
+        [
+            (":status", "200"),
+            ("content-type", "application/grpc"),
+            ("grpc-accept-encoding", "identity"),
+            ("grpc-status", str(Status(status).value)),
+            ("grpc-message", encode_grpc_message(message)),
+        ],
+        release_stream,
+    )

@@ -78,14 +78,11 @@ from ._shim import (
     MethodTable,
     RawCodec,
     read_message,
-    send_trailers_only,
     server_config,
 )
 from ._writer import reset_if_open
 
 if TYPE_CHECKING:
-    from grpclib.protocol import Stream as H2Stream
-
     from .._lanes import LaneEngine
     from .._metrics import ServerMetrics
 
@@ -523,11 +520,6 @@ class LoopServer:
         # Header values arrive decoded as latin-1: this gives back the bytes sent.
         given = (authorization or "").encode("latin-1")
         return hmac.compare_digest(given, expected)
-
-    async def refuse(self, stream: H2Stream, error: Exception, release: Callable[[], Any]) -> None:
-        """A trailers-only answer to a stream refused before dispatch."""
-        code, message = grpc_status(error)
-        await send_trailers_only(stream, code, message, release)
 
     # -- handlers
 

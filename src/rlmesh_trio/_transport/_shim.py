@@ -21,26 +21,22 @@ this module builds on, by public names:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import h2.config
 from grpclib.config import Configuration
 from grpclib.const import Handler as MethodHandler
-from grpclib.const import Status
 from grpclib.encoding.base import CodecBase
 from grpclib.server import Stream
 
 from .._errors import UNEXPECTED_EOF, FrameError
-from .._wire import PREFIX_SIZE, SMALL_MESSAGE, encode_grpc_message, parse_prefix
+from .._wire import PREFIX_SIZE, SMALL_MESSAGE, parse_prefix
 from ._connection import Connection, call_of
-from ._dispatch import answer_and_reset, h2_stream
+from ._dispatch import h2_stream
 from ._headers import HEADER_ENCODING
 from ._privates import library_version, server_configuration
 
 if TYPE_CHECKING:
-    from grpclib.protocol import Stream as H2Stream
-
     from ._reader import RequestReader
 
 log = logging.getLogger("rlmesh_trio.transport")
@@ -89,23 +85,6 @@ def server_config() -> tuple[Configuration, h2.config.H2Configuration]:
         normalize_outbound_headers=False,
     )
     return server_configuration(), h2_config
-
-
-async def send_trailers_only(
-    stream: H2Stream, status: int, message: str, release_stream: Callable[[], Any]
-) -> None:
-    """A trailers-only response on an h2 stream grpclib has not wrapped (SPEC §1.5, §1.7)."""
-    await answer_and_reset(
-        stream,
-        [
-            (":status", "200"),
-            ("content-type", "application/grpc"),
-            ("grpc-accept-encoding", "identity"),
-            ("grpc-status", str(Status(status).value)),
-            ("grpc-message", encode_grpc_message(message)),
-        ],
-        release_stream,
-    )
 
 
 async def read_message(stream: Stream[Any, Any], limit: int) -> bytes | bytearray | None:
