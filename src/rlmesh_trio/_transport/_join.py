@@ -18,7 +18,7 @@ A Join knows nothing of its server but the :class:`JoinContext` the server built
 
 Its state (:class:`~._states.JoinState`: open, decoding, not reading, flushing, broken,
 closed) changes only through :meth:`JoinCall._move`, checked against
-:data:`~._states.JOIN_TRANSITIONS`; docs/architecture.md ("A Join stream's states") has the
+:data:`~._states.JOIN_TABLE`; docs/architecture.md ("A Join stream's states") has the
 same table, and a test holds the two equal.
 
 Back-pressure: the reader is paused while more than :data:`REPLY_BACKLOG_BYTES` of
@@ -73,7 +73,7 @@ from ._connection import Connection, call_of
 from ._deadlines import Deadlines
 from ._reader import RequestReader
 from ._shim import reader_of
-from ._states import JoinState, check_join_move
+from ._states import JoinEvent, JoinState, join_move
 from ._writer import StreamSender, reset_if_open, send_framed
 
 if TYPE_CHECKING:
@@ -104,20 +104,6 @@ _REPLYING: Final = (JoinState.OPEN, JoinState.DECODING, JoinState.NOT_READING)
 """Replies are still queued and the writer goes on (the requests may have ended)."""
 _ATTACHED: Final = (*_REPLYING, JoinState.FLUSHING)
 """Sends and timers are still wanted."""
-
-# The states in which a call has nothing to move: named, so that any other state goes
-# through _move and its check (never passed over).
-_NOT_READING_ALREADY: Final = (
-    JoinState.NOT_READING,
-    JoinState.FLUSHING,
-    JoinState.BROKEN,
-    JoinState.CLOSED,
-)
-"""stop_reading(): reading is over already (the server's drain may come after)."""
-_ENDING_ALREADY: Final = (JoinState.FLUSHING, JoinState.BROKEN, JoinState.CLOSED)
-"""finish(): the stream ends already (a failure after EndStream, a late session event)."""
-_GONE_ALREADY: Final = (JoinState.BROKEN, JoinState.CLOSED)
-"""_break(): nothing is sent already (a failed send, then the handler's end)."""
 
 
 class JoinRoutes(Protocol):
@@ -171,7 +157,7 @@ class JoinContext:
 
 class JoinCall:
     """One Join stream (loop thread only). Its :attr:`state` changes only through
-    :meth:`_move`, checked against :data:`~._states.JOIN_TRANSITIONS`."""
+    :meth:`_move`, checked against :data:`~._states.JOIN_TABLE`."""
 
     def __init__(self, context: JoinContext, stream: Stream[bytes, bytes]) -> None:
         self.context = context
@@ -293,9 +279,11 @@ class JoinCall:
         """Sends and timers are still wanted."""
         return self.state in _ATTACHED
 
-    def _move(self, new: JoinState) -> None:
-        check_join_move(self.state, new)
-        self.state = new
+    def _move(self, event: JoinEvent) -> JoinState:
+        """The one writer of :attr:`state`: ``event`` looked up in
+        :data:`~._states.JOIN_TABLE` (a row that keeps the state: nothing to do)."""
+        self.state = new = join_move(self.state, event)
+        return new
 
     def perform(self, actions: list[Action]) -> None:
         for action in actions:
@@ -400,8 +388,7 @@ class JoinCall:
 
     def finish(self) -> None:
         """Read no more; flush what is queued, then end the stream (status as set)."""
-        if self.state not in _ENDING_ALREADY:
-            self._move(JoinState.FLUSHING)
+        self._move(JoinEvent.FINISH)
         if self.reader is not None:
             self.reader.stop()
         self.wake_writer.set()
@@ -414,8 +401,7 @@ class JoinCall:
 
     def _break(self) -> None:
         """The stream is gone (send failed, cancelled): nothing more is sent."""
-        if self.state not in _GONE_ALREADY:
-            self._move(JoinState.BROKEN)
+        self._move(JoinEvent.BREAK)
         if self.reader is not None:
             self.reader.stop()
         self.direct.clear()
@@ -448,7 +434,7 @@ class JoinCall:
 
     def _decode_off_loop(self, data: bytes | bytearray, big: bool) -> None:
         """Decode on the worker; the reader stays paused (requests stay in order)."""
-        self._move(JoinState.DECODING)
+        self._move(JoinEvent.DECODE_OFF_LOOP)
         self._update_room()
         lanes = self.num_envs
         self.context.worker.submit(
@@ -460,9 +446,8 @@ class JoinCall:
     def _decoded(self, big: bool, result: outcome.Outcome[env_v1.JoinRequest]) -> None:
         if big:  # decoded: soon, the allocator may give the buffer's pages back
             self.context.big_message_done()
-        if self.state is not _DECODING:
+        if self._move(JoinEvent.DECODED) is not _OPEN:
             return  # stopped reading (or ended) meanwhile: the request is not read
-        self._move(JoinState.OPEN)
         if isinstance(result, outcome.Error):
             error = result.error
             if isinstance(error, WireError):
@@ -512,8 +497,7 @@ class JoinCall:
 
     def stop_reading(self) -> None:
         """Read no more requests (server stopping); the stream stays open for replies."""
-        if self.state not in _NOT_READING_ALREADY:
-            self._move(JoinState.NOT_READING)
+        self._move(JoinEvent.STOP_READING)
         if self.reader is not None:
             self.reader.stop()
 
@@ -555,7 +539,7 @@ class JoinCall:
                     status=self.status, status_message=self.status_message
                 )
                 reset_if_open(self.stream)
-                self._move(JoinState.CLOSED)
+                self._move(JoinEvent.CLOSE)
         except _BROKEN as exc:
             log.debug("Join stream broke: %r", exc)
         finally:
@@ -565,7 +549,7 @@ class JoinCall:
                 self.reader.detach()
             if self.state is not JoinState.CLOSED:  # cancelled or broken before its trailers
                 self._break()
-                self._move(JoinState.CLOSED)
+                self._move(JoinEvent.CLOSE)
             self.deadlines.close()
             # Cancelled (client reset, disconnect, server cut): the session must know.
             self._tell_session()

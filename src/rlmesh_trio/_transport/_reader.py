@@ -19,7 +19,7 @@ import h2.exceptions
 
 from .._errors import FrameError, WireError
 from .._wire import MessageReader
-from ._states import ReaderState, check_reader_move
+from ._states import ReaderEvent, ReaderState, reader_move
 
 if TYPE_CHECKING:
     from grpclib.protocol import Connection as GrpclibConnection
@@ -37,14 +37,6 @@ pause and a detach acknowledge what is left."""
 _READING: Final = ReaderState.READING
 _PAUSED: Final = ReaderState.PAUSED
 _DONE: Final = ReaderState.DONE
-
-_STOP_CHANGES_NOTHING: Final = (ReaderState.STOPPED, ReaderState.DONE)
-"""A reader stopped already, or done, stays as it is on :meth:`RequestReader.stop` (the
-Join stops its reader on every way out of reading)."""
-
-_PAUSE_CHANGES_NOTHING: Final = (ReaderState.PAUSED, ReaderState.STOPPED, ReaderState.DONE)
-"""``paused = True`` is level-triggered (the Join sets it after every event): a paused
-reader stays paused, and one stopped or done reads nothing either way."""
 
 
 class ReaderConnection(Protocol):
@@ -125,7 +117,7 @@ class RequestReader:
         on_read: Callable[[bool], None] | None = None,
     ) -> None:
         """Deliver messages from now on: what was held first, then all that comes."""
-        self._move(ReaderState.READING)
+        self._move(ReaderEvent.START)
         self._cutter = MessageReader(limit)
         self._on_end = on_end
         self.on_read = on_read
@@ -139,8 +131,7 @@ class RequestReader:
         The WINDOW_UPDATE goes out at once: the connection's window is shared, and a peer
         waiting for it to send on another stream may send nothing else meanwhile.
         """
-        if self.state is not _DONE:  # closed twice: the Join closes it, then detaches it
-            self._move(ReaderState.DONE)
+        self._move(ReaderEvent.CLOSE)  # (closed twice: the Join closes, then detaches it)
         self._drop_all()
         self._flush()
 
@@ -156,23 +147,23 @@ class RequestReader:
 
     @paused.setter
     def paused(self, value: bool) -> None:
-        state = self.state
-        if value:
-            if state not in _PAUSE_CHANGES_NOTHING:
-                self._move(ReaderState.PAUSED)
-        elif state is _PAUSED:
-            self._move(ReaderState.READING)
+        # Level-triggered (the Join sets it after every event): when it says what is
+        # already so, nothing is looked up.
+        if value is (self.state is _PAUSED):
+            return
+        if self._move(ReaderEvent.PAUSE if value else ReaderEvent.RESUME) is _READING:
             self._pump()
             self._flush()
 
     def stop(self) -> None:
         """Consume no more (the server is draining); kept data stays unacknowledged."""
-        if self.state not in _STOP_CHANGES_NOTHING:
-            self._move(ReaderState.STOPPED)
+        self._move(ReaderEvent.STOP)
 
-    def _move(self, new: ReaderState) -> None:
-        check_reader_move(self.state, new)
-        self.state = new
+    def _move(self, event: ReaderEvent) -> ReaderState:
+        """The one writer of :attr:`state`: ``event`` looked up in
+        :data:`~._states.READER_TABLE` (a row that keeps the state: nothing to do)."""
+        self.state = new = reader_move(self.state, event)
+        return new
 
     # -- events from the connection
 
@@ -208,7 +199,7 @@ class RequestReader:
         self._ack(ack)
 
     def _report_end(self, error: WireError | None) -> None:
-        self._move(ReaderState.DONE)
+        self._move(ReaderEvent.END)
         self._drop_all()
         self._on_end(error)
 
