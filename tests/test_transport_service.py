@@ -40,7 +40,7 @@ from rlmesh_trio._options import ServeOptions, resolve
 from rlmesh_trio._proto.rlmesh.core import v1 as core_v1
 from rlmesh_trio._proto.rlmesh.env import v1 as env_v1
 from rlmesh_trio._proto.rlmesh.spaces import v1 as spaces_v1
-from rlmesh_trio._serve import compose
+from rlmesh_trio._serve import ServeHooks, _serve
 from rlmesh_trio._session import (
     Action,
     CancelTimer,
@@ -50,8 +50,7 @@ from rlmesh_trio._session import (
     Session,
     StartTimer,
 )
-from rlmesh_trio._transport import TransportService
-from rlmesh_trio._transport._server import Wiring
+from rlmesh_trio._transport import TransportService, Wiring
 from rlmesh_trio._wire import HEALTH_CHECK_PATH, decode_message
 
 ALREADY_JOINED = str(AlreadyJoinedError())
@@ -75,7 +74,13 @@ class Running:
     service: TransportService
     engine: LaneEngine
     stopped: trio.Event = field(default_factory=trio.Event)
-    stopped_at: float | None = None
+    """Set once the server stopped (``_serve`` returned, its lanes closed)."""
+    ended: list[float] = field(default_factory=list)
+
+    @property
+    def stopped_at(self) -> float | None:
+        """When the server stopped (Trio time), None until then."""
+        return self.ended[0] if self.ended else None
 
 
 @asynccontextmanager
@@ -87,33 +92,40 @@ async def running(
     address: str = "tcp://127.0.0.1:0",
     session_factory: Any = None,
 ) -> AsyncIterator[Running]:
-    """Lanes + transport wired by serve's own :func:`~rlmesh_trio._serve.compose`, with
-    the service exposed; ``session_factory`` replaces the real session (a scripted one).
+    """A server started and stopped exactly as ``serve_env`` does (:func:`_serve`: its
+    lanes, stop phases and teardown), the transport service exposed through its hooks;
+    ``session_factory`` replaces the real session (a scripted one).
 
     ``options`` start from the ``serve_options`` fixture: each test runs on every loop."""
     resolved = resolve(options)
     engine = LaneEngine(make_env, num_envs, resolved)
     listener = bind(parse_address(address))
+    services: list[TransportService] = []
+
+    def wiring(composed: Wiring) -> Wiring:
+        if session_factory is None:
+            return composed
+        return dataclasses.replace(composed, session_factory=session_factory)
+
+    hooks = ServeHooks(wiring=wiring, service=services.append)
+    stopped = trio.Event()
+    ended: list[float] = []
+
+    async def serve(task_status: trio.TaskStatus[Any]) -> None:
+        try:
+            await _serve(engine, listener, resolved, task_status, hooks=hooks)
+        finally:
+            ended.append(trio.current_time())
+            stopped.set()
+
     try:
         async with trio.open_nursery() as nursery:
-            await nursery.start(engine.run)
-            wiring = compose(engine, resolved)
-            if session_factory is not None:
-                wiring = dataclasses.replace(wiring, session_factory=session_factory)
-            service = TransportService(wiring, listener=listener.sock)
-            state = Running(str(listener.address), service, engine)
-
-            async def run_service(task_status: trio.TaskStatus[None]) -> None:
-                try:
-                    await service.run(task_status=task_status)
-                finally:
-                    state.stopped_at = trio.current_time()
-                    state.stopped.set()
-                    engine.close()
-
-            await nursery.start(run_service)
-            yield state
-            nursery.cancel_scope.cancel()
+            info = await nursery.start(serve)
+            state = Running(info.address, services[0], engine, stopped, ended)
+            try:
+                yield state
+            finally:
+                nursery.cancel_scope.cancel()
     finally:
         listener.cleanup()
     assert not any(t.name == "rlmesh-trio-transport" for t in threading.enumerate())

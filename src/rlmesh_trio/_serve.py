@@ -298,6 +298,19 @@ def compose(engine: LaneEngine, options: Resolved) -> Wiring:
     )
 
 
+@dataclass(frozen=True)
+class ServeHooks:
+    """Where a test reaches into a server it starts exactly as ``serve_env`` does (its
+    lanes, stop phases and teardown the production ones), hypercorn-style: nothing is
+    built or stopped around :func:`_serve` by the test itself."""
+
+    wiring: Callable[[Wiring], Wiring] = lambda wiring: wiring
+    """Given the composed wiring, the one the transport gets (a scripted session goes in
+    with ``dataclasses.replace``)."""
+    service: Callable[[TransportService], None] = lambda service: None
+    """Told the transport service before it starts (its stop reason, its loop)."""
+
+
 class _StopClock:
     """When the stop began (Trio time), and the one deadline every part of it meets."""
 
@@ -341,6 +354,8 @@ async def _serve(
     listener: Listener,
     options: Resolved,
     task_status: trio.TaskStatus[ServerInfo],
+    *,
+    hooks: ServeHooks = ServeHooks(),
 ) -> str:
     end = _TransportEnd()
     startup_error: Exception | None = None
@@ -353,13 +368,14 @@ async def _serve(
         try:
             await nursery.start(_run_lanes, engine, lanes_scope)
             lanes_scope.shield = True
-            wiring = compose(engine, options)
+            wiring = hooks.wiring(compose(engine, options))
             metrics_address = None
             if wiring.metrics is not None and options.metrics_address is not None:
                 metrics_address = await nursery.start(
                     _run_metrics, wiring.metrics, options.metrics_address, clock
                 )
             service = TransportService(wiring, listener=listener.sock, on_stop_begin=clock.begin)
+            hooks.service(service)
             await nursery.start(_run_transport, service, engine, clock, end)
         except Exception as exc:
             # Raised plainly after the nursery has wound down, not as an ExceptionGroup.
