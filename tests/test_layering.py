@@ -303,3 +303,37 @@ def test_the_architecture_doc_names_every_module() -> None:
         if f"`{path.name}`" not in row and f"{path.name}" not in row:
             missing.append("/".join(parts))
     assert missing == []
+
+
+def _layer_figure() -> list[list[str]]:
+    """The units of docs/architecture.md's layer figure, one list per floor, the ground
+    floor first (the fenced block after the ``<!-- layers`` line)."""
+    doc = ROOT.parents[1] / "docs" / "architecture.md"
+    lines = doc.read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("<!-- layers"))
+    assert lines[start + 1] == "```", lines[start + 1]
+    floors = []
+    for line in lines[start + 2 :]:
+        if line == "```":
+            break
+        names = line.split("(")[0].replace(",", " ").split()
+        assert names, line
+        floors.append(names)
+    return floors
+
+
+def test_the_layer_figure_is_the_code() -> None:
+    """Every unit of the package stands once in the figure, on a floor above everything
+    it imports: the figure a newcomer reads is the code's own layering."""
+    floors = _layer_figure()
+    floor_of = {name: k for k, names in enumerate(floors) for name in names}
+    assert sum(len(names) for names in floors) == len(floor_of), "a unit drawn twice"
+    units = {unit(module) for module in graph()}
+    assert set(floor_of) == units, (set(floor_of) - units, units - set(floor_of))
+    wrong = sorted(
+        f"{module} -> {imported}"
+        for module, imported_set in graph().items()
+        for imported in imported_set
+        if unit(imported) != unit(module) and floor_of[unit(imported)] >= floor_of[unit(module)]
+    )
+    assert wrong == [], "imports that do not go down the figure"

@@ -29,7 +29,7 @@ import outcome
 import pytest
 import trio
 from hypothesis import strategies as st
-from support import envs, protobuf, wire
+from support import envs, h2raw, protobuf, wire
 
 from rlmesh_trio._address import bind, parse_address
 from rlmesh_trio._bridge import ReplyInbox, ToLoop
@@ -1162,17 +1162,7 @@ class BlindClient:
         # Grant the server all the window it could want: only the socket holds it back.
         conn.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: 2**31 - 1})
         conn.increment_flow_control_window(2**31 - 1 - 65535)
-        conn.send_headers(
-            1,
-            [
-                (":method", "POST"),
-                (":scheme", "http"),
-                (":path", wire.JOIN),
-                (":authority", "localhost"),
-                ("content-type", "application/grpc"),
-                ("te", "trailers"),
-            ],
-        )
+        conn.send_headers(1, h2raw.request_fields(wire.JOIN))
         sock.sendall(conn.data_to_send())
         seen: set[type] = set()
         wanted = {h2.events.ResponseReceived, h2.events.SettingsAcknowledged}

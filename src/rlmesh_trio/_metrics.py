@@ -212,8 +212,6 @@ class ServerMetrics:
 RecorderCounters = tuple[str, int, int, int, int, int]
 """A recorder's name, queue depth, items and bytes written, put wait (ns), and the lanes
 it records no more (its writer failed, or their video stopped)."""
-"""One recorder (``dataset`` or ``video``): its name, queue depth, items written, bytes
-written, and nanoseconds the lanes spent waiting for room in its queue."""
 
 
 class _RecordCollector:

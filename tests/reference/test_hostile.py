@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from hyperframe.frame import GoAwayFrame, HeadersFrame, SettingsFrame
-from support import scripts, wire
+from support import h2raw, scripts, wire
 from support.params import PEERS, skip_without_ours
 from support.protobuf import field
 from support.refserver import ServerConfig, ServerPool
@@ -26,14 +26,7 @@ from support.refserver import ServerConfig, ServerPool
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(120)]
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-JOIN_HEADERS = [
-    (":method", "POST"),
-    (":scheme", "http"),
-    (":path", wire.JOIN),
-    (":authority", "localhost"),
-    ("content-type", "application/grpc"),
-    ("te", "trailers"),
-]
+JOIN_HEADERS = h2raw.request_fields(wire.JOIN)
 
 OTHER_CONNECTION_BOUND = 2.0
 """Seconds a Handshake on another connection may wait while a huge request is decoded

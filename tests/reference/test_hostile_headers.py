@@ -42,15 +42,7 @@ Header = tuple[bytes, bytes]
 
 def block(path: str = wire.HANDSHAKE, *extra: tuple[str | bytes, str | bytes]) -> list[Header]:
     """A well-formed request header block for ``path``, then ``extra`` fields."""
-    fields: list[tuple[str | bytes, str | bytes]] = [
-        (":method", "POST"),
-        (":scheme", "http"),
-        (":path", path),
-        (":authority", "localhost"),
-        ("content-type", "application/grpc"),
-        ("te", "trailers"),
-        *extra,
-    ]
+    fields: list[tuple[str | bytes, str | bytes]] = [*h2raw.request_fields(path), *extra]
     return [(_b(k), _b(v)) for k, v in fields]
 
 

@@ -468,12 +468,12 @@ class GrpcConnection:
 
 
 _SENDING: Final = (h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_REMOTE)
+"""The stream states h2 sends DATA in."""
 
 _DIRECT_DATA: Final = os.environ.get("RLMESH_TRIO_DIRECT_DATA", "1") != "0"
 """Whether a request's DATA frames may be written past h2 (h2's private ``_data_to_send``,
 listed with the transport's in ``_transport/_privates.py``). ``RLMESH_TRIO_DIRECT_DATA=0``
 makes every frame go through ``h2.send_data``, as it does the server's."""
-"""The stream states h2 sends DATA in."""
 
 
 def _window_update(stream_id: int, increment: int) -> bytes:
