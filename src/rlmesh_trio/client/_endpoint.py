@@ -22,7 +22,15 @@ from gymnasium.vector import AutoresetMode
 from .._deprecation import renamed_kwargs
 from .._tls import TlsSetting, check_alpn
 from .._wire._protocol import HANDSHAKE_PATH, JOIN_PATH
-from ._codecs import decode_frame, lanes_of, late, reply_deadline, seeds_of, step_arrays, timeout_of
+from ._codecs import (
+    decode_frame,
+    lanes_of,
+    late,
+    reply_deadline,
+    request_seeds,
+    step_arrays,
+    timeout_of,
+)
 from ._contract import Contract, contract_from_handshake
 from ._core import (
     JoinStream,
@@ -189,7 +197,7 @@ class Endpoint:
         timeout = timeout_of(timeout_ms)
         payload = reset_request(
             rid,
-            seeds=seeds_of(seeds, k),
+            seeds=request_seeds(seeds, k),
             options=check_options(options),
             timeout_ms=timeout,
             env_indices=lanes or (),
