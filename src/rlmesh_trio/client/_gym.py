@@ -44,7 +44,6 @@ from ._errors import (
 )
 from ._gather import addresses_of
 from ._joining import (
-    Connection,
     count_of,
     one_lane_contract,
     open_endpoints,
@@ -60,6 +59,7 @@ from ._settings import (
     DEFAULT_PING_INTERVAL_SECONDS,
     DEFAULT_PING_TIMEOUT_SECONDS,
     OLD_CONNECTION_KEYWORDS,
+    ConnectionSettings,
     request_timeout_ms,
     seconds_of_ms,
 )
@@ -165,15 +165,15 @@ class VectorEnv(gym.vector.VectorEnv):
         )
         want = count_of(num_envs)
         timeout_ms = request_timeout_ms(request_timeout_seconds)
-        connection = Connection(
-            auth_token,
-            tls,
-            connect_timeout_seconds,
-            ping_interval_seconds,
-            ping_timeout_seconds,
-            close_timeout_seconds,
+        settings = ConnectionSettings(
+            auth_token=auth_token,
+            tls=tls,
+            connect_timeout_seconds=connect_timeout_seconds,
+            ping_interval_seconds=ping_interval_seconds,
+            ping_timeout_seconds=ping_timeout_seconds,
+            close_timeout_seconds=close_timeout_seconds,
         )
-        joined = open_endpoints(address, want, connection)
+        joined = open_endpoints(address, want, settings)
         self._parts: list[Part] = []
         try:
             self._setup(joined, want, mode, timeout_ms, batch_size, render_mode)
@@ -462,16 +462,16 @@ class Env(gym.Env):
         close_timeout_seconds: float = DEFAULT_CLOSE_TIMEOUT_SECONDS,
     ) -> None:
         self._timeout_ms = request_timeout_ms(request_timeout_seconds)
-        self._connection = Connection(
-            auth_token,
-            tls,
-            connect_timeout_seconds,
-            ping_interval_seconds,
-            ping_timeout_seconds,
-            close_timeout_seconds,
+        self._settings = ConnectionSettings(
+            auth_token=auth_token,
+            tls=tls,
+            connect_timeout_seconds=connect_timeout_seconds,
+            ping_interval_seconds=ping_interval_seconds,
+            ping_timeout_seconds=ping_timeout_seconds,
+            close_timeout_seconds=close_timeout_seconds,
         )
         self._addresses = addresses_of(address)
-        source, contract = one_lane_contract(self._addresses, self._connection)
+        source, contract = one_lane_contract(self._addresses, self._settings)
         _check_render_mode(source, render_mode, contract.render_mode)
         self._contract = contract
         self._ep: BlockingEndpoint | None = None
@@ -492,7 +492,7 @@ class Env(gym.Env):
             return self._ep
         if self._closed:
             raise EndpointClosedError()
-        ((address, ep),) = open_endpoints(self._addresses, 1, self._connection)
+        ((address, ep),) = open_endpoints(self._addresses, 1, self._settings)
         contract = ep.state.contract
         try:
             if contract.num_envs != 1:

@@ -53,7 +53,7 @@ from ._blocking import BlockingEndpoint
 from ._codecs import decode_frame
 from ._contract import Contract
 from ._errors import LANE_FAULT_KEY, EndpointError, EnvError, ErrorCode, lane_crash
-from ._joining import Connection, count_of, lane_endpoint, open_endpoints, same_contract
+from ._joining import count_of, lane_endpoint, open_endpoints, same_contract
 from ._messages import Episode, Reply, render_builder, reset_builder, step_builder
 from ._rounds import Request, Rounds, raise_failure, run_alone, run_together
 from ._settings import (
@@ -61,6 +61,7 @@ from ._settings import (
     DEFAULT_CONNECT_TIMEOUT_SECONDS,
     DEFAULT_PING_INTERVAL_SECONDS,
     DEFAULT_PING_TIMEOUT_SECONDS,
+    ConnectionSettings,
     request_timeout_ms,
 )
 
@@ -332,15 +333,15 @@ class RemoteVecEnv(VecEnv):
     ) -> None:
         timeout_ms = request_timeout_ms(request_timeout_seconds)
         want = count_of(num_envs)
-        connection = Connection(
-            auth_token,
-            tls,
-            connect_timeout_seconds,
-            ping_interval_seconds,
-            ping_timeout_seconds,
-            close_timeout_seconds,
+        settings = ConnectionSettings(
+            auth_token=auth_token,
+            tls=tls,
+            connect_timeout_seconds=connect_timeout_seconds,
+            ping_interval_seconds=ping_interval_seconds,
+            ping_timeout_seconds=ping_timeout_seconds,
+            close_timeout_seconds=close_timeout_seconds,
         )
-        joined = open_endpoints(address, want, connection)
+        joined = open_endpoints(address, want, settings)
         self._shares: list[_Share] = []
         try:
             self._last_obs: list[Any] = []
