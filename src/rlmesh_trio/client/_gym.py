@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import partial
-from typing import Any, SupportsFloat
+from typing import Any, SupportsFloat, TypeVar
 
 import gymnasium as gym
 import numpy as np
@@ -52,7 +52,7 @@ from ._joining import (
 from ._messages import Episode, render_builder, reset_builder, step_builder
 from ._part import InfoCalls, Part
 from ._pool import Batch
-from ._rounds import Rounds, raise_failure, run_together
+from ._rounds import Rounds, run_shares
 from ._settings import (
     DEFAULT_CLOSE_TIMEOUT_SECONDS,
     DEFAULT_CONNECT_TIMEOUT_SECONDS,
@@ -66,6 +66,8 @@ from ._settings import (
 from ._span import SpanningPool
 
 __all__ = ["Env", "RenderModeError", "VectorEnv"]
+
+T = TypeVar("T")
 
 
 OLD_ADAPTER_KEYWORDS: dict[str, Rename] = {
@@ -228,13 +230,10 @@ class VectorEnv(gym.vector.VectorEnv):
 
     # ---- running the parts ----------------------------------------------------------------
 
-    def _together(self, rounds: list[Rounds[Any]]) -> None:
-        """Drive every part's rounds at once (:func:`._rounds.run_together`); a part's
-        failure is raised naming its endpoint, and a fatal one closes the others."""
-        parts = self._parts
-        _, failures = run_together([(p.ep, p.timeout_ms) for p in parts], rounds)
-        if failures:
-            raise_failure(failures, [p.name for p in parts], self.close)
+    def _run(self, rounds: list[Rounds[T]]) -> list[T]:
+        """Every part's share of a reset or step, all at once (:func:`._rounds.run_shares`:
+        a part's failure raised naming its endpoint, a fatal one closing the others)."""
+        return run_shares(self._parts, rounds, self.close)
 
     def _replayed(self, calls: list[InfoCalls]) -> dict[str, Any]:
         infos: dict[str, Any] = {}
@@ -332,10 +331,10 @@ class VectorEnv(gym.vector.VectorEnv):
         mask = take_reset_mask(options, n)
         single = self._single
         if single is not None:
-            infos = single.run(single.reset(seeds, options, mask, self._add_info))
+            (infos,) = self._run([single.reset(seeds, options, mask, self._add_info)])
             return self._observations(), infos
         calls = [InfoCalls() for _ in self._parts]
-        self._together(
+        self._run(
             [
                 part.reset(
                     seeds[part.offset : part.offset + part.num_envs],
@@ -359,9 +358,9 @@ class VectorEnv(gym.vector.VectorEnv):
         rows = self._action_rows(actions)
         single = self._single
         if single is not None:
-            return single.run(single.step(actions, rows, self._add_info))
+            return self._run([single.step(actions, rows, self._add_info)])[0]
         calls = [InfoCalls() for _ in self._parts]
-        self._together(
+        self._run(
             [
                 part.step(
                     None

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 from gymnasium.vector import AutoresetMode
@@ -32,11 +32,9 @@ from ._errors import EndpointError, EnvError, lane_crash
 from ._joining import lane_endpoint
 from ._messages import Episode, render_builder, reset_builder, step_builder
 from ._pool import BlockingPool
-from ._rounds import Request, Rounds, run_alone
+from ._rounds import Request, Rounds
 
 __all__ = ["InfoCalls", "Part"]
-
-T = TypeVar("T")
 
 
 class InfoCalls:
@@ -83,10 +81,6 @@ class Part:
         last = self.offset + self.num_envs - 1
         lanes = f"lane {last}" if last == self.offset else f"lanes {self.offset}..{last}"
         return f"the endpoint at {self.address} ({lanes} of the vector)"
-
-    def run(self, rounds: Rounds[T]) -> T:
-        """Drive ``rounds`` on this part's connection alone."""
-        return run_alone(self.ep, self.timeout_ms, rounds)
 
     # ---- rounds -----------------------------------------------------------------------
 

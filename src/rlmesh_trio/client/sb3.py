@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import replace
 from functools import partial
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import gymnasium as gym
 import numpy as np
@@ -55,7 +55,7 @@ from ._contract import Contract
 from ._errors import LANE_FAULT_KEY, EndpointError, EnvError, ErrorCode, lane_crash
 from ._joining import count_of, lane_endpoint, open_endpoints, same_contract
 from ._messages import Episode, Reply, render_builder, reset_builder, step_builder
-from ._rounds import Request, Rounds, raise_failure, run_alone, run_together
+from ._rounds import Request, Rounds, run_shares
 from ._settings import (
     DEFAULT_CLOSE_TIMEOUT_SECONDS,
     DEFAULT_CONNECT_TIMEOUT_SECONDS,
@@ -458,15 +458,9 @@ class RemoteVecEnv(VecEnv):
         self.final_episodes = episodes
 
     def _run(self, rounds: list[Rounds[T]]) -> list[T]:
-        """Every endpoint's share of a reset or step, all at once; an endpoint's failure
-        raised naming it (a fatal one closes the others)."""
-        shares = self._shares
-        if len(shares) == 1:
-            return [run_alone(shares[0].ep, shares[0].timeout_ms, rounds[0])]
-        results, failures = run_together([(s.ep, s.timeout_ms) for s in shares], rounds)
-        if failures:
-            raise_failure(failures, [s.name for s in shares], self.close)
-        return [cast(T, result) for result in results]
+        """Every endpoint's share of a reset or step, all at once (:func:`._rounds.run_shares`:
+        an endpoint's failure raised naming it, a fatal one closing the others)."""
+        return run_shares(self._shares, rounds, self.close)
 
     def _frames(self, lanes: list[int]) -> list[np.ndarray[Any, Any] | None]:
         """The lanes' frames (None for a lane the server cannot render)."""
