@@ -28,11 +28,11 @@ from ._autoreset import (
 from ._blocking import BlockingEndpoint
 from ._codecs import decode_frame
 from ._core import JoinStream
-from ._errors import EndpointError, EnvError, lane_crash
+from ._errors import EndpointError, EnvError
 from ._joining import lane_endpoint
 from ._messages import Episode, render_builder, reset_builder, step_builder
 from ._pool import BlockingPool
-from ._rounds import Request, Rounds
+from ._rounds import Request, Rounds, raise_fatal
 
 __all__ = ["InfoCalls", "Part"]
 
@@ -135,9 +135,7 @@ class Part:
         ``rows`` is None), else ``rows`` one action per lane."""
         plan = plan_step(self.mode, self.lanes.done)
         answers = yield self._step_request(plan, actions, rows)
-        for answer in answers:
-            if isinstance(answer, EndpointError) and not lane_crash(answer):
-                raise answer
+        raise_fatal(answers)
         lanes, codecs = self.lanes, self.state.codecs
         folded = fold_arrays(lanes, codecs, self.mode, plan, answers, add_info)
         if folded is not None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn, Protocol, TypeVar, cast
 
 from ._blocking import BlockingEndpoint, Submitted
-from ._errors import ConnectionLostError, EndpointClosedError, EndpointError
+from ._errors import ConnectionLostError, EndpointClosedError, EndpointError, lane_crash
 from ._messages import Reply
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "Rounds",
     "Share",
     "raise_failure",
+    "raise_fatal",
     "run_alone",
     "run_shares",
     "run_together",
@@ -83,6 +84,14 @@ def run_shares(
     if failures:
         raise_failure(failures, [s.name for s in shares], close)
     return cast("list[T]", results)
+
+
+def raise_fatal(answers: Sequence[Answer]) -> None:
+    """Raise the first error among a step's ``answers`` that is not a lane crash (a
+    crashed lane is an answer: its episode ends, truncated)."""
+    for answer in answers:
+        if isinstance(answer, EndpointError) and not lane_crash(answer):
+            raise answer
 
 
 def run_alone(ep: BlockingEndpoint, timeout_ms: int, rounds: Rounds[T]) -> T:
