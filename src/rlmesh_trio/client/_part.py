@@ -30,7 +30,7 @@ from ._codecs import decode_frame
 from ._core import JoinStream
 from ._errors import EndpointError, EnvError
 from ._joining import lane_endpoint
-from ._messages import Episode, render_builder, reset_builder, step_builder
+from ._messages import Episode, render_builder
 from ._pool import BlockingPool
 from ._rounds import Request, Rounds, raise_fatal
 
@@ -98,18 +98,14 @@ class Part:
             groups.append((unseeded, []))
         if not groups:
             return {}
+        # All lanes alike: one whole-vector reset; else lane-scoped ones, sent together.
         everyone = len(groups) == 1 and groups[0][0] == list(range(self.num_envs))
-        builders = [
-            partial(
-                reset_builder,
-                seeds=group_seeds,
-                options=options,
-                timeout_ms=self.timeout_ms,
-                lanes=[] if everyone else group,  # all lanes alike: one whole-vector reset
+        request = Request()
+        for group, group_seeds in groups:
+            request.reset(
+                group, self.timeout_ms, whole=everyone, seeds=group_seeds, options=options
             )
-            for group, group_seeds in groups
-        ]
-        answers = yield Request(builders, ["reset"] * len(builders), [g for g, _ in groups])
+        answers = yield request
         out: dict[int, LaneReset] = {}
         for (group, _), answer in zip(groups, answers, strict=True):
             if isinstance(answer, EndpointError):
@@ -166,28 +162,9 @@ class Part:
                 leaves = codecs.encode_actions(subset, len(step_lanes))
             else:
                 leaves = codecs.encode_actions_rows([rows[i] for i in step_lanes])
-            request.add(
-                partial(
-                    step_builder,
-                    leaves=leaves,
-                    timeout_ms=self.timeout_ms,
-                    lanes=[] if whole else step_lanes,
-                ),
-                "step",
-                step_lanes,
-            )
+            request.step(leaves, step_lanes, self.timeout_ms, whole=whole)
         if reset_lanes:
-            request.add(
-                partial(
-                    reset_builder,
-                    seeds=[],
-                    options=None,
-                    timeout_ms=self.timeout_ms,
-                    lanes=reset_lanes,
-                ),
-                "reset",
-                reset_lanes,
-            )
+            request.reset(reset_lanes, self.timeout_ms, whole=False)
         return request
 
     def render(self) -> list[Any]:

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, NoReturn, Protocol, TypeVar, cast
 
 from ._blocking import BlockingEndpoint, Submitted
 from ._errors import ConnectionLostError, EndpointClosedError, EndpointError, lane_crash
-from ._messages import Reply
+from ._messages import Reply, reset_builder, step_builder
 
 __all__ = [
     "Answer",
@@ -52,6 +53,35 @@ class Request:
         self.builders.append(builder)
         self.kinds.append(kind)
         self.lanes.append(lanes)
+
+    def step(self, leaves: list[bytes], lanes: list[int], timeout_ms: int, *, whole: bool) -> None:
+        """A step of ``lanes`` with their encoded actions; ``whole``: sent as a
+        whole-vector step (``lanes`` are every lane of the endpoint), else lane-scoped."""
+        built = partial(
+            step_builder, leaves=leaves, timeout_ms=timeout_ms, lanes=[] if whole else lanes
+        )
+        self.add(built, "step", lanes)
+
+    def reset(
+        self,
+        lanes: list[int],
+        timeout_ms: int,
+        *,
+        whole: bool,
+        seeds: list[int] | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> None:
+        """A reset of ``lanes`` (``seeds``: the request's, None: unseeded); ``whole``: sent
+        as a whole-vector reset (``lanes`` are every lane of the endpoint), else
+        lane-scoped."""
+        built = partial(
+            reset_builder,
+            seeds=[] if seeds is None else seeds,
+            options=options,
+            timeout_ms=timeout_ms,
+            lanes=[] if whole else lanes,
+        )
+        self.add(built, "reset", lanes)
 
 
 Rounds = Generator[Request, list[Answer], T]

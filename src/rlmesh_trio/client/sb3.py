@@ -62,7 +62,7 @@ from ._codecs import decode_frame
 from ._contract import Contract
 from ._errors import LANE_FAULT_KEY, EndpointError, EnvError, ErrorCode
 from ._joining import count_of, lane_endpoint, open_endpoints, same_contract
-from ._messages import Episode, Reply, render_builder, reset_builder, step_builder
+from ._messages import Episode, Reply, render_builder
 from ._rounds import Request, Rounds, raise_fatal, run_shares
 from ._settings import (
     DEFAULT_CLOSE_TIMEOUT_SECONDS,
@@ -124,7 +124,7 @@ class _Share:
 
     def reset(
         self, seeds: list[int | None], options: list[dict[str, Any]]
-    ) -> Rounds[dict[int, tuple[Any, dict[str, Any]]]]:
+    ) -> Rounds[dict[int, LaneReset]]:
         """Reset every lane with ``seeds`` and ``options`` (one each); each lane's
         observation and info."""
         n = self.num_envs
@@ -136,19 +136,15 @@ class _Share:
             groups = [[i] for i in range(n)]  # each lane its own, sent together
         request = Request()
         for group in groups:
-            request.add(
-                partial(
-                    reset_builder,
-                    seeds=[int(s) for s in (seeds[i] for i in group) if s is not None],
-                    options=options[group[0]] or None,
-                    timeout_ms=self.timeout_ms,
-                    lanes=[] if len(group) == n else group,
-                ),
-                "reset",
+            request.reset(
                 group,
+                self.timeout_ms,
+                whole=len(group) == n,
+                seeds=[int(s) for s in (seeds[i] for i in group) if s is not None],
+                options=options[group[0]] or None,
             )
         answers = yield request
-        out: dict[int, tuple[Any, dict[str, Any]]] = {}
+        out: dict[int, LaneReset] = {}
         for group, answer in zip(groups, answers, strict=True):
             if isinstance(answer, EndpointError):
                 raise answer
@@ -166,18 +162,10 @@ class _Share:
         stepping, unreset = plan.step_lanes, plan.reset_lanes
         request = Request()
         if stepping:
-            request.add(
-                partial(
-                    step_builder,
-                    leaves=self._encode_actions(actions, stepping),
-                    timeout_ms=self.timeout_ms,
-                    lanes=[] if len(stepping) == self.num_envs else stepping,
-                ),
-                "step",
-                stepping,
-            )
+            leaves = self._encode_actions(actions, stepping)
+            request.step(leaves, stepping, self.timeout_ms, whole=len(stepping) == self.num_envs)
         for lane in unreset:
-            request.add(self._autoreset_builder(lane), "reset", [lane])
+            self._autoreset_request(request, lane)
         answers = yield request
         raise_fatal(answers)
         results: dict[int, LaneStep] = {}
@@ -196,7 +184,7 @@ class _Share:
             # be reset holds up no other.
             request = Request()
             for lane in done:
-                request.add(self._autoreset_builder(lane), "reset", [lane])
+                self._autoreset_request(request, lane)
             answers = yield request
             raise_fatal(answers)
             fresh.update(self._autoreset(done, answers, results))
@@ -218,15 +206,9 @@ class _Share:
         assert isinstance(answer, Reply)
         return per_lane_step(self.codecs, lanes, answer)
 
-    def _autoreset_builder(self, lane: int) -> Any:
+    def _autoreset_request(self, request: Request, lane: int) -> None:
         """The unseeded reset of one finished lane (SB3 seeds only at ``reset()``)."""
-        return partial(
-            reset_builder,
-            seeds=[],
-            options=None,
-            timeout_ms=self.timeout_ms,
-            lanes=[] if self.num_envs == 1 else [lane],
-        )
+        request.reset([lane], self.timeout_ms, whole=self.num_envs == 1)
 
     def _autoreset(
         self,
