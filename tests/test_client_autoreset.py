@@ -6,7 +6,10 @@ trip is a direct call on local envs, each lane's own copy of a scripted env that
 episodes (terminated or truncated) on a fixed schedule, and every step's result -- the
 observations, rewards, flags and the infos with ``final_obs``/``final_info`` and their
 masks -- is held to ``SyncVectorEnv``'s over the same envs, in each autoreset mode.
-The transcript over a real endpoint is tests/test_client_gym.py's.
+SB3's ``RemoteVecEnv`` does its same-step reset with the same plan and
+:func:`fold_terminal`, held here to SB3's ``DummyVecEnv`` (when SB3 is installed).
+The transcripts over a real endpoint are tests/test_client_gym.py's and
+tests/test_client_sb3.py's.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from rlmesh_trio.client._autoreset import (
     VectorLanes,
     fold_reset,
     fold_step,
+    fold_terminal,
     plan_step,
     same_step_resets,
     seeds_of,
@@ -226,3 +230,45 @@ def test_the_lanes_are_never_reset_until_a_reset_folds_them() -> None:
     assert lanes.never_reset() == [0, 1, 2]
     fold_reset(lanes, {1: (np.zeros(1), {})}, np.array([False, True, False]), lambda a, b, i: a)
     assert lanes.never_reset() == [0, 2]
+
+
+def test_the_same_step_reset_and_fold_terminal_as_dummy_vec_env_does() -> None:
+    """``RemoteVecEnv.step_wait``'s moves (``sb3.py``: NEXT_STEP's plan over the lanes
+    whose reset failed, none here; SAME_STEP's resets; :func:`fold_terminal`) over local
+    envs, each step held to SB3's ``DummyVecEnv``: observations, rewards, dones, infos
+    with ``terminal_observation`` and ``TimeLimit.truncated``, and ``reset_infos``."""
+    vec_env = pytest.importorskip("stable_baselines3.common.vec_env")
+    n = len(SCRIPTS)
+    reference = vec_env.DummyVecEnv([lambda lane=lane: Scripted(lane) for lane in range(n)])
+    reference.seed(7)
+    envs = [Scripted(lane) for lane in range(n)]
+    obs = np.zeros((n, 3), dtype=np.float64)
+    rewards = np.zeros((n,), dtype=np.float32)
+    dones = np.zeros((n,), dtype=bool)
+    reset_infos: list[dict[str, Any]] = [{} for _ in range(n)]
+    for i in range(n):
+        obs[i], reset_infos[i] = envs[i].reset(seed=7 + i)
+    assert_same(obs.copy(), reference.reset(), "reset")
+    assert_same(tuple(reset_infos), tuple(reference.reset_infos), "reset_infos")
+
+    def save_obs(lane: int, lane_obs: Any) -> None:
+        obs[lane] = lane_obs
+
+    finals = 0
+    for step in range(STEPS):
+        actions = actions_at(step)
+        plan = plan_step(AutoresetMode.NEXT_STEP, np.zeros((n,), dtype=np.bool_))
+        stepped = {i: envs[i].step(actions[i]) for i in plan.step_lanes}
+        done = same_step_resets(AutoresetMode.SAME_STEP, plan, stepped)
+        finished = {i: envs[i].reset() for i in done}
+        infos = fold_terminal(stepped, finished, rewards, dones, reset_infos, save_obs)
+        theirs = reference.step(actions)
+        assert_same(
+            (obs.copy(), rewards.copy(), dones.copy(), tuple(infos)),
+            (theirs[0], theirs[1], theirs[2], tuple(theirs[3])),
+            f"step {step}",
+        )
+        assert_same(tuple(reset_infos), tuple(reference.reset_infos), f"reset_infos {step}")
+        finals += len(done)
+    assert finals >= 8
+    reference.close()

@@ -40,7 +40,7 @@ from rlmesh_trio.client import (
     _grpc,
     open_endpoint,
 )
-from rlmesh_trio.client._codecs import seeds_of
+from rlmesh_trio.client._codecs import request_seeds
 from rlmesh_trio.client._contract import contract_from_handshake
 from rlmesh_trio.client._core import JoinStream, Slot
 from rlmesh_trio.client._grpc import GrpcConnection
@@ -955,8 +955,8 @@ SEED_CASES = [
 @pytest.mark.parametrize(("seeds", "expected"), SEED_CASES)
 def test_the_endpoints_seeds(seeds: Any, expected: Any) -> None:
     if isinstance(expected, list):
-        assert seeds_of(seeds, 3) == expected
+        assert request_seeds(seeds, 3) == expected
     else:
         error, words = expected
         with pytest.raises(error, match=words):
-            seeds_of(seeds, 3)
+            request_seeds(seeds, 3)

@@ -25,7 +25,6 @@ sockets, plaintext or TLS (``tls=``: True, a CA file, or an ``ssl.SSLContext``).
 from .._exports import publish as _publish
 from ._contract import Contract as Contract
 from ._endpoint import Endpoint as Endpoint
-from ._endpoint import open_endpoint as open_endpoint
 from ._errors import ConnectionLostError as ConnectionLostError
 from ._errors import EndpointClosedError as EndpointClosedError
 from ._errors import EndpointError as EndpointError
@@ -40,6 +39,7 @@ from ._gather import EndpointsUnavailableError as EndpointsUnavailableError
 from ._gym import Env as Env
 from ._gym import VectorEnv as VectorEnv
 from ._messages import Episode as Episode
+from ._opening import open_endpoint as open_endpoint
 from ._probe import ProbeResult as ProbeResult
 from ._probe import probe as probe
 

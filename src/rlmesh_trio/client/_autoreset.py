@@ -9,9 +9,15 @@ must have been reset by ``reset(options={"reset_mask": ...})``, else the step is
 refused). The request goes out and comes back (``_gym.py``). :func:`fold_step` writes
 the answers into the :class:`VectorLanes` and builds the step's infos
 (``final_obs``/``final_info`` under SAME_STEP), as ``SyncVectorEnv.step`` does lane by
-lane; :func:`fold_reset` does the same for ``reset()``. Nothing here does IO, so
-``tests/test_client_autoreset.py`` runs the plan and the folds over local envs and holds
-them to ``SyncVectorEnv`` in each mode, without a server.
+lane; :func:`fold_reset` does the same for ``reset()``.
+
+Stable-Baselines3's ``RemoteVecEnv`` (``sb3.py``) is built on the same moves: its
+same-step reset is SAME_STEP's (:func:`same_step_resets`), a lane whose reset failed is
+reset in place of its next step as NEXT_STEP resets a finished lane (:func:`plan_step`),
+and :func:`fold_terminal` folds the answers as ``DummyVecEnv.step_wait`` does, the last
+observation in ``info["terminal_observation"]``. Nothing here does IO, so
+``tests/test_client_autoreset.py`` runs the plans and the folds over local envs and holds
+them to ``SyncVectorEnv`` in each mode (and to SB3's ``DummyVecEnv``), without a server.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ __all__ = [
     "VectorLanes",
     "fold_reset",
     "fold_step",
+    "fold_terminal",
     "plan_step",
     "same_step_resets",
     "seeds_of",
@@ -142,6 +149,39 @@ def fold_step(
                 lanes.obs[i], info = finished[i]
         infos = add_info(infos, info, i)
     lanes.done = np.logical_or(lanes.terminations, lanes.truncations)
+    return infos
+
+
+def fold_terminal(
+    stepped: dict[int, LaneStep],
+    finished: dict[int, LaneReset],
+    rewards: np.ndarray[Any, Any],
+    dones: np.ndarray[Any, Any],
+    reset_infos: list[dict[str, Any]],
+    save_obs: Callable[[int, Any], None],
+) -> list[dict[str, Any]]:
+    """A step's answers folded as Stable-Baselines3's ``DummyVecEnv.step_wait`` folds
+    its envs' (a same-step reset): into the VecEnv's ``rewards`` and ``dones`` buffers,
+    each lane's observation handed to ``save_obs(lane, obs)``; returns each lane's info.
+
+    ``stepped``: every lane's step (or what counts as one: a faulted lane, or a lane
+    whose reset failed, truncated on its last observation); ``finished``: the resets of
+    the lanes that finished (:func:`same_step_resets`). A finished lane's info gets its
+    last observation as ``terminal_observation``; when its reset answered, its
+    observation is the next episode's first and its reset info goes to
+    ``reset_infos``. ``TimeLimit.truncated`` is set on every lane's info."""
+    infos: list[dict[str, Any]] = []
+    for i in range(len(rewards)):
+        obs, reward, terminated, truncated, info = stepped[i]
+        rewards[i] = reward
+        dones[i] = terminated or truncated
+        info["TimeLimit.truncated"] = truncated and not terminated
+        if dones[i]:
+            info["terminal_observation"] = obs
+            if i in finished:
+                obs, reset_infos[i] = finished[i]
+        infos.append(info)
+        save_obs(i, obs)
     return infos
 
 

@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .._tls import TlsSetting, check_alpn
+from .._tls import check_alpn
 from .._wire._protocol import HANDSHAKE_PATH, JOIN_PATH
 from ._codecs import late, reply_deadline
 from ._contract import Contract, contract_from_handshake
@@ -29,8 +29,8 @@ from ._errors import ConnectionLostError, EndpointClosedError, EndpointError, En
 from ._grpc import Call, GrpcConnection
 from ._messages import Episode, Reply, close_request, configure_request, handshake_request
 from ._settings import (
+    ConnectionSettings,
     Target,
-    check_timeouts,
     metadata,
     no_ping_answer,
     tls_context,
@@ -49,29 +49,20 @@ class BlockingConnection:
     write what h2 has, read until a condition holds (keep-alive PINGs while waiting),
     unary calls. ``after`` runs after every read (the endpoint routes Join replies)."""
 
-    def __init__(
-        self,
-        target: Target,
-        *,
-        auth_token: str | None,
-        tls: TlsSetting,
-        connect_timeout_seconds: float,
-        ping_interval_seconds: float,
-        ping_timeout_seconds: float,
-    ) -> None:
+    def __init__(self, target: Target, settings: ConnectionSettings) -> None:
         self.target = target
-        self._tls = tls_context(target, tls)
-        self._ping_interval = ping_interval_seconds
-        self._ping_timeout = ping_timeout_seconds
+        self._tls = tls_context(target, settings.tls)
+        self._ping_interval = settings.ping_interval_seconds
+        self._ping_timeout = settings.ping_timeout_seconds
         self.conn = GrpcConnection(
-            target.authority, metadata(auth_token), tls=self._tls is not None
+            target.authority, metadata(settings.auth_token), tls=self._tls is not None
         )
         self.after: Callable[[], None] = _noop
         self.reads = 0
         """How many reads :meth:`pump` has fed to the connection (a vector over several
         endpoints waits for the next read of whichever socket has data)."""
         self._quickack = False
-        self.sock: socket.socket | None = self._connect(connect_timeout_seconds)
+        self.sock: socket.socket | None = self._connect(settings.connect_timeout_seconds)
 
     def _connect(self, timeout: float) -> socket.socket:
         target = self.target
@@ -210,32 +201,14 @@ class BlockingConnection:
             sock.close()
 
 
-def handshake(
-    address: str,
-    *,
-    auth_token: str | None,
-    tls: TlsSetting,
-    connect_timeout_seconds: float,
-    ping_interval_seconds: float,
-    ping_timeout_seconds: float,
-) -> Contract:
+def handshake(address: str, settings: ConnectionSettings) -> Contract:
     """What the endpoint at ``address`` serves: one Handshake on a connection of its
     own, closed after (no Join: the endpoint's session is not taken)."""
-    check_timeouts(
-        connect_timeout_seconds=connect_timeout_seconds,
-        ping_interval_seconds=ping_interval_seconds,
-        ping_timeout_seconds=ping_timeout_seconds,
-    )
+    settings.check(closing=False)
     target = Target.parse(address)
+    connect_timeout_seconds = settings.connect_timeout_seconds
     deadline = time.monotonic() + connect_timeout_seconds
-    link = BlockingConnection(
-        target,
-        auth_token=auth_token,
-        tls=tls,
-        connect_timeout_seconds=connect_timeout_seconds,
-        ping_interval_seconds=ping_interval_seconds,
-        ping_timeout_seconds=ping_timeout_seconds,
-    )
+    link = BlockingConnection(target, settings)
     try:
         link.flush(deadline)
         try:
@@ -299,36 +272,14 @@ class BlockingEndpoint:
     referenced then may be in use on another thread; the OS closes its socket.
     """
 
-    def __init__(
-        self,
-        address: str,
-        *,
-        auth_token: str | None,
-        tls: TlsSetting = None,
-        connect_timeout_seconds: float,
-        ping_interval_seconds: float,
-        ping_timeout_seconds: float,
-        close_timeout_seconds: float,
-    ) -> None:
-        check_timeouts(
-            connect_timeout_seconds=connect_timeout_seconds,
-            ping_interval_seconds=ping_interval_seconds,
-            ping_timeout_seconds=ping_timeout_seconds,
-            close_timeout_seconds=close_timeout_seconds,
-        )
+    def __init__(self, address: str, settings: ConnectionSettings) -> None:
+        settings.check()
         self.target = Target.parse(address)
-        self._close_timeout = close_timeout_seconds
+        self._close_timeout = settings.close_timeout_seconds
         self._closed: list[Episode] | None = None
         _collect_abandoned(self.target)
-        deadline = time.monotonic() + connect_timeout_seconds
-        self._link = BlockingConnection(
-            self.target,
-            auth_token=auth_token,
-            tls=tls,
-            connect_timeout_seconds=connect_timeout_seconds,
-            ping_interval_seconds=ping_interval_seconds,
-            ping_timeout_seconds=ping_timeout_seconds,
-        )
+        deadline = time.monotonic() + settings.connect_timeout_seconds
+        self._link = BlockingConnection(self.target, settings)
         # The finalizer holds the connection, never the endpoint (nor anything that
         # refers back to it), or the endpoint could never become garbage.
         self._finalizer = weakref.finalize(self, self._link.drop)
@@ -351,7 +302,7 @@ class BlockingEndpoint:
                     raise
                 raise ConnectionLostError(
                     f"no session with {self.target} within "
-                    f"connect_timeout_seconds={connect_timeout_seconds:g}"
+                    f"connect_timeout_seconds={settings.connect_timeout_seconds:g}"
                 ) from None
         except BaseException:
             self._shut()

@@ -35,7 +35,7 @@ __all__ = [
     "lanes_of",
     "late",
     "reply_deadline",
-    "seeds_of",
+    "request_seeds",
     "step_arrays",
     "timeout_of",
     "wire_seed",
@@ -331,9 +331,11 @@ def expand_seeds(
     return [None if s is None else wire_seed(s) for s in values]
 
 
-def seeds_of(seeds: int | Sequence[int | None] | None, k: int) -> list[int]:
-    """``None``, an int (``seed + i`` for the i-th addressed lane, as gymnasium), or
-    ``k`` ints (all None = unseeded)."""
+def request_seeds(seeds: int | Sequence[int | None] | None, k: int) -> list[int]:
+    """One request's ``seeds`` field for ``k`` addressed lanes (``[]``: unseeded) from
+    ``None``, an int (``seed + i`` for the i-th addressed lane, as gymnasium), or ``k``
+    ints (all None = unseeded). (A vector's per-lane seeds are
+    :func:`._autoreset.seeds_of`'s.)"""
     values = expand_seeds(seeds, range(k), some_unseeded=False)
     if any(s is None for s in values):
         return []  # all of them

@@ -1,4 +1,4 @@
-"""The Trio client: :func:`open_endpoint` and :class:`Endpoint`.
+"""The Trio client's :class:`Endpoint` (made by :func:`._opening.open_endpoint`).
 
 One HTTP/2 connection on a Trio stream (TCP or unix socket), driven by ``h2`` in this
 thread: no asyncio, no helper thread. A reader task routes replies to waiting callers by
@@ -11,7 +11,7 @@ import contextlib
 import math
 import socket
 import ssl
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import gymnasium as gym
@@ -19,10 +19,17 @@ import numpy as np
 import trio
 from gymnasium.vector import AutoresetMode
 
-from .._deprecation import renamed_kwargs
-from .._tls import TlsSetting, check_alpn
+from .._tls import check_alpn
 from .._wire._protocol import HANDSHAKE_PATH, JOIN_PATH
-from ._codecs import decode_frame, lanes_of, late, reply_deadline, seeds_of, step_arrays, timeout_of
+from ._codecs import (
+    decode_frame,
+    lanes_of,
+    late,
+    reply_deadline,
+    request_seeds,
+    step_arrays,
+    timeout_of,
+)
 from ._contract import Contract, contract_from_handshake
 from ._core import (
     JoinStream,
@@ -32,7 +39,6 @@ from ._core import (
     result_of,
 )
 from ._errors import ConnectionLostError, EndpointClosedError, EndpointError
-from ._gather import Gathering, addresses_of, passed_over
 from ._grpc import GrpcConnection
 from ._messages import (
     Episode,
@@ -43,23 +49,17 @@ from ._messages import (
     reset_request,
     step_request,
 )
-from ._pool import AsyncPool, Batch, autoreset_mode_of
+from ._pool import AsyncPool, Batch
 from ._settings import (
-    DEFAULT_CLOSE_TIMEOUT_SECONDS,
-    DEFAULT_CONNECT_TIMEOUT_SECONDS,
-    DEFAULT_PING_INTERVAL_SECONDS,
-    DEFAULT_PING_TIMEOUT_SECONDS,
-    OLD_CONNECTION_KEYWORDS,
+    ConnectionSettings,
     Target,
-    check_timeouts,
     metadata,
     no_ping_answer,
-    tls_context,
     tls_failure,
     transport_failure,
 )
 
-__all__ = ["Endpoint", "open_endpoint"]
+__all__ = ["Endpoint"]
 
 WRITE_TIMEOUT = 60.0
 """Seconds one socket write may block (a server that stops reading) before the
@@ -87,25 +87,25 @@ class Endpoint:
     vector envs batch them. Requests with ``env_indices`` are lane-scoped: the server
     runs them concurrently and they may complete in any order; without, they address the
     whole vector and the server serialises them. (Its constructor is internal: it takes
-    the parsed target and the connection's settings from :func:`open_endpoint`.)
+    the parsed target, the connection's settings and its TLS context from
+    :func:`open_endpoint`.)
     """
 
     def __init__(
         self,
         target: Target,
-        auth_token: str | None,
+        settings: ConnectionSettings,
         *,
         tls: ssl.SSLContext | None = None,
-        ping_interval_seconds: float,
-        ping_timeout_seconds: float,
-        close_timeout_seconds: float,
         batch_size: int | None = None,
         autoreset_mode: AutoresetMode = AutoresetMode.NEXT_STEP,
     ) -> None:
         self._pool_args = (batch_size, autoreset_mode)
         self._pool: AsyncPool | None = None
         self._target = target
-        self._conn = GrpcConnection(target.authority, metadata(auth_token), tls=tls is not None)
+        self._conn = GrpcConnection(
+            target.authority, metadata(settings.auth_token), tls=tls is not None
+        )
         self._tls = tls
         self._stream: trio.abc.Stream | None = None
         self._socket_stream: trio.SocketStream | None = None
@@ -115,9 +115,9 @@ class Endpoint:
         self._quickack = False
         self._unary: dict[int, trio.Event] = {}
         self._state: JoinStream | None = None
-        self._ping_interval = ping_interval_seconds
-        self._ping_timeout = ping_timeout_seconds
-        self._close_timeout = close_timeout_seconds
+        self._ping_interval = settings.ping_interval_seconds
+        self._ping_timeout = settings.ping_timeout_seconds
+        self._close_timeout = settings.close_timeout_seconds
         self._received = trio.Event()
         """Set by the next read (or loss) of the connection: :meth:`_wait_stream_end`."""
         self._reader_done = trio.Event()
@@ -189,7 +189,7 @@ class Endpoint:
         timeout = timeout_of(timeout_ms)
         payload = reset_request(
             rid,
-            seeds=seeds_of(seeds, k),
+            seeds=request_seeds(seeds, k),
             options=check_options(options),
             timeout_ms=timeout,
             env_indices=lanes or (),
@@ -533,154 +533,3 @@ class Endpoint:
 
 def _noop() -> None:
     pass
-
-
-@renamed_kwargs(**OLD_CONNECTION_KEYWORDS)
-@contextlib.asynccontextmanager
-async def open_endpoint(
-    address: str | Sequence[str] | None = None,
-    *,
-    num_envs: int | None = None,
-    auth_token: str | None = None,
-    tls: TlsSetting = None,
-    connect_timeout_seconds: float = DEFAULT_CONNECT_TIMEOUT_SECONDS,
-    ping_interval_seconds: float = DEFAULT_PING_INTERVAL_SECONDS,
-    ping_timeout_seconds: float = DEFAULT_PING_TIMEOUT_SECONDS,
-    close_timeout_seconds: float = DEFAULT_CLOSE_TIMEOUT_SECONDS,
-    batch_size: int | None = None,
-    autoreset_mode: str | AutoresetMode = AutoresetMode.NEXT_STEP,
-) -> AsyncIterator[Endpoint]:
-    """Connect to ``address`` (``tcp://host:port``, ``host:port``, ``port``,
-    ``unix:///path``), Handshake (generation and edition check, the contract), open the
-    Join and configure it; yield the :class:`Endpoint`; close it on exit.
-
-    ``auth_token``: sent as ``authorization: Bearer <token>`` on every call.
-    ``tls``: None/False plaintext (default); ``True`` TLS trusting the system's CAs; a
-    CA file path (PEM) to trust instead; or an :class:`ssl.SSLContext` (a client
-    certificate for mTLS goes through it: ``load_cert_chain``). ALPN must agree on
-    ``h2``; the server's certificate is checked against the address's host (a DNS name
-    against its DNS SANs, an IP address against its IP SANs). TCP addresses only.
-    ``connect_timeout_seconds`` bounds connecting, the Handshake and the Join's
-    configure. While requests wait, a PING goes out after ``ping_interval_seconds`` of
-    silence and the connection is declared lost if it is not answered within
-    ``ping_timeout_seconds`` (a vanished server never hangs a caller).
-    ``close_timeout_seconds`` bounds :meth:`Endpoint.aclose`. Raises
-    :class:`ConnectionLostError`, :class:`RpcError` (e.g. ``UNAUTHENTICATED: invalid env
-    token``, FAILED_PRECONDITION for a second Join) or :class:`HandshakeError`.
-
-    The 0.1 keywords ``token``, ``connect_timeout``, ``ping_interval``,
-    ``ping_timeout`` and ``close_timeout`` still work (deprecated, removed in 0.2).
-
-    ``batch_size`` (1..num_envs, default num_envs) and ``autoreset_mode`` (NEXT_STEP
-    default, SAME_STEP, DISABLED) shape :meth:`Endpoint.send` / :meth:`Endpoint.recv`,
-    the EnvPool-style stepping of the lanes that are ready (docs/client.md).
-
-    ``address`` None reads ``RLMESH_TRIO_ADDRESS``. A list of addresses (or a string
-    of comma-separated ones) joins the first endpoint in list order that admits this
-    client (one whose Join session is taken, or that cannot be reached, is passed
-    over) and, with ``num_envs``, serves exactly that many lanes; when none does,
-    :class:`EndpointsUnavailableError` names each and why. ``num_envs`` with one
-    address is checked too (``ValueError``).
-    """
-    addresses = addresses_of(address)
-    if num_envs is not None and (
-        isinstance(num_envs, bool) or not isinstance(num_envs, int) or num_envs < 1
-    ):
-        raise ValueError(f"num_envs must be an int >= 1, got {num_envs!r}")
-    gathering = Gathering(addresses, num_envs)
-    for each in addresses:
-        stack = contextlib.AsyncExitStack()
-        try:
-            ep = await stack.enter_async_context(
-                _open_one(
-                    each,
-                    auth_token=auth_token,
-                    tls=tls,
-                    connect_timeout_seconds=connect_timeout_seconds,
-                    ping_interval_seconds=ping_interval_seconds,
-                    ping_timeout_seconds=ping_timeout_seconds,
-                    close_timeout_seconds=close_timeout_seconds,
-                    batch_size=batch_size,
-                    autoreset_mode=autoreset_mode,
-                )
-            )
-        except EndpointError as exc:
-            why = passed_over(exc) if len(addresses) > 1 else None
-            if why is None:
-                raise
-            gathering.refused(each, why)
-            continue
-        if num_envs is not None and ep.num_envs != num_envs:
-            await stack.aclose()
-            if len(addresses) == 1:
-                raise ValueError(f"num_envs={num_envs}, but {each} serves {ep.num_envs} lanes")
-            gathering.refused(each, f"serves {ep.num_envs} lanes, {num_envs} wanted")
-            continue
-        async with stack:
-            yield ep
-        return
-    gathering.check()
-    raise AssertionError("unreachable: no endpoint taken, yet nothing refused")
-
-
-@contextlib.asynccontextmanager
-async def _open_one(
-    address: str,
-    *,
-    auth_token: str | None,
-    tls: TlsSetting,
-    connect_timeout_seconds: float,
-    ping_interval_seconds: float,
-    ping_timeout_seconds: float,
-    close_timeout_seconds: float,
-    batch_size: int | None,
-    autoreset_mode: str | AutoresetMode,
-) -> AsyncIterator[Endpoint]:
-    target = Target.parse(address)
-    mode = autoreset_mode_of(autoreset_mode)
-    check_timeouts(
-        connect_timeout_seconds=connect_timeout_seconds,
-        ping_interval_seconds=ping_interval_seconds,
-        ping_timeout_seconds=ping_timeout_seconds,
-        close_timeout_seconds=close_timeout_seconds,
-    )
-    endpoint = Endpoint(
-        target,
-        auth_token,
-        tls=tls_context(target, tls),
-        ping_interval_seconds=ping_interval_seconds,
-        ping_timeout_seconds=ping_timeout_seconds,
-        close_timeout_seconds=close_timeout_seconds,
-        batch_size=batch_size,
-        autoreset_mode=mode,
-    )
-    single: BaseException | None = None
-    try:
-        async with trio.open_nursery() as nursery:
-            try:
-                with trio.fail_after(connect_timeout_seconds):
-                    await endpoint._start(nursery)
-            except trio.TooSlowError:
-                await endpoint.aclose()
-                nursery.cancel_scope.cancel()
-                raise ConnectionLostError(
-                    f"no session with {target} within "
-                    f"connect_timeout_seconds={connect_timeout_seconds:g}"
-                ) from None
-            except BaseException:
-                await endpoint.aclose()
-                nursery.cancel_scope.cancel()
-                raise
-            try:
-                yield endpoint
-            finally:
-                await endpoint.aclose()
-                nursery.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        # The reader task never raises: a group holds the caller's own exception (or
-        # the startup error). Hand it over as itself, not wrapped by our nursery.
-        if len(group.exceptions) != 1:
-            raise
-        single = group.exceptions[0]
-    if single is not None:
-        raise single

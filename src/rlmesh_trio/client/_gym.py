@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import partial
-from typing import Any, SupportsFloat
+from typing import Any, SupportsFloat, TypeVar
 
 import gymnasium as gym
 import numpy as np
@@ -44,7 +44,6 @@ from ._errors import (
 )
 from ._gather import addresses_of
 from ._joining import (
-    Connection,
     count_of,
     one_lane_contract,
     open_endpoints,
@@ -53,19 +52,22 @@ from ._joining import (
 from ._messages import Episode, render_builder, reset_builder, step_builder
 from ._part import InfoCalls, Part
 from ._pool import Batch
-from ._rounds import Rounds, raise_failure, run_together
+from ._rounds import Rounds, run_shares
 from ._settings import (
     DEFAULT_CLOSE_TIMEOUT_SECONDS,
     DEFAULT_CONNECT_TIMEOUT_SECONDS,
     DEFAULT_PING_INTERVAL_SECONDS,
     DEFAULT_PING_TIMEOUT_SECONDS,
     OLD_CONNECTION_KEYWORDS,
+    ConnectionSettings,
     request_timeout_ms,
     seconds_of_ms,
 )
 from ._span import SpanningPool
 
 __all__ = ["Env", "RenderModeError", "VectorEnv"]
+
+T = TypeVar("T")
 
 
 OLD_ADAPTER_KEYWORDS: dict[str, Rename] = {
@@ -165,15 +167,15 @@ class VectorEnv(gym.vector.VectorEnv):
         )
         want = count_of(num_envs)
         timeout_ms = request_timeout_ms(request_timeout_seconds)
-        connection = Connection(
-            auth_token,
-            tls,
-            connect_timeout_seconds,
-            ping_interval_seconds,
-            ping_timeout_seconds,
-            close_timeout_seconds,
+        settings = ConnectionSettings(
+            auth_token=auth_token,
+            tls=tls,
+            connect_timeout_seconds=connect_timeout_seconds,
+            ping_interval_seconds=ping_interval_seconds,
+            ping_timeout_seconds=ping_timeout_seconds,
+            close_timeout_seconds=close_timeout_seconds,
         )
-        joined = open_endpoints(address, want, connection)
+        joined = open_endpoints(address, want, settings)
         self._parts: list[Part] = []
         try:
             self._setup(joined, want, mode, timeout_ms, batch_size, render_mode)
@@ -228,13 +230,10 @@ class VectorEnv(gym.vector.VectorEnv):
 
     # ---- running the parts ----------------------------------------------------------------
 
-    def _together(self, rounds: list[Rounds[Any]]) -> None:
-        """Drive every part's rounds at once (:func:`._rounds.run_together`); a part's
-        failure is raised naming its endpoint, and a fatal one closes the others."""
-        parts = self._parts
-        _, failures = run_together([(p.ep, p.timeout_ms) for p in parts], rounds)
-        if failures:
-            raise_failure(failures, [p.name for p in parts], self.close)
+    def _run(self, rounds: list[Rounds[T]]) -> list[T]:
+        """Every part's share of a reset or step, all at once (:func:`._rounds.run_shares`:
+        a part's failure raised naming its endpoint, a fatal one closing the others)."""
+        return run_shares(self._parts, rounds, self.close)
 
     def _replayed(self, calls: list[InfoCalls]) -> dict[str, Any]:
         infos: dict[str, Any] = {}
@@ -332,10 +331,10 @@ class VectorEnv(gym.vector.VectorEnv):
         mask = take_reset_mask(options, n)
         single = self._single
         if single is not None:
-            infos = single.run(single.reset(seeds, options, mask, self._add_info))
+            (infos,) = self._run([single.reset(seeds, options, mask, self._add_info)])
             return self._observations(), infos
         calls = [InfoCalls() for _ in self._parts]
-        self._together(
+        self._run(
             [
                 part.reset(
                     seeds[part.offset : part.offset + part.num_envs],
@@ -359,9 +358,9 @@ class VectorEnv(gym.vector.VectorEnv):
         rows = self._action_rows(actions)
         single = self._single
         if single is not None:
-            return single.run(single.step(actions, rows, self._add_info))
+            return self._run([single.step(actions, rows, self._add_info)])[0]
         calls = [InfoCalls() for _ in self._parts]
-        self._together(
+        self._run(
             [
                 part.step(
                     None
@@ -462,16 +461,16 @@ class Env(gym.Env):
         close_timeout_seconds: float = DEFAULT_CLOSE_TIMEOUT_SECONDS,
     ) -> None:
         self._timeout_ms = request_timeout_ms(request_timeout_seconds)
-        self._connection = Connection(
-            auth_token,
-            tls,
-            connect_timeout_seconds,
-            ping_interval_seconds,
-            ping_timeout_seconds,
-            close_timeout_seconds,
+        self._settings = ConnectionSettings(
+            auth_token=auth_token,
+            tls=tls,
+            connect_timeout_seconds=connect_timeout_seconds,
+            ping_interval_seconds=ping_interval_seconds,
+            ping_timeout_seconds=ping_timeout_seconds,
+            close_timeout_seconds=close_timeout_seconds,
         )
         self._addresses = addresses_of(address)
-        source, contract = one_lane_contract(self._addresses, self._connection)
+        source, contract = one_lane_contract(self._addresses, self._settings)
         _check_render_mode(source, render_mode, contract.render_mode)
         self._contract = contract
         self._ep: BlockingEndpoint | None = None
@@ -492,7 +491,7 @@ class Env(gym.Env):
             return self._ep
         if self._closed:
             raise EndpointClosedError()
-        ((address, ep),) = open_endpoints(self._addresses, 1, self._connection)
+        ((address, ep),) = open_endpoints(self._addresses, 1, self._settings)
         contract = ep.state.contract
         try:
             if contract.num_envs != 1:

@@ -1,31 +1,24 @@
 """How the blocking adapters (``VectorEnv``, ``Env``, SB3's ``RemoteVecEnv``) join their
-endpoints: the connection's settings (:class:`Connection`), the endpoints gathered from an
-address or a list (:func:`open_endpoints`, by :mod:`._gather`'s rule), what a one-lane
-client reads before it joins (:func:`one_lane_contract`), and the checks every endpoint
-of one vector passes (:func:`lane_endpoint`, :func:`same_contract`, :func:`count_of`)."""
+endpoints, each with the one :class:`~._settings.ConnectionSettings` value it was given:
+the endpoints gathered from an address or a list (:func:`open_endpoints`, by
+:mod:`._gather`'s rule), what a one-lane client reads before it joins
+(:func:`one_lane_contract`), and the checks every endpoint of one vector passes
+(:func:`lane_endpoint`, :func:`same_contract`, :func:`count_of`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .._tls import TlsSetting
 from ._blocking import BlockingEndpoint, handshake
 from ._contract import Contract
 from ._errors import EndpointError
 from ._gather import Gathering, addresses_of, passed_over
-from ._settings import (
-    DEFAULT_CLOSE_TIMEOUT_SECONDS,
-    DEFAULT_CONNECT_TIMEOUT_SECONDS,
-    DEFAULT_PING_INTERVAL_SECONDS,
-    DEFAULT_PING_TIMEOUT_SECONDS,
-)
+from ._settings import ConnectionSettings
 
 __all__ = [
-    "Connection",
     "count_of",
     "lane_endpoint",
     "one_lane_contract",
@@ -34,48 +27,15 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class Connection:
-    """How the adapters connect to each endpoint: the bearer token, TLS and the
-    connection's timeouts (as :func:`~rlmesh_trio.client.open_endpoint` takes them)."""
-
-    auth_token: str | None = None
-    tls: TlsSetting = None
-    connect_timeout_seconds: float = DEFAULT_CONNECT_TIMEOUT_SECONDS
-    ping_interval_seconds: float = DEFAULT_PING_INTERVAL_SECONDS
-    ping_timeout_seconds: float = DEFAULT_PING_TIMEOUT_SECONDS
-    close_timeout_seconds: float = DEFAULT_CLOSE_TIMEOUT_SECONDS
-
-    def _link(self) -> dict[str, Any]:
-        """The keywords of one connection (a Handshake's, or an endpoint's)."""
-        return {
-            "auth_token": self.auth_token,
-            "tls": self.tls,
-            "connect_timeout_seconds": self.connect_timeout_seconds,
-            "ping_interval_seconds": self.ping_interval_seconds,
-            "ping_timeout_seconds": self.ping_timeout_seconds,
-        }
-
-    def handshake(self, address: str) -> Contract:
-        """What ``address`` serves (a Handshake only: no session is taken)."""
-        return handshake(address, **self._link())
-
-    def open(self, address: str) -> BlockingEndpoint:
-        """A joined endpoint at ``address``."""
-        return BlockingEndpoint(
-            address, **self._link(), close_timeout_seconds=self.close_timeout_seconds
-        )
-
-
 def open_endpoints(
-    address: str | Sequence[str] | None, want: int | None, connection: Connection
+    address: str | Sequence[str] | None, want: int | None, settings: ConnectionSettings
 ) -> list[tuple[str, BlockingEndpoint]]:
     """The endpoints a client joins: ``address`` (else ``RLMESH_TRIO_ADDRESS``), one
     address as it is, a list gathered whole endpoint by whole endpoint until ``want``
     lanes are held (None: every endpoint of the list) -- see :mod:`._gather`."""
     addresses = addresses_of(address)
     if len(addresses) == 1:
-        return [(addresses[0], connection.open(addresses[0]))]
+        return [(addresses[0], BlockingEndpoint(addresses[0], settings))]
     gathering = Gathering(addresses, want)
     taken: list[tuple[str, BlockingEndpoint]] = []
     try:
@@ -83,7 +43,7 @@ def open_endpoints(
             if gathering.done:
                 break
             try:
-                ep = connection.open(each)
+                ep = BlockingEndpoint(each, settings)
             except EndpointError as exc:
                 why = passed_over(exc)
                 if why is None:
@@ -141,19 +101,19 @@ def same_contract(a: Contract, a_address: str, b: Contract, b_address: str) -> N
             )
 
 
-def one_lane_contract(addresses: list[str], connection: Connection) -> tuple[str, Contract]:
+def one_lane_contract(addresses: list[str], settings: ConnectionSettings) -> tuple[str, Contract]:
     """What a one-lane client of ``addresses`` serves (a Handshake, no session): the
     address answered and its contract. One address: its contract, which must have one
     lane. A list: the first reachable one-lane endpoint's."""
     if len(addresses) == 1:
-        contract = connection.handshake(addresses[0])
+        contract = handshake(addresses[0], settings)
         if contract.num_envs != 1:
             raise ValueError(f"{addresses[0]} has {contract.num_envs} lanes; use VectorEnv for it")
         return addresses[0], contract
     gathering = Gathering(addresses, 1)
     for each in addresses:
         try:
-            contract = connection.handshake(each)
+            contract = handshake(each, settings)
         except EndpointError as exc:
             why = passed_over(exc)
             if why is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 from gymnasium.vector import AutoresetMode
@@ -28,15 +28,13 @@ from ._autoreset import (
 from ._blocking import BlockingEndpoint
 from ._codecs import decode_frame
 from ._core import JoinStream
-from ._errors import EndpointError, EnvError, lane_crash
+from ._errors import EndpointError, EnvError
 from ._joining import lane_endpoint
-from ._messages import Episode, render_builder, reset_builder, step_builder
+from ._messages import Episode, render_builder
 from ._pool import BlockingPool
-from ._rounds import Request, Rounds, run_alone
+from ._rounds import Request, Rounds, raise_fatal
 
 __all__ = ["InfoCalls", "Part"]
-
-T = TypeVar("T")
 
 
 class InfoCalls:
@@ -84,10 +82,6 @@ class Part:
         lanes = f"lane {last}" if last == self.offset else f"lanes {self.offset}..{last}"
         return f"the endpoint at {self.address} ({lanes} of the vector)"
 
-    def run(self, rounds: Rounds[T]) -> T:
-        """Drive ``rounds`` on this part's connection alone."""
-        return run_alone(self.ep, self.timeout_ms, rounds)
-
     # ---- rounds -----------------------------------------------------------------------
 
     def resets(
@@ -104,18 +98,14 @@ class Part:
             groups.append((unseeded, []))
         if not groups:
             return {}
+        # All lanes alike: one whole-vector reset; else lane-scoped ones, sent together.
         everyone = len(groups) == 1 and groups[0][0] == list(range(self.num_envs))
-        builders = [
-            partial(
-                reset_builder,
-                seeds=group_seeds,
-                options=options,
-                timeout_ms=self.timeout_ms,
-                lanes=[] if everyone else group,  # all lanes alike: one whole-vector reset
+        request = Request()
+        for group, group_seeds in groups:
+            request.reset(
+                group, self.timeout_ms, whole=everyone, seeds=group_seeds, options=options
             )
-            for group, group_seeds in groups
-        ]
-        answers = yield Request(builders, ["reset"] * len(builders), [g for g, _ in groups])
+        answers = yield request
         out: dict[int, LaneReset] = {}
         for (group, _), answer in zip(groups, answers, strict=True):
             if isinstance(answer, EndpointError):
@@ -141,9 +131,7 @@ class Part:
         ``rows`` is None), else ``rows`` one action per lane."""
         plan = plan_step(self.mode, self.lanes.done)
         answers = yield self._step_request(plan, actions, rows)
-        for answer in answers:
-            if isinstance(answer, EndpointError) and not lane_crash(answer):
-                raise answer
+        raise_fatal(answers)
         lanes, codecs = self.lanes, self.state.codecs
         folded = fold_arrays(lanes, codecs, self.mode, plan, answers, add_info)
         if folded is not None:
@@ -174,28 +162,9 @@ class Part:
                 leaves = codecs.encode_actions(subset, len(step_lanes))
             else:
                 leaves = codecs.encode_actions_rows([rows[i] for i in step_lanes])
-            request.add(
-                partial(
-                    step_builder,
-                    leaves=leaves,
-                    timeout_ms=self.timeout_ms,
-                    lanes=[] if whole else step_lanes,
-                ),
-                "step",
-                step_lanes,
-            )
+            request.step(leaves, step_lanes, self.timeout_ms, whole=whole)
         if reset_lanes:
-            request.add(
-                partial(
-                    reset_builder,
-                    seeds=[],
-                    options=None,
-                    timeout_ms=self.timeout_ms,
-                    lanes=reset_lanes,
-                ),
-                "reset",
-                reset_lanes,
-            )
+            request.reset(reset_lanes, self.timeout_ms, whole=False)
         return request
 
     def render(self) -> list[Any]:

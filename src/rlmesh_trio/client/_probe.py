@@ -27,7 +27,7 @@ from ._contract import AUTORESET_NAMES
 from ._errors import ConnectionLostError, grpc_status_name
 from ._grpc import Call
 from ._messages import decode_handshake_response, handshake_request
-from ._settings import Target
+from ._settings import ConnectionSettings, Target
 
 __all__ = ["ProbeResult", "probe"]
 
@@ -217,11 +217,13 @@ def probe(
     try:
         link = BlockingConnection(
             target,
-            auth_token=auth_token,
-            tls=tls,
-            connect_timeout_seconds=timeout,
-            ping_interval_seconds=timeout,
-            ping_timeout_seconds=timeout,
+            ConnectionSettings(
+                auth_token=auth_token,
+                tls=tls,
+                connect_timeout_seconds=timeout,
+                ping_interval_seconds=timeout,
+                ping_timeout_seconds=timeout,
+            ),
         )
     except ConnectionLostError as exc:
         cause = exc.__cause__

@@ -3,8 +3,9 @@ by side with the other endpoints' shares.
 
 An adapter over several endpoints (``VectorEnv``, SB3's ``RemoteVecEnv``) writes its
 share of each reset and step as a generator (:data:`Rounds`): it yields the
-:class:`Request` of a round trip, gets the answers back, and returns its result. On one
-endpoint :func:`run_alone` sends and waits, round after round. Over several,
+:class:`Request` of a round trip, gets the answers back, and returns its result.
+:func:`run_shares` is the one helper the adapters drive them with. On one endpoint
+:func:`run_alone` sends and waits, round after round. Over several,
 :func:`run_together` has every share make its first requests before any is sent (a
 share that cannot make them raises with nothing sent), writes each round's requests to
 every endpoint, and only then reads their answers, so the endpoints work at once.
@@ -14,13 +15,24 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn, TypeVar, cast
+from functools import partial
+from typing import Any, NoReturn, Protocol, TypeVar, cast
 
 from ._blocking import BlockingEndpoint, Submitted
-from ._errors import ConnectionLostError, EndpointClosedError, EndpointError
-from ._messages import Reply
+from ._errors import ConnectionLostError, EndpointClosedError, EndpointError, lane_crash
+from ._messages import Reply, reset_builder, step_builder
 
-__all__ = ["Answer", "Request", "Rounds", "raise_failure", "run_alone", "run_together"]
+__all__ = [
+    "Answer",
+    "Request",
+    "Rounds",
+    "Share",
+    "raise_failure",
+    "raise_fatal",
+    "run_alone",
+    "run_shares",
+    "run_together",
+]
 
 T = TypeVar("T")
 
@@ -42,9 +54,74 @@ class Request:
         self.kinds.append(kind)
         self.lanes.append(lanes)
 
+    def step(self, leaves: list[bytes], lanes: list[int], timeout_ms: int, *, whole: bool) -> None:
+        """A step of ``lanes`` with their encoded actions; ``whole``: sent as a
+        whole-vector step (``lanes`` are every lane of the endpoint), else lane-scoped."""
+        built = partial(
+            step_builder, leaves=leaves, timeout_ms=timeout_ms, lanes=[] if whole else lanes
+        )
+        self.add(built, "step", lanes)
+
+    def reset(
+        self,
+        lanes: list[int],
+        timeout_ms: int,
+        *,
+        whole: bool,
+        seeds: list[int] | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> None:
+        """A reset of ``lanes`` (``seeds``: the request's, None: unseeded); ``whole``: sent
+        as a whole-vector reset (``lanes`` are every lane of the endpoint), else
+        lane-scoped."""
+        built = partial(
+            reset_builder,
+            seeds=[] if seeds is None else seeds,
+            options=options,
+            timeout_ms=timeout_ms,
+            lanes=[] if whole else lanes,
+        )
+        self.add(built, "reset", lanes)
+
 
 Rounds = Generator[Request, list[Answer], T]
 """One endpoint's share of a reset or a step (see the module's docstring)."""
+
+
+class Share(Protocol):
+    """What :func:`run_shares` needs of one endpoint of an adapter."""
+
+    ep: BlockingEndpoint
+    timeout_ms: int
+
+    @property
+    def name(self) -> str:
+        """The endpoint and its lanes, as a failure names them."""
+        ...
+
+
+def run_shares(
+    shares: Sequence[Share], rounds: Sequence[Rounds[T]], close: Callable[[], None]
+) -> list[T]:
+    """Drive ``rounds[i]`` on ``shares[i]``'s endpoint, all at once; each share's result.
+
+    One share: :func:`run_alone`, its error raised as it is. Several:
+    :func:`run_together`, and a failed share's error raised naming its endpoint
+    (:func:`raise_failure`: a fatal one calls ``close()`` first)."""
+    if len(shares) == 1:
+        return [run_alone(shares[0].ep, shares[0].timeout_ms, rounds[0])]
+    results, failures = run_together([(s.ep, s.timeout_ms) for s in shares], rounds)
+    if failures:
+        raise_failure(failures, [s.name for s in shares], close)
+    return cast("list[T]", results)
+
+
+def raise_fatal(answers: Sequence[Answer]) -> None:
+    """Raise the first error among a step's ``answers`` that is not a lane crash (a
+    crashed lane is an answer: its episode ends, truncated)."""
+    for answer in answers:
+        if isinstance(answer, EndpointError) and not lane_crash(answer):
+            raise answer
 
 
 def run_alone(ep: BlockingEndpoint, timeout_ms: int, rounds: Rounds[T]) -> T:

@@ -23,6 +23,7 @@ __all__ = [
     "DEFAULT_PING_INTERVAL_SECONDS",
     "DEFAULT_PING_TIMEOUT_SECONDS",
     "OLD_CONNECTION_KEYWORDS",
+    "ConnectionSettings",
     "Target",
     "check_timeouts",
     "metadata",
@@ -120,6 +121,36 @@ OLD_CONNECTION_KEYWORDS = {
     "close_timeout": "close_timeout_seconds",
 }
 """The connection keywords of 0.1 (deprecated, removed in 0.2) and their new names."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConnectionSettings:
+    """How a client connects to each endpoint: the bearer token, TLS and the
+    connection's timeouts. :func:`~rlmesh_trio.client.open_endpoint` and every adapter
+    (``VectorEnv``, ``Env``, SB3's ``RemoteVecEnv``) take them as keywords, documented
+    in their signatures, and pass this one value on. Nothing is checked here: the
+    timeouts where a connection is made (:meth:`check`, after the address), the token
+    and ``tls`` when the connection is built, each with the error it always had."""
+
+    auth_token: str | None = None
+    tls: TlsSetting = None
+    connect_timeout_seconds: float = DEFAULT_CONNECT_TIMEOUT_SECONDS
+    ping_interval_seconds: float = DEFAULT_PING_INTERVAL_SECONDS
+    ping_timeout_seconds: float = DEFAULT_PING_TIMEOUT_SECONDS
+    close_timeout_seconds: float = DEFAULT_CLOSE_TIMEOUT_SECONDS
+
+    def check(self, *, closing: bool = True) -> None:
+        """Every timeout a number of seconds > 0 (``ValueError`` naming the first that is
+        not); ``closing=False`` leaves out the close timeout (a connection that only
+        Handshakes never closes a session)."""
+        timeouts = {
+            "connect_timeout_seconds": self.connect_timeout_seconds,
+            "ping_interval_seconds": self.ping_interval_seconds,
+            "ping_timeout_seconds": self.ping_timeout_seconds,
+        }
+        if closing:
+            timeouts["close_timeout_seconds"] = self.close_timeout_seconds
+        check_timeouts(**timeouts)
 
 
 def check_timeouts(**timeouts: float) -> None:

@@ -27,10 +27,11 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import replace
 from functools import partial
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import gymnasium as gym
 import numpy as np
+from gymnasium.vector import AutoresetMode
 
 try:
     from stable_baselines3.common.vec_env.base_vec_env import (
@@ -49,18 +50,26 @@ except ImportError as exc:  # pragma: no cover - exercised without the extra
 from .._errors import RlmeshTrioError
 from .._tls import TlsSetting
 from ._answers import crashed, per_lane_reset, per_lane_step
+from ._autoreset import (
+    LaneReset,
+    LaneStep,
+    fold_terminal,
+    plan_step,
+    same_step_resets,
+)
 from ._blocking import BlockingEndpoint
 from ._codecs import decode_frame
 from ._contract import Contract
-from ._errors import LANE_FAULT_KEY, EndpointError, EnvError, ErrorCode, lane_crash
-from ._joining import Connection, count_of, lane_endpoint, open_endpoints, same_contract
-from ._messages import Episode, Reply, render_builder, reset_builder, step_builder
-from ._rounds import Request, Rounds, raise_failure, run_alone, run_together
+from ._errors import LANE_FAULT_KEY, EndpointError, EnvError, ErrorCode
+from ._joining import count_of, lane_endpoint, open_endpoints, same_contract
+from ._messages import Episode, Reply, render_builder
+from ._rounds import Request, Rounds, raise_fatal, run_shares
 from ._settings import (
     DEFAULT_CLOSE_TIMEOUT_SECONDS,
     DEFAULT_CONNECT_TIMEOUT_SECONDS,
     DEFAULT_PING_INTERVAL_SECONDS,
     DEFAULT_PING_TIMEOUT_SECONDS,
+    ConnectionSettings,
     request_timeout_ms,
 )
 
@@ -71,9 +80,6 @@ LANE_ATTRIBUTES = ("action_space", "metadata", "observation_space", "render_mode
 every lane's env."""
 
 T = TypeVar("T")
-
-LaneResult = tuple[Any, float, bool, bool, dict[str, Any]]
-"""A lane's part of a step: observation, reward, terminated, truncated, info."""
 
 
 class RemoteAttributeError(RlmeshTrioError, NotImplementedError, AttributeError):
@@ -101,9 +107,9 @@ class _Share:
         self.timeout_ms = timeout_ms
         self._last_obs = last_obs
         """The vector's last observation of every lane (the RemoteVecEnv's list)."""
-        self.unreset: set[int] = set()
-        """Lanes whose reset after a finished episode failed (a lane fault): reset at the
-        next step."""
+        self.unreset = np.zeros((self.num_envs,), dtype=np.bool_)
+        """Lanes whose reset after a finished episode failed (a lane fault): reset in
+        place of their next step."""
         self.unrenderable: set[int] = set()
         """Lanes the server refused to render (it renders lane 0 only)."""
 
@@ -118,7 +124,7 @@ class _Share:
 
     def reset(
         self, seeds: list[int | None], options: list[dict[str, Any]]
-    ) -> Rounds[dict[int, tuple[Any, dict[str, Any]]]]:
+    ) -> Rounds[dict[int, LaneReset]]:
         """Reset every lane with ``seeds`` and ``options`` (one each); each lane's
         observation and info."""
         n = self.num_envs
@@ -130,55 +136,40 @@ class _Share:
             groups = [[i] for i in range(n)]  # each lane its own, sent together
         request = Request()
         for group in groups:
-            request.add(
-                partial(
-                    reset_builder,
-                    seeds=[int(s) for s in (seeds[i] for i in group) if s is not None],
-                    options=options[group[0]] or None,
-                    timeout_ms=self.timeout_ms,
-                    lanes=[] if len(group) == n else group,
-                ),
-                "reset",
+            request.reset(
                 group,
+                self.timeout_ms,
+                whole=len(group) == n,
+                seeds=[int(s) for s in (seeds[i] for i in group) if s is not None],
+                options=options[group[0]] or None,
             )
         answers = yield request
-        out: dict[int, tuple[Any, dict[str, Any]]] = {}
+        out: dict[int, LaneReset] = {}
         for group, answer in zip(groups, answers, strict=True):
             if isinstance(answer, EndpointError):
                 raise answer
             out.update(per_lane_reset(self.codecs, group, answer))
-        self.unreset.clear()
+        self.unreset[:] = False
         return out
 
-    def step(
-        self, actions: Any
-    ) -> Rounds[tuple[dict[int, LaneResult], dict[int, tuple[Any, dict[str, Any]]]]]:
+    def step(self, actions: Any) -> Rounds[tuple[dict[int, LaneStep], dict[int, LaneReset]]]:
         """Step every lane with ``actions`` (this endpoint's rows) and reset the lanes
-        whose episode ended (one round trip, two when a lane ended): each lane's result,
-        and the first observation and info of the lanes reset."""
-        n = self.num_envs
-        unreset = sorted(self.unreset)
-        stepping = [i for i in range(n) if i not in self.unreset]
+        whose episode ended in the same step, as SAME_STEP does (one round trip, two when
+        a lane ended): each lane's result, and the first observation and info of the
+        lanes reset. A lane whose reset failed last time is reset in place of its step,
+        as NEXT_STEP resets a finished lane (:func:`._autoreset.plan_step`)."""
+        plan = plan_step(AutoresetMode.NEXT_STEP, self.unreset)
+        stepping, unreset = plan.step_lanes, plan.reset_lanes
         request = Request()
         if stepping:
-            request.add(
-                partial(
-                    step_builder,
-                    leaves=self._encode_actions(actions, stepping),
-                    timeout_ms=self.timeout_ms,
-                    lanes=[] if len(stepping) == n else stepping,
-                ),
-                "step",
-                stepping,
-            )
+            leaves = self._encode_actions(actions, stepping)
+            request.step(leaves, stepping, self.timeout_ms, whole=len(stepping) == self.num_envs)
         for lane in unreset:
-            request.add(self._autoreset_builder(lane), "reset", [lane])
+            self._autoreset_request(request, lane)
         answers = yield request
-        for answer in answers:
-            if isinstance(answer, EndpointError) and not lane_crash(answer):
-                raise answer
-        results: dict[int, LaneResult] = {}
-        fresh: dict[int, tuple[Any, dict[str, Any]]] = {}
+        raise_fatal(answers)
+        results: dict[int, LaneStep] = {}
+        fresh: dict[int, LaneReset] = {}
         if stepping:
             results.update(self._stepped(stepping, answers[0]))
         if unreset:
@@ -187,17 +178,15 @@ class _Share:
             for lane in unreset:
                 results[lane] = (self.last_obs(lane), 0.0, False, True, {})
             fresh.update(self._autoreset(unreset, answers[len(answers) - len(unreset) :], results))
-        done = [i for i in stepping if results[i][2] or results[i][3]]
+        done = same_step_resets(AutoresetMode.SAME_STEP, plan, results)
         if done:
             # One lane-scoped reset per finished lane, sent together: a lane that cannot
             # be reset holds up no other.
             request = Request()
             for lane in done:
-                request.add(self._autoreset_builder(lane), "reset", [lane])
+                self._autoreset_request(request, lane)
             answers = yield request
-            for answer in answers:
-                if isinstance(answer, EndpointError) and not lane_crash(answer):
-                    raise answer
+            raise_fatal(answers)
             fresh.update(self._autoreset(done, answers, results))
         return results, fresh
 
@@ -209,7 +198,7 @@ class _Share:
             return self.codecs.encode_actions(subset, len(lanes))
         return self.codecs.encode_actions_rows([actions[i] for i in lanes])
 
-    def _stepped(self, lanes: list[int], answer: Reply | EndpointError) -> dict[int, LaneResult]:
+    def _stepped(self, lanes: list[int], answer: Reply | EndpointError) -> dict[int, LaneStep]:
         """Each lane's result of a step of ``lanes``; a step answered CRASHED (a lane
         fault under rebuild): every lane truncated on its last observation, reward 0."""
         if isinstance(answer, EnvError):
@@ -217,32 +206,26 @@ class _Share:
         assert isinstance(answer, Reply)
         return per_lane_step(self.codecs, lanes, answer)
 
-    def _autoreset_builder(self, lane: int) -> Any:
+    def _autoreset_request(self, request: Request, lane: int) -> None:
         """The unseeded reset of one finished lane (SB3 seeds only at ``reset()``)."""
-        return partial(
-            reset_builder,
-            seeds=[],
-            options=None,
-            timeout_ms=self.timeout_ms,
-            lanes=[] if self.num_envs == 1 else [lane],
-        )
+        request.reset([lane], self.timeout_ms, whole=self.num_envs == 1)
 
     def _autoreset(
         self,
         lanes: list[int],
         answers: Sequence[Reply | EndpointError],
-        results: dict[int, LaneResult],
-    ) -> dict[int, tuple[Any, dict[str, Any]]]:
+        results: dict[int, LaneStep],
+    ) -> dict[int, LaneReset]:
         """The resets of finished ``lanes``, one answer each: the first observations and
         infos of those reset; a lane whose reset failed (a lane fault) is kept for the
         next step's, its fault in its info."""
-        fresh: dict[int, tuple[Any, dict[str, Any]]] = {}
+        fresh: dict[int, LaneReset] = {}
         for lane, answer in zip(lanes, answers, strict=True):
             if isinstance(answer, Reply):
-                self.unreset.discard(lane)
+                self.unreset[lane] = False
                 fresh.update(per_lane_reset(self.codecs, [lane], answer))
                 continue
-            self.unreset.add(lane)
+            self.unreset[lane] = True
             assert isinstance(answer, EnvError)
             for fault in answer.lane_faults:
                 if fault["lane"] == lane:
@@ -332,15 +315,15 @@ class RemoteVecEnv(VecEnv):
     ) -> None:
         timeout_ms = request_timeout_ms(request_timeout_seconds)
         want = count_of(num_envs)
-        connection = Connection(
-            auth_token,
-            tls,
-            connect_timeout_seconds,
-            ping_interval_seconds,
-            ping_timeout_seconds,
-            close_timeout_seconds,
+        settings = ConnectionSettings(
+            auth_token=auth_token,
+            tls=tls,
+            connect_timeout_seconds=connect_timeout_seconds,
+            ping_interval_seconds=ping_interval_seconds,
+            ping_timeout_seconds=ping_timeout_seconds,
+            close_timeout_seconds=close_timeout_seconds,
         )
-        joined = open_endpoints(address, want, connection)
+        joined = open_endpoints(address, want, settings)
         self._shares: list[_Share] = []
         try:
             self._last_obs: list[Any] = []
@@ -418,7 +401,6 @@ class RemoteVecEnv(VecEnv):
             raise gym.error.ResetNeeded(
                 "Cannot call RemoteVecEnv.step_wait() before calling reset()"
             )
-        n = self.num_envs
         actions, self._actions = self._actions, None
         if actions is None:
             raise ValueError("step_wait() without step_async(actions)")
@@ -428,23 +410,14 @@ class RemoteVecEnv(VecEnv):
                 for share in self._shares
             ]
         )
-        results: dict[int, LaneResult] = {}
-        fresh: dict[int, tuple[Any, dict[str, Any]]] = {}
+        results: dict[int, LaneStep] = {}
+        fresh: dict[int, LaneReset] = {}
         for share, (stepped, reset) in zip(self._shares, outcomes, strict=True):
             results.update((share.offset + lane, r) for lane, r in stepped.items())
             fresh.update((share.offset + lane, r) for lane, r in reset.items())
-        infos: list[dict[str, Any]] = []
-        for i in range(n):
-            obs, reward, terminated, truncated, info = results[i]
-            self._buf_rews[i] = reward
-            self._buf_dones[i] = terminated or truncated
-            info["TimeLimit.truncated"] = truncated and not terminated
-            if self._buf_dones[i]:
-                info["terminal_observation"] = obs
-                if i in fresh:
-                    obs, self.reset_infos[i] = fresh[i]
-            infos.append(info)
-            self._save_obs(i, obs)
+        infos = fold_terminal(
+            results, fresh, self._buf_rews, self._buf_dones, self.reset_infos, self._save_obs
+        )
         # The infos are this step's own objects, kept by nobody else (DummyVecEnv hands out
         # deep copies of the buffers it keeps).
         return self._obs_from_buf(), np.copy(self._buf_rews), np.copy(self._buf_dones), infos
@@ -457,15 +430,9 @@ class RemoteVecEnv(VecEnv):
         self.final_episodes = episodes
 
     def _run(self, rounds: list[Rounds[T]]) -> list[T]:
-        """Every endpoint's share of a reset or step, all at once; an endpoint's failure
-        raised naming it (a fatal one closes the others)."""
-        shares = self._shares
-        if len(shares) == 1:
-            return [run_alone(shares[0].ep, shares[0].timeout_ms, rounds[0])]
-        results, failures = run_together([(s.ep, s.timeout_ms) for s in shares], rounds)
-        if failures:
-            raise_failure(failures, [s.name for s in shares], self.close)
-        return [cast(T, result) for result in results]
+        """Every endpoint's share of a reset or step, all at once (:func:`._rounds.run_shares`:
+        an endpoint's failure raised naming it, a fatal one closing the others)."""
+        return run_shares(self._shares, rounds, self.close)
 
     def _frames(self, lanes: list[int]) -> list[np.ndarray[Any, Any] | None]:
         """The lanes' frames (None for a lane the server cannot render)."""
