@@ -38,11 +38,12 @@ from rlmesh_trio.client._autoreset import (
 SCRIPTS: list[list[tuple[int, str]]] = [
     [(2, "terminated"), (3, "truncated")],
     [(1, "truncated"), (4, "terminated"), (2, "terminated")],
-    [(3, "terminated")],
+    [(3, "terminated"), (2, "both")],
     [(2, "truncated"), (1, "terminated")],
 ]
-"""Per lane, its episodes in turn (repeating): how many steps, and how each ends. Lanes
-finish alone and together, on consecutive steps and right after a reset."""
+"""Per lane, its episodes in turn (repeating): how many steps, and how each ends
+(``both``: terminated and truncated at once). Lanes finish alone and together, on
+consecutive steps and right after a reset."""
 
 STEPS = 14
 
@@ -77,7 +78,9 @@ class Scripted(gym.Env[np.ndarray, np.int64]):
         over = self.t >= length
         reward = float(10 * self.t + int(action))
         info = {"t": self.t, "action": int(action), "lane": {"n": self.lane}}
-        return self._obs(), reward, over and end == "terminated", over and end == "truncated", info
+        terminated = over and end in ("terminated", "both")
+        truncated = over and end in ("truncated", "both")
+        return self._obs(), reward, terminated, truncated, info
 
 
 class LocalLanes:
