@@ -438,6 +438,13 @@ class Lane:
         self.scope = trio.CancelScope(shield=True)
         return self.scope
 
+    def limit(self, deadline: float) -> None:
+        """Trio thread, no lock, after :meth:`supervised`: the lane's supervisor is
+        cancelled by ``deadline`` (Trio time) at the latest. A deadline only ever moves
+        earlier: the teardown's shared one, an owner's stop bound."""
+        assert self.scope is not None
+        self.scope.deadline = min(self.scope.deadline, deadline)
+
     # ---- the mailbox --------------------------------------------------------------------
 
     def close_mailbox(self) -> bool:
