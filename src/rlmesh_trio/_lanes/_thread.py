@@ -8,6 +8,7 @@ here blocks on the Trio thread: what the supervisor must know crosses with ``to_
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -41,9 +42,23 @@ from ._work import LaneWork, verb_of
 if TYPE_CHECKING:
     from .._record._served import LaneRecorder
 
-__all__ = ["LaneThreads"]
+__all__ = ["LaneThreads", "Progress"]
 
 logger = logging.getLogger("rlmesh_trio.lanes")
+
+
+class Progress(enum.Enum):
+    """How far an incarnation's env got, as its lane thread serves it: what it may run,
+    and what it still has to tell the lane. ``FRESH -> RESET -> PROVEN``, never back."""
+
+    FRESH = "fresh"
+    """A rebuilt env the client has not reset yet: a step is refused, not run (and no
+    job is handed over ahead: it could be one)."""
+    RESET = "reset"
+    """Reset, no step answered yet: the first one proves the rebuilt env healthy
+    (:meth:`Lane.proven_healthy`: the lane is not in a fault storm)."""
+    PROVEN = "proven"
+    """Nothing left to prove: a rebuilt env answered a step, or the lane's first env."""
 
 
 class LaneThreads:
@@ -197,9 +212,8 @@ class LaneThreads:
         lock = lane.lock
         index = lane.index
         rebuilds = self._rebuilds
-        fresh = inc.number > 0  # a rebuilt env: the client has not reset it yet
+        progress = Progress.FRESH if inc.number > 0 else Progress.PROVEN
         recorder = self.recorders[index] if self.recorders else None
-        unproven = fresh  # ... nor has it answered a step (the supervisor's storm check)
         ahead = inc.ahead()  # a process lane: post may write the next job to the child
         send_ahead, finish = ahead if ahead is not None else (None, execute)
         while True:
@@ -213,7 +227,7 @@ class LaneThreads:
                     continue
                 item, retried = pending
             else:
-                if send_ahead is not None and not fresh:  # (a fresh env refuses steps)
+                if send_ahead is not None and progress is not Progress.FRESH:
                     with lock:
                         lane.await_job(send_ahead)
                 item = get()
@@ -232,7 +246,7 @@ class LaneThreads:
                 return
             assert not isinstance(item, Stop)
             posted, job, _reply = item
-            if fresh and isinstance(job, StepJob):
+            if progress is Progress.FRESH and isinstance(job, StepJob):
                 assert not sent  # (a fresh env takes no job ahead: await_job is not called)
                 self._refuse_unreset(lane, item)
                 continue
@@ -265,11 +279,13 @@ class LaneThreads:
                 answer(index, item, result, phases)
                 self._lost(lane, str(result.error))
                 return
-            if fresh and isinstance(job, ResetJob) and isinstance(result, outcome.Value):
-                fresh = False
-            if unproven and isinstance(job, StepJob) and isinstance(result, outcome.Value):
-                unproven = False
-                lane.proven_healthy()
+            if progress is not Progress.PROVEN and isinstance(result, outcome.Value):
+                if progress is Progress.FRESH:
+                    if isinstance(job, ResetJob):
+                        progress = Progress.RESET
+                elif isinstance(job, StepJob):
+                    progress = Progress.PROVEN
+                    lane.proven_healthy()
             answer(index, item, result, phases)
             del job, result, item, _reply
 
