@@ -359,7 +359,7 @@ class LaneEngine:
             try:  # the dataset's and the video's startup errors (an id taken, no rgb_array)
                 self._threads.recorders = self._recording.start(contract, self.num_envs)
             except Exception as exc:
-                return exc  # before ``work``: the lanes' threads stay out of ``_serve``
+                return exc  # before ``work``: the lanes' threads never serve
         self._threads.work = LaneWork(
             contract.action_codec, contract.observation_codec, self._policy
         )
