@@ -3,7 +3,8 @@ own methods, never by the thread, the supervisor, the watchdog or the engine tha
 
 The modules of ``_lanes/`` are read with ``ast``: every attribute stored to or deleted
 (``=``, ``+=``, an annotated assignment, a tuple target, a ``for`` or ``with`` target,
-``del``) and every ``setattr`` whose object is a lane is an offence unless it sits inside
+``del``) and every ``setattr`` whose object is a lane, or an object a lane holds (its
+cancel scope's deadline: ``lane.scope.deadline``), is an offence unless it sits inside
 the ``Lane`` class. What is a lane is read from the code's own conventions: a name
 ``lane``, a name annotated ``Lane``, ``self`` inside ``Lane``, an element of a sequence of
 lanes (``self._lanes[i]``, ``for x in lanes``), ``Lane(...)``, ``self._lane(i)``, and any
@@ -105,6 +106,8 @@ class _Reader:
             lane: ast.expr | None = None  # the object whose attribute ``node`` writes
             if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store | ast.Del):
                 lane = node.value
+                while isinstance(lane, ast.Attribute):  # ``lane.scope.deadline``: the lane's
+                    lane = lane.value
             elif (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Name)
@@ -142,7 +145,7 @@ def test_the_reader_finds_the_writes_it_must_and_no_others() -> None:
             del lane.scope                      # 7
             setattr(lane, "since", 0)           # 8
             inc.abandoned = True                # an incarnation's field: not a lane's
-            lane.scope.deadline = 1.0           # the scope's field, not the lane's
+            lane.scope.deadline = 1.0           # 10: the lane's scope's field
             other = lane.state                  # a read
 
         class Engine:
@@ -169,6 +172,7 @@ def test_the_reader_finds_the_writes_it_must_and_no_others() -> None:
         (6, "maybe.current"),
         (7, "lane.scope"),
         (8, "setattr(lane, 'since', 0)"),
+        (10, "lane.scope.deadline"),
         (15, "self._lanes[0].running"),
         (17, "each.given_up"),
         (19, "picked.wedges"),
@@ -183,7 +187,7 @@ def test_the_reader_sees_every_field_the_lane_writes_itself() -> None:
     ``Lane`` written: it recognizes the lane where the code writes one."""
     path = LANES / "_lane.py"
     written = {
-        w.target.split(".", 1)[1]
+        w.target.split(".")[1]
         for w in lane_writes(path.read_text(encoding="utf-8"), path.name, exempt_owner=False)
         if w.target.startswith("self.")
     }

@@ -359,7 +359,7 @@ class LaneEngine:
             try:  # the dataset's and the video's startup errors (an id taken, no rgb_array)
                 self._threads.recorders = self._recording.start(contract, self.num_envs)
             except Exception as exc:
-                return exc  # before ``work``: the lanes' threads stay out of ``_serve``
+                return exc  # before ``work``: the lanes' threads never serve
         self._threads.work = LaneWork(
             contract.action_codec, contract.observation_codec, self._policy
         )
@@ -379,8 +379,7 @@ class LaneEngine:
         self._threads.go.set()  # lanes waiting for the startup decision: wind down
         deadline = min(trio.current_time() + self._teardown_timeout, self._deadline_cap)
         for lane in self._lanes:
-            assert lane.scope is not None
-            lane.scope.deadline = min(lane.scope.deadline, deadline)
+            lane.limit(deadline)
         for wakeup in self._wakeups:
             wakeup.send_nowait(None)
 
@@ -393,8 +392,8 @@ class LaneEngine:
         """
         self._deadline_cap = min(self._deadline_cap, deadline)
         for lane in self._lanes:
-            if lane.scope is not None and lane.scope.deadline != math.inf:
-                lane.scope.deadline = min(lane.scope.deadline, self._deadline_cap)
+            if lane.scope is not None and lane.scope.deadline != math.inf:  # under way
+                lane.limit(self._deadline_cap)
 
     def _start_thread(self, lane: Lane, inc: Incarnation) -> None:
         self._threads.start(lane, inc)

@@ -6,9 +6,10 @@ Every state change of a lane is one of :class:`Lane`'s transition methods (:meth
 :data:`~._state.TRANSITIONS` and updates, together, every field that goes with the state
 (the refusal ``post`` raises, the incarnation, the attempt counter, the clock the watchdog
 reads). What the lane thread, the supervisor and the watchdog tell a lane besides (a job
-begins or ends, a fault, a rebuilt env proven healthy, a thread abandoned) are its event
-methods. Nothing else assigns a lane's fields (``tests/test_lanes_fields.py`` reads
-``_lanes/`` and holds the rule).
+begins or ends, a fault, a rebuilt env proven healthy, a thread abandoned, the
+supervisor's deadline) are its event methods. Nothing else assigns a lane's fields, or
+the fields of what it holds (``tests/test_lanes_fields.py`` reads ``_lanes/`` and holds
+the rule).
 """
 
 from __future__ import annotations
@@ -437,6 +438,13 @@ class Lane:
         lane's supervisor runs in; teardown gives it the shared deadline."""
         self.scope = trio.CancelScope(shield=True)
         return self.scope
+
+    def limit(self, deadline: float) -> None:
+        """Trio thread, no lock, after :meth:`supervised`: the lane's supervisor is
+        cancelled by ``deadline`` (Trio time) at the latest. A deadline only ever moves
+        earlier: the teardown's shared one, an owner's stop bound."""
+        assert self.scope is not None
+        self.scope.deadline = min(self.scope.deadline, deadline)
 
     # ---- the mailbox --------------------------------------------------------------------
 

@@ -8,11 +8,12 @@ here blocks on the Trio thread: what the supervisor must know crosses with ``to_
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 from collections.abc import Callable, Sequence
 from time import perf_counter_ns
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Final
 
 import outcome
 
@@ -31,6 +32,7 @@ from ._lane import (
     Incarnation,
     Item,
     Lane,
+    SendAhead,
     Stop,
     answer,
     stopped_error,
@@ -41,9 +43,30 @@ from ._work import LaneWork, verb_of
 if TYPE_CHECKING:
     from .._record._served import LaneRecorder
 
-__all__ = ["LaneThreads"]
+__all__ = ["LaneThreads", "Progress", "Serving"]
 
 logger = logging.getLogger("rlmesh_trio.lanes")
+
+
+class Progress(enum.Enum):
+    """How far an incarnation's env got, as its lane thread serves it: what it may run,
+    and what it still has to tell the lane. ``FRESH -> RESET -> PROVEN``, never back."""
+
+    FRESH = "fresh"
+    """A rebuilt env the client has not reset yet: a step is refused, not run (and no
+    job is handed over ahead: it could be one)."""
+    RESET = "reset"
+    """Reset, no step answered yet: the first one proves the rebuilt env healthy
+    (:meth:`Lane.proven_healthy`: the lane is not in a fault storm)."""
+    PROVEN = "proven"
+    """Nothing left to prove: a rebuilt env answered a step, or the lane's first env."""
+
+
+# The members as module names, for the serve loop: on Python 3.11 ``Progress.PROVEN``
+# costs about 100 ns (an enum member is a descriptor on its class), a global 10 ns.
+FRESH: Final = Progress.FRESH
+RESET: Final = Progress.RESET
+PROVEN: Final = Progress.PROVEN
 
 
 class LaneThreads:
@@ -136,7 +159,15 @@ class LaneThreads:
                 if not self._rebuilt(lane, inc):
                     return
             assert self.work is not None
-            self._serve(lane, inc, inc.executor(self.work))
+            Serving(  # (held by no name here: nothing keeps the env once it served)
+                self,
+                lane,
+                inc,
+                inc.executor(self.work),
+                self.recorders[lane.index] if self.recorders else None,
+                rebuilds=self._rebuilds,
+                truncate=self._truncate,
+            ).serve()
         except Exception:
             # Only an engine bug gets here (job and callback errors are caught per job):
             # the lane stops (its jobs are answered below), given up for good while the
@@ -190,90 +221,7 @@ class LaneThreads:
         for item in waiting:
             answer(lane.index, item, outcome.Error(refusal), Phases())
 
-    def _serve(self, lane: Lane, inc: Incarnation, execute: Execute) -> None:
-        get = lane.mailbox.get
-        begin_job = lane.begin_job
-        end_job = lane.end_job
-        lock = lane.lock
-        index = lane.index
-        rebuilds = self._rebuilds
-        fresh = inc.number > 0  # a rebuilt env: the client has not reset it yet
-        recorder = self.recorders[index] if self.recorders else None
-        unproven = fresh  # ... nor has it answered a step (the supervisor's storm check)
-        ahead = inc.ahead()  # a process lane: post may write the next job to the child
-        send_ahead, finish = ahead if ahead is not None else (None, execute)
-        while True:
-            retried = 0
-            sent = False
-            item: Item | Stop
-            if lane.retry is not None:  # only ever set before this incarnation started
-                with lock:
-                    pending = lane.take_retry()
-                if pending is None:
-                    continue
-                item, retried = pending
-            else:
-                if send_ahead is not None and not fresh:  # (a fresh env refuses steps)
-                    with lock:
-                        lane.await_job(send_ahead)
-                item = get()
-            picked = perf_counter_ns()
-            with lock:
-                if send_ahead is not None:
-                    sent = lane.take_ahead(item)
-                stop = not begin_job(item, picked)
-            if stop:
-                if sent:  # the child has it already: its answer is read, and given
-                    assert not isinstance(item, Stop)
-                    result, phases, _faulted = finish(item[1], picked - item[0])
-                    answer(index, item, result, phases)
-                elif not isinstance(item, Stop):
-                    answer(index, item, outcome.Error(stopped_error(index)), Phases())
-                return
-            assert not isinstance(item, Stop)
-            posted, job, _reply = item
-            if fresh and isinstance(job, StepJob):
-                assert not sent  # (a fresh env takes no job ahead: await_job is not called)
-                self._refuse_unreset(lane, item)
-                continue
-            result, phases, faulted = (finish if sent else execute)(job, picked - posted)
-            if recorder is not None and not inc.detached:  # issue 33 (an abandoned call's
-                # late result is not recorded); references kept; put may wait (backpressure)
-                if faulted:
-                    recorder.cut(inc.number, "lane_fault")
-                else:
-                    recorder.saw(inc.number, job, result, phases, execute)
-            detach = False
-            with lock:
-                taken = not end_job(item)
-                if faulted and not taken:
-                    retry = self._truncate and isinstance(job, ResetJob) and not retried
-                    detach = lane.fault(item, rebuild=rebuilds, retry=retry)
-            if taken:
-                # The job was answered for us: the lane stopped or abandoned us, or (policy
-                # ``error``) declared the call wedged and now gets it back.
-                if inc.detached or lane.stopping:
-                    return
-                self._unwedged(lane, job)
-                continue
-            if detach:
-                assert isinstance(result, outcome.Error)
-                self._faulted(lane, item, result, phases, retry=lane.retry is not None)
-                return  # the ``finally`` of _main closes the faulted env, here
-            if isinstance(result, outcome.Error) and inc.lost_by(result.error):
-                # Policy ``error``: nothing rebuilds the lane; it refuses from now on.
-                answer(index, item, result, phases)
-                self._lost(lane, str(result.error))
-                return
-            if fresh and isinstance(job, ResetJob) and isinstance(result, outcome.Value):
-                fresh = False
-            if unproven and isinstance(job, StepJob) and isinstance(result, outcome.Value):
-                unproven = False
-                lane.proven_healthy()
-            answer(index, item, result, phases)
-            del job, result, item, _reply
-
-    def _lost(self, lane: Lane, cause: str) -> None:
+    def lost(self, lane: Lane, cause: str) -> None:
         """Policy ``error``: the incarnation is lost (a process lane's child died): refuse
         the lane's jobs from now on."""
         reason = cause.split(": ", 1)[-1]
@@ -287,7 +235,7 @@ class LaneThreads:
         for item in waiting:
             answer(lane.index, item, outcome.Error(refusal), Phases())
 
-    def _faulted(
+    def faulted(
         self,
         lane: Lane,
         item: Item,
@@ -314,8 +262,190 @@ class LaneThreads:
         threading.current_thread().name = f"{LANE_THREAD_PREFIX}{lane.index}-retired"
         self._to_trio(self._wake, lane.index)
 
-    def _refuse_unreset(self, lane: Lane, item: Item) -> None:
+
+Ran = tuple[outcome.Outcome[Any], Phases, bool]
+"""What :meth:`Serving.run` hands to :meth:`Serving.settle`: the executor's own answer,
+``(outcome, phases, env_raised)``, passed on as it is (no new tuple per job)."""
+
+
+class Serving:
+    """One incarnation serving its lane's mailbox, on the incarnation's own thread: the
+    hot path. :meth:`serve` takes each item (:meth:`next_item`), runs it (:meth:`run`)
+    and settles it (:meth:`settle`) until the incarnation's serving is over: the lane
+    stops, or the incarnation is detached, faulted or lost.
+
+    Made once per incarnation. What one item carries from taking to settling (when it
+    was picked, whether it was handed over ahead, its retry count) is kept in slots, not
+    in a new object per item.
+    """
+
+    __slots__ = (
+        "_execute",
+        "_finish",
+        "_get",
+        "_inc",
+        "_lane",
+        "_picked",
+        "_rebuilds",
+        "_recorder",
+        "_retried",
+        "_send_ahead",
+        "_sent",
+        "_threads",
+        "_truncate",
+        "progress",
+    )
+
+    def __init__(
+        self,
+        threads: LaneThreads,
+        lane: Lane,
+        inc: Incarnation,
+        execute: Execute,
+        recorder: LaneRecorder | None,
+        *,
+        rebuilds: bool,
+        truncate: bool,
+    ) -> None:
+        self._threads = threads
+        self._lane = lane
+        self._inc = inc
+        self._execute = execute
+        self._recorder = recorder
+        self._rebuilds = rebuilds
+        self._truncate = truncate
+        self._get = lane.mailbox.get
+        ahead = inc.ahead()  # a process lane: post may write the next job to the child
+        self._send_ahead: SendAhead | None = None
+        self._finish = execute
+        if ahead is not None:
+            self._send_ahead, self._finish = ahead
+        self.progress = FRESH if inc.number > 0 else PROVEN
+        self._picked = 0
+        """``perf_counter_ns()`` when the item being run was taken."""
+        self._sent = False
+        """The item being run was handed over ahead: only its answer is left to read."""
+        self._retried = 0
+        """How often the item being run was tried before (a reset retried after a fault)."""
+
+    def serve(self) -> None:
+        """Serve until the incarnation's serving is over."""
+        next_item, run, settle = self.next_item, self.run, self.settle
+        while True:
+            item = next_item()
+            if item is None or not settle(item, run(item)):
+                return
+            del item  # nothing of a job is held while the mailbox is awaited
+
+    def next_item(self) -> Item | None:
+        """The next item this incarnation runs, begun (the lane's ``current``): the retry
+        slot's, or the mailbox's. None when the lane stops instead (an item taken is
+        answered). A step for a :attr:`Progress.FRESH` env is refused here, not run."""
+        lane = self._lane
+        lock = lane.lock
+        send_ahead = self._send_ahead
+        while True:
+            retried = 0
+            sent = False
+            item: Item | Stop
+            if lane.retry is not None:  # only ever set before this incarnation started
+                with lock:
+                    pending = lane.take_retry()
+                if pending is None:
+                    continue
+                item, retried = pending
+            else:
+                if send_ahead is not None and self.progress is not FRESH:
+                    with lock:
+                        lane.await_job(send_ahead)
+                item = self._get()
+            picked = perf_counter_ns()
+            with lock:
+                if send_ahead is not None:
+                    sent = lane.take_ahead(item)
+                stop = not lane.begin_job(item, picked)
+            if stop:
+                if sent:  # the child has it already: its answer is read, and given
+                    assert not isinstance(item, Stop)
+                    result, phases, _faulted = self._finish(item[1], picked - item[0])
+                    answer(lane.index, item, result, phases)
+                elif not isinstance(item, Stop):
+                    answer(lane.index, item, outcome.Error(stopped_error(lane.index)), Phases())
+                return None
+            assert not isinstance(item, Stop)
+            if self.progress is FRESH and isinstance(item[1], StepJob):
+                assert not sent  # (a fresh env takes no job ahead: await_job is not called)
+                self._refuse_unreset(item)
+                continue
+            self._picked = picked
+            self._sent = sent
+            self._retried = retried
+            return item
+
+    def run(self, item: Item) -> Ran:
+        """Run the begun ``item`` (read its answer, when it was handed over ahead) and
+        hand it to the lane's recorder."""
+        posted, job, _reply = item
+        ran = (self._finish if self._sent else self._execute)(job, self._picked - posted)
+        recorder = self._recorder
+        if recorder is not None and not self._inc.detached:  # issue 33 (an abandoned
+            # call's late result is not recorded); references kept; put may wait
+            # (backpressure)
+            result, phases, faulted = ran
+            if faulted:
+                recorder.cut(self._inc.number, "lane_fault")
+            else:
+                recorder.saw(self._inc.number, job, result, phases, self._execute)
+        return ran
+
+    def settle(self, item: Item, ran: Ran) -> bool:
+        """The ``item`` that ran ends: the lane hears of it (the job ended, or the env
+        faulted), the incarnation's :attr:`progress` moves, the job is answered. Whether
+        the incarnation serves on."""
+        result, phases, faulted = ran
+        lane = self._lane
+        inc = self._inc
+        job = item[1]
+        detach = False
+        with lane.lock:
+            taken = not lane.end_job(item)
+            if faulted and not taken:
+                retry = self._truncate and isinstance(job, ResetJob) and not self._retried
+                detach = lane.fault(item, rebuild=self._rebuilds, retry=retry)
+        if taken:
+            # The job was answered for us: the lane stopped or abandoned us, or (policy
+            # ``error``) declared the call wedged and now gets it back.
+            if inc.detached or lane.stopping:
+                return False
+            self._unwedged(job)
+            return True
+        if detach:
+            assert isinstance(result, outcome.Error)
+            self._threads.faulted(lane, item, result, phases, retry=lane.retry is not None)
+            return False  # the ``finally`` of LaneThreads._main closes the faulted env
+        if isinstance(result, outcome.Error) and inc.lost_by(result.error):
+            # Policy ``error``: nothing rebuilds the lane; it refuses from now on.
+            answer(lane.index, item, result, phases)
+            self._threads.lost(lane, str(result.error))
+            return False
+        if self.progress is not PROVEN and isinstance(result, outcome.Value):
+            self._progressed(job)
+        answer(lane.index, item, result, phases)
+        return True
+
+    def _progressed(self, job: Job) -> None:
+        """A rebuilt env answered ``job``: a reset makes it :attr:`Progress.RESET`, then a
+        step proves it healthy (:attr:`Progress.PROVEN`)."""
+        if self.progress is FRESH:
+            if isinstance(job, ResetJob):
+                self.progress = RESET
+        elif isinstance(job, StepJob):
+            self.progress = PROVEN
+            self._lane.proven_healthy()
+
+    def _refuse_unreset(self, item: Item) -> None:
         """A step on a rebuilt env nobody reset yet is refused, not run."""
+        lane = self._lane
         with lane.lock:
             lane.end_job(item)  # never wedged here: only a rebuild policy makes fresh envs
         cause = lane.last_cause or "a fault"
@@ -326,8 +456,9 @@ class LaneThreads:
         fault = LaneFault(lane=lane.index, error=cause)
         answer(lane.index, item, outcome.Error(error), Phases(), fault)
 
-    def _unwedged(self, lane: Lane, job: Job) -> None:
+    def _unwedged(self, job: Job) -> None:
         """Policy ``error``: a call declared wedged returned after all."""
+        lane = self._lane
         with lane.lock:
             if lane.state is not LaneState.WEDGED:
                 return

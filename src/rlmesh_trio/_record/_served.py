@@ -23,11 +23,11 @@ Episode boundaries, as the lane sees them:
   cuts it (``lane_fault``); the lane's stop cuts it (``server_stop``, or
   ``session_close`` as for a reset);
 * a client's Join session ending (not by the server's stop) marks an open episode as
-  left (:meth:`LaneRecorder.session_closed`, from the transport thread: a flag, no lock,
-  no wait); the lane cuts it at its next reset or its stop, or unmarks it when the next
-  session steps the lane on without a reset (the env's episode goes on, and so does its
-  record). A step of the old session that completes after its Join ended unmarks it too
-  (the reset then says ``reset``);
+  left (:meth:`LaneRecorder.session_closed`, from the transport thread: a mark on its
+  :class:`OpenEpisode` record, no lock, no wait); the lane cuts it at its next reset or
+  its stop, or unmarks it when the next session steps the lane on without a reset (the
+  env's episode goes on, and so does its record). A step of the old session that
+  completes after its Join ended unmarks it too (the reset then says ``reset``);
 * a job the env never ran (refused, a bad action) changes nothing.
 
 Under NEXT_STEP autoreset rlmesh's client resets a finished lane with a Reset request
@@ -116,6 +116,23 @@ class Failures:
         return len(self._unrecorded)
 
 
+class OpenEpisode:
+    """The episode a lane's recorder has open: whose it is, and whether the client left it.
+
+    Made at each reset a lane answers; dropped when the episode ends or is cut. The
+    transport thread marks it :attr:`left` without the recorder's lock: a mark that comes
+    as the episode closes lands on this record, never on the next episode's."""
+
+    __slots__ = ("left", "number")
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+        """The incarnation that reset it (an episode belongs to its incarnation)."""
+        self.left = False
+        """The client's Join session ended with the episode open (the cut's reason when
+        the lane next resets, or stops); a step of the lane unmarks it."""
+
+
 class LaneRecorder:
     """One lane's recording: its episode under way and, if chosen, its video.
 
@@ -127,10 +144,9 @@ class LaneRecorder:
         "_acc",
         "_failed",
         "_failures",
-        "_left",
         "_lock",
         "_newest",
-        "_number",
+        "_open",
         "_rendered",
         "_video",
         "lane",
@@ -150,15 +166,12 @@ class LaneRecorder:
         self._acc = accumulator
         self._video = video
         self._lock = threading.Lock()
-        self._number = -1
-        """The incarnation whose episode is open (-1: none)."""
+        self._open: OpenEpisode | None = None
+        """The episode under way, or None."""
         self._newest = -1
         """The newest incarnation heard from: an older one (abandoned, its call returning
         late) is not heard any more."""
         self._failed = False
-        self._left = False
-        """The client's session ended with this lane's episode open (the cut's reason
-        when the lane next resets, or stops)."""
         self._rendered = False
         """This lane has rendered a frame (its first render is one at a time)."""
 
@@ -169,8 +182,8 @@ class LaneRecorder:
 
     def session_closed(self) -> None:
         """The client's Join session ended (any thread; never waits)."""
-        if self._number != -1:
-            self._left = True
+        if (episode := self._open) is not None:
+            episode.left = True
 
     def saw(
         self,
@@ -197,37 +210,39 @@ class LaneRecorder:
                     return  # an abandoned incarnation's call, returning late
                 self._newest = number
                 if isinstance(job, StepJob) and isinstance(value, StepResult):
-                    if self._number != number:
+                    episode = self._open
+                    if episode is None or episode.number != number:
                         return  # no episode of this incarnation open
-                    self._step(job, value, execute)
+                    self._step(episode, job, value, execute)
                 elif isinstance(job, ResetJob) and isinstance(value, ResetResult):
                     self._reset(number, job, value, execute)
         except Exception as exc:  # never the lane's problem: it goes on serving
             self._give_up(exc)
 
     def _reset(self, number: int, job: ResetJob, value: ResetResult, execute: Execute) -> None:
-        if self._number != -1 and self._number < number:
-            # The episode of an incarnation that was abandoned (its call wedged past
-            # --lane-timeout-seconds: its thread never came back to cut it) ends as the
-            # fault it was, not as this reset.
-            self._left = False
-            if self._video is not None:
-                self._video.end()
-            if self._acc is not None and self._acc.in_episode:
-                self._acc.cut("lane_fault")
-        self._number = number
-        if self._left:
-            self._left = False
-            if self._acc is not None and self._acc.in_episode:
+        episode = self._open
+        if episode is not None:
+            if episode.number < number:
+                # The episode of an incarnation that was abandoned (its call wedged past
+                # --lane-timeout-seconds: its thread never came back to cut it) ends as
+                # the fault it was, not as this reset.
+                if self._video is not None:
+                    self._video.end()
+                if self._acc is not None and self._acc.in_episode:
+                    self._acc.cut("lane_fault")
+            elif episode.left and self._acc is not None and self._acc.in_episode:
                 self._acc.cut("session_close")
+        self._open = OpenEpisode(number)
         if self._acc is not None:
             self._acc.reset(value.observation, job.seed, value.info)
         video = self._video
         if video is not None and video.begin():
             self._frame(video, execute)
 
-    def _step(self, job: StepJob, value: StepResult, execute: Execute) -> None:
-        self._left = False
+    def _step(
+        self, episode: OpenEpisode, job: StepJob, value: StepResult, execute: Execute
+    ) -> None:
+        episode.left = False
         ended = value.terminated or value.truncated
         video = self._video
         if video is not None and video.recording:
@@ -235,7 +250,7 @@ class LaneRecorder:
             if ended:
                 video.end()
         if ended:
-            self._number = -1
+            self._open = None
             if self._failed:
                 self._failures.unrecorded_episode(self.lane)
         if self._acc is not None:
@@ -270,12 +285,12 @@ class LaneRecorder:
         (``server_stop``): cut its episode, if one is open."""
         try:
             with self._lock:
-                if self._number != number or number < self._newest:
+                episode = self._open
+                if episode is None or episode.number != number or number < self._newest:
                     return
-                if self._left and reason == "server_stop":
+                if episode.left and reason == "server_stop":
                     reason = "session_close"
-                self._left = False
-                self._number = -1
+                self._open = None
                 if self._video is not None:
                     self._video.end()
                 if self._acc is not None:
