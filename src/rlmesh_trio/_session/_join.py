@@ -39,38 +39,14 @@ import betterproto2
 import outcome
 
 from .._codec import from_meta_map
-from .._jobs import (
-    LaneFault,
-    LaneReply,
-    Phases,
-    RenderJob,
-    ResetJob,
-    ResetResult,
-    StepResult,
-)
+from .._jobs import LaneFault, LaneReply, Phases, RenderJob, ResetJob, ResetResult, StepResult
 from .._proto.rlmesh.env import v1 as env_v1
-from ._actions import (
-    Action,
-    CancelTimer,
-    Done,
-    EndStream,
-    Report,
-    Send,
-    StartTimer,
-    Wedged,
-)
+from ._actions import Action, CancelTimer, Done, EndStream, Report, Send, StartTimer, Wedged
 from ._endpoint import Endpoint
 from ._episodes import EpisodeBook
 from ._faults import can_truncate, failure, truncated
 from ._ops import Op, OpBook, Path, Waiting, new_op, step_op
-from ._plan import (
-    Refusal,
-    deadline_ms,
-    plan_configure,
-    plan_render,
-    plan_reset,
-    plan_step,
-)
+from ._plan import Refusal, deadline_ms, plan_configure, plan_render, plan_reset, plan_step
 from ._replies import Replies
 from ._results import fold_phases
 from ._straight import clean_step, clean_steps
@@ -234,14 +210,10 @@ class Session:
             actions.extend(self._complete(op))
             actions.extend(self._pump())
             return actions
-        actions += [
-            self._replies.error(
-                op.request_id, op.started_ns, Code.TIMEOUT, message, recoverable=True
-            ),
-            Report(
-                "timeout", op.verb, op.request_id, lanes or tuple(op.lanes), Code.TIMEOUT, message
-            ),
-        ]
+        report = Report(
+            "timeout", op.verb, op.request_id, lanes or tuple(op.lanes), Code.TIMEOUT, message
+        )
+        actions += self._replies.errored(report, op.started_ns)
         if op.serial:
             # The reply is out, so the next request may be read; the barrier still waits
             # for the env call itself (``outstanding``) before another serial op runs.
@@ -258,11 +230,8 @@ class Session:
             return self._close_anyway(entry)
         verb = betterproto2.which_one_of(entry.request, "kind")[0]
         message = f"env.{verb} timed out after {entry.timeout_ms}ms"
-        rid = entry.request.request_id
-        return [
-            self._replies.error(rid, entry.read_ns, Code.TIMEOUT, message, recoverable=True),
-            Report("timeout", verb, rid, (), Code.TIMEOUT, message),
-        ]
+        report = Report("timeout", verb, entry.request.request_id, (), Code.TIMEOUT, message)
+        return self._replies.errored(report, entry.read_ns)
 
     def _close_anyway(self, entry: Waiting) -> list[Action]:
         """A Close waited ``close_timeout`` for lane jobs still running: answer it without
@@ -351,10 +320,18 @@ class Session:
         return actions
 
     def _settle(self, op: Op, pos: int, reply: LaneReply) -> None:
+        """One lane's answer into ``op``; a successful one into the book, in lane order
+        (SPEC §7.7)."""
         op.replies[pos] = reply
         op.unsettled -= 1
         if isinstance(reply.outcome, outcome.Value):
-            self._account(op, pos, reply.outcome.value)
+            result, lane = reply.outcome.value, op.lanes[pos]
+            if isinstance(result, StepResult):
+                ended = self._book.step(lane, result)
+                if ended is not None:
+                    op.completions[pos] = ended
+            elif isinstance(result, ResetResult):
+                self._book.reset(lane, op.episode_ids[pos], op.seeds[pos], result.observation)
 
     # ----------------------------------------------------------------- lane faults
 
@@ -404,7 +381,7 @@ class Session:
 
     def _lane_step_done(self, op: Op, reply: LaneReply, result: StepResult) -> list[Action]:
         """A lane step's clean result, straight to its Send (what _deliver and _complete
-        do for it); its episode accounts in the book, as _account keeps the general
+        do for it); its episode accounts in the book, as _settle keeps the general
         path's."""
         self._ops.retire(op, 1)
         op.replies[0] = reply
@@ -459,33 +436,12 @@ class Session:
         if refusal is not None:  # fatal: the stream ends
             code, message = refusal.code, refusal.message
             return self._reject("configure", rid, read_ns, code, message, False) + self._end()
-        response = env_v1.JoinResponse(
-            request_id=rid,
-            configure=env_v1.ConfigureEnvResponse(),
-            endpoint_total_ns=self._replies.elapsed(read_ns),
-        )
-        return [Send(response)]
+        return [Send(self._replies.configured(rid, read_ns))]
 
     def _close(self, rid: str, read_ns: int) -> list[Action]:
-        final = self._book.close()
-        response = env_v1.JoinResponse(
-            request_id=rid,
-            close=env_v1.CloseEnvsResponse(final_episodes=final),
-            endpoint_total_ns=self._replies.elapsed(read_ns),
-        )
-        return [Send(response), *self._end()]
+        return [Send(self._replies.closed(rid, read_ns, self._book.close())), *self._end()]
 
     # ----------------------------------------------------------------- results
-
-    def _account(self, op: Op, pos: int, result: object) -> None:
-        """One lane's successful result into the book, in lane order (SPEC §7.7)."""
-        lane = op.lanes[pos]
-        if isinstance(result, StepResult):
-            ended = self._book.step(lane, result)
-            if ended is not None:
-                op.completions[pos] = ended
-        elif isinstance(result, ResetResult):
-            self._book.reset(lane, op.episode_ids[pos], op.seeds[pos], result.observation)
 
     def _complete(self, op: Op) -> list[Action]:
         self._ops.release(op)
@@ -494,25 +450,13 @@ class Session:
             if isinstance(reply.outcome, outcome.Error):
                 error = reply.outcome.error
                 f = failure(op, reply, error, supervised=self._supervised)
-                rid = op.request_id
-                actions: list[Action] = [
-                    self._replies.error(
-                        rid, op.started_ns, f.code, f.message, f.recoverable, f.debug
-                    ),
-                    Report(f.kind, op.verb, rid, (reply.lane,), f.code, f.message, error),
-                ]
+                lanes = (reply.lane,)
+                report = Report(f.kind, op.verb, op.request_id, lanes, f.code, f.message, error)
+                actions = self._replies.errored(report, op.started_ns, f.recoverable, f.debug)
                 if not f.recoverable and op.serial:
                     actions.extend(self._end())
                 return actions
-        results = [r.outcome.unwrap() for r in replies]
-        phases, skew = fold_phases([r.phases for r in replies])
-        if op.verb == "render":
-            response = self._replies.render_response(op, results[0], phases)
-        elif op.verb == "reset":
-            response = self._replies.reset_response(op, results, phases, skew)
-        else:
-            interrupted = self._book.take_interrupted()
-            response = self._replies.step_response(op, results, phases, skew, interrupted)
+        response, phases = self._replies.completed(op, replies, self._book)
         if not self._observe:
             return [Send(response)]
         total = response.endpoint_total_ns or 0
@@ -521,19 +465,11 @@ class Session:
     # ----------------------------------------------------------------- helpers
 
     def _reject(
-        self,
-        verb: str,
-        rid: str,
-        read_ns: int,
-        code: env_v1.EnvErrorCode,
-        message: str,
-        recoverable: bool = True,
+        self, verb: str, rid: str, read_ns: int, code: Code, message: str, recoverable: bool = True
     ) -> list[Action]:
         """Request ``verb`` refused before any lane ran it: the error reply, and a report."""
-        return [
-            self._replies.error(rid, read_ns, code, message, recoverable),
-            Report("rejected", verb, rid, (), code, message),
-        ]
+        report = Report("rejected", verb, rid, (), code, message)
+        return self._replies.errored(report, read_ns, recoverable)
 
     def _end(self) -> list[Action]:
         self._finish()
