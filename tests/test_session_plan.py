@@ -4,11 +4,16 @@ the differential suite check them on the wire)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
+import gymnasium as gym
+import numpy as np
 import pytest
 
+from rlmesh_trio._codec import SpaceCodec
+from rlmesh_trio._errors import ActionError
 from rlmesh_trio._proto.rlmesh.env import v1 as env_v1
 from rlmesh_trio._proto.rlmesh.spaces import v1 as spaces_v1
 from rlmesh_trio._session._plan import (
@@ -27,6 +32,12 @@ from rlmesh_trio._wire._decode import Clipped
 
 Code = env_v1.EnvErrorCode
 ACTION = spaces_v1.SpaceValue(leaves=[b"\x00" * 16])
+CODEC = SpaceCodec(gym.spaces.Box(-1.0, 1.0, (2,), np.float32))
+"""Checks the rows of a step: ACTION is two good rows of it."""
+
+
+def still() -> int:
+    return 0
 
 
 def invalid(message: str) -> Refusal:
@@ -169,7 +180,22 @@ def test_plan_reset(fields: dict[str, Any], num_envs: int, expected: object) -> 
     ],
 )
 def test_plan_step(fields: dict[str, Any], num_envs: int, expected: object) -> None:
-    assert plan_step(env_v1.StepRequest(**fields), num_envs) == expected
+    assert plan_step(env_v1.StepRequest(**fields), num_envs, CODEC, still) == expected
+
+
+def test_plan_step_checks_every_row_of_several_and_times_the_check() -> None:
+    """Several rows are the codec's to check before any lane steps (its text refuses a
+    bad one); the check's time is the plan's ``pre_decode_ns``. One row is its lane's."""
+    clock = itertools.count(0, 7).__next__
+    plan = plan_step(env_v1.StepRequest(action=ACTION), 2, CODEC, clock)
+    assert plan == StepPlan([0, 1], True, ACTION.leaves, validate=True, pre_decode_ns=7)
+    bad = spaces_v1.SpaceValue(leaves=[b"\x00" * 12])  # a slab one row and a half long
+    with pytest.raises(ActionError) as raised:
+        CODEC.validate_action(bad.leaves, 2)
+    refused = plan_step(env_v1.StepRequest(action=bad), 2, CODEC, clock)
+    assert refused == invalid(str(raised.value))
+    one = plan_step(env_v1.StepRequest(action=bad, env_indices=[1]), 2, CODEC, clock)
+    assert one == StepPlan([1], False, bad.leaves, validate=False)
 
 
 @pytest.mark.parametrize(
@@ -193,7 +219,7 @@ def test_plans_copy_the_request_lists() -> None:
     """A plan's lists are its own, not the request message's (the session's Op keeps
     them)."""
     body = env_v1.StepRequest(action=ACTION, env_indices=[1, 0])
-    plan = plan_step(body, 2)
+    plan = plan_step(body, 2, CODEC, still)
     assert isinstance(plan, StepPlan)
     assert plan.lanes is not body.env_indices and plan.leaves is not ACTION.leaves
     reset_body = env_v1.ResetRequest(env_indices=[1])

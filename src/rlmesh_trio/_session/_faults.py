@@ -6,6 +6,7 @@ record and its lanes' replies."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,10 +22,19 @@ from .._errors import (
 )
 from .._jobs import LaneFault, LaneReply, Phases, StepResult
 from .._proto.rlmesh.env import v1 as env_v1
+from ._episodes import EpisodeBook
 from ._ops import Op
 from ._results import LANE_FAULT_KEY
 
-__all__ = ["Failure", "crash_debug", "crash_message", "failure", "truncation"]
+__all__ = [
+    "Failure",
+    "can_truncate",
+    "crash_debug",
+    "crash_message",
+    "failure",
+    "truncated",
+    "truncation",
+]
 
 Code = env_v1.EnvErrorCode
 
@@ -105,3 +115,20 @@ def truncation(
         obs_warning=None,
     )
     return LaneReply(token, lane, outcome.Value(result), phases, fault)
+
+
+def can_truncate(op: Op, positions: Sequence[int], book: EpisodeBook) -> bool:
+    """Policy ``truncate``: whether ``op``'s lanes at ``positions`` may be answered as
+    truncations (a step, each lane's last observation known)."""
+    if op.verb != "step":
+        return False
+    return all(book.last_observation(op.lanes[pos]) is not None for pos in positions)
+
+
+def truncated(op: Op, pos: int, book: EpisodeBook, fault: LaneFault, phases: Phases) -> LaneReply:
+    """The step of ``op``'s lane at ``pos`` answered as a truncation of its last
+    observation (:func:`can_truncate` said it may be)."""
+    lane = op.lanes[pos]
+    observation = book.last_observation(lane)
+    assert observation is not None
+    return truncation(op.token, lane, observation, fault, phases)

@@ -1,5 +1,6 @@
 """What a request asks of the lanes, or why it is refused before any lane runs it (SPEC
-§7.2, §7.4-§7.6, §7.10, §7.11). Pure functions of the request and the number of lanes:
+§7.2, §7.4-§7.6, §7.10, §7.11). Pure functions of the request and the number of lanes (a
+step's also of the action codec, which checks its rows, and of the clock that times it):
 the session turns a plan into jobs, a :class:`Refusal` into its error reply.
 
 The texts and their order (which check speaks first) are the reference's.
@@ -7,9 +8,11 @@ The texts and their order (which check speaks first) are the reference's.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from .._codec import SpaceCodec
+from .._errors import ActionError
 from .._proto.rlmesh.env import v1 as env_v1
 from ._edition import edition_matches, rust_debug_str
 
@@ -48,17 +51,20 @@ class ResetPlan:
     episode_ids: list[str]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StepPlan:
     """Step ``lanes`` (in the reply's order) with the rows of ``leaves``; ``whole``: no
     ``env_indices``, a serial request. ``validate``: several rows, checked before any lane
-    steps (a bad row must not leave the others half-stepped); one row is checked on its
-    lane."""
+    steps (a bad row must not leave the others half-stepped), which took
+    ``pre_decode_ns``; one row is checked on its lane. Not frozen, as the other plans
+    are, only because it is made for every step (a frozen dataclass's ``__init__`` pays a
+    call per field); nothing changes it."""
 
     lanes: list[int]
     whole: bool
     leaves: list[bytes]
     validate: bool
+    pre_decode_ns: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,14 +133,18 @@ def plan_reset(body: env_v1.ResetRequest, num_envs: int) -> ResetPlan | Refusal:
     return ResetPlan(lanes=lanes, whole=not count, seeds=seeds, episode_ids=ids)
 
 
-def plan_step(body: env_v1.StepRequest, num_envs: int) -> StepPlan | Refusal:
-    """A step's lanes and action rows: a subset step's indices checked, then the action's
-    presence. The rows themselves are the codec's to check (``StepPlan.validate``)."""
+def plan_step(
+    body: env_v1.StepRequest, num_envs: int, codec: SpaceCodec, clock_ns: Callable[[], int]
+) -> StepPlan | Refusal:
+    """A step's lanes and action rows, validated: a subset step's indices checked, then
+    the action's presence, then -- several rows -- every row by ``codec`` (timed by
+    ``clock_ns``). Every step path of the session takes its plan from here."""
     indices = list(body.env_indices)
     if indices:
-        problem = check_indices("subset step", indices, num_envs)
-        if problem is not None:
-            return Refusal(Code.INVALID_ACTION, problem)
+        if len(indices) > 1 or indices[0] >= num_envs:  # one lane in range: nothing to check
+            problem = check_indices("subset step", indices, num_envs)
+            if problem is not None:
+                return Refusal(Code.INVALID_ACTION, problem)
         lanes = indices
     else:
         lanes = list(range(num_envs))
@@ -142,7 +152,14 @@ def plan_step(body: env_v1.StepRequest, num_envs: int) -> StepPlan | Refusal:
     if body.action is None:
         return Refusal(Code.INVALID_ACTION, f"expected {k} actions, got 0")
     leaves = list(body.action.leaves)
-    return StepPlan(lanes=lanes, whole=not indices, leaves=leaves, validate=k > 1)
+    if k == 1:
+        return StepPlan(lanes, not indices, leaves, False)
+    t0 = clock_ns()
+    try:
+        codec.validate_action(leaves, k)
+    except ActionError as exc:
+        return Refusal(Code.INVALID_ACTION, str(exc))
+    return StepPlan(lanes, not indices, leaves, True, clock_ns() - t0)
 
 
 def plan_render(body: env_v1.RenderRequest, num_envs: int) -> RenderPlan | Refusal:

@@ -1,6 +1,7 @@
 """What a session sends: a reset's or a step's JoinResponse built from its lanes' results
 (observation slab, infos batched in gymnasium's layout, conformance warnings placed once,
-completed episodes), the timing stamps, error replies (SPEC §5, §7.5, §8). Sans-IO."""
+completed episodes), the timing stamps, error replies and their reports (SPEC §5, §7.5,
+§8). Sans-IO."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._codec import Candidate
-from .._jobs import Phases, RenderResult, ResetResult, StepResult
+from .._jobs import LaneReply, Phases, RenderResult, ResetResult, StepResult
 from .._proto.rlmesh.env import v1 as env_v1
 from .._proto.rlmesh.spaces import v1 as spaces_v1
-from ._actions import Send
+from ._actions import Action, Report, Send
 from ._endpoint import Endpoint
+from ._episodes import EpisodeBook
 from ._ops import Op
-from ._results import CONFORMANCE_KEY, batch_infos, warning_value
+from ._results import CONFORMANCE_KEY, batch_infos, fold_phases, warning_value
 
 __all__ = ["Replies"]
 
@@ -72,6 +74,39 @@ class Replies:
         if len(results) == 1:
             return results[0].observation
         return self._endpoint.contract.observation_codec.join([r.observation for r in results])
+
+    def completed(
+        self, op: Op, replies: list[LaneReply], book: EpisodeBook
+    ) -> tuple[env_v1.JoinResponse, Phases]:
+        """The reply to ``op`` whose lanes all answered without an error (``replies``, in
+        the op's order), and its folded phases; a step's takes the ``book``'s interrupted
+        episodes."""
+        results = [r.outcome.unwrap() for r in replies]
+        phases, skew = fold_phases([r.phases for r in replies])
+        if op.verb == "render":
+            return self.render_response(op, results[0], phases), phases
+        if op.verb == "reset":
+            return self.reset_response(op, results, phases, skew), phases
+        interrupted = book.take_interrupted()
+        return self.step_response(op, results, phases, skew, interrupted), phases
+
+    def configured(self, rid: str, read_ns: int) -> env_v1.JoinResponse:
+        """The reply to a configure this build implements."""
+        return env_v1.JoinResponse(
+            request_id=rid,
+            configure=env_v1.ConfigureEnvResponse(),
+            endpoint_total_ns=self.elapsed(read_ns),
+        )
+
+    def closed(
+        self, rid: str, read_ns: int, final: list[env_v1.EpisodeMetadata]
+    ) -> env_v1.JoinResponse:
+        """The reply to a Close: the book's ``final`` episodes (SPEC §7.8)."""
+        return env_v1.JoinResponse(
+            request_id=rid,
+            close=env_v1.CloseEnvsResponse(final_episodes=final),
+            endpoint_total_ns=self.elapsed(read_ns),
+        )
 
     def reset_response(
         self, op: Op, results: Sequence[Any], phases: Phases, skew: int | None
@@ -196,6 +231,13 @@ class Replies:
                 request_id=rid, error=error, endpoint_total_ns=self.elapsed(read_ns)
             )
         )
+
+    def errored(
+        self, report: Report, read_ns: int, recoverable: bool = True, debug: str = ""
+    ) -> list[Action]:
+        """The error reply to the request ``report`` tells the log about, then the report."""
+        code, message = report.code, report.message
+        return [self.error(report.request_id, read_ns, code, message, recoverable, debug), report]
 
 
 def _with_warning(info: spaces_v1.MetaMap | None, warnings: list[Candidate]) -> spaces_v1.MetaMap:
