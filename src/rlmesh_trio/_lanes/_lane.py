@@ -36,6 +36,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("rlmesh_trio.lanes")
 
+_WEDGED: Final = LaneState.WEDGED
+"""Read by :meth:`Lane.end_job` after every job: a module name (an enum member read off
+its class costs ~100 ns on Python 3.11, a global ~10 ns)."""
+
 
 LANE_THREAD_PREFIX: Final = "rlmesh-trio-lane-"
 """Lane ``i``'s serving thread is named ``f"{LANE_THREAD_PREFIX}{i}"``. A thread the lane
@@ -364,7 +368,7 @@ class Lane:
         if self.current is not item:
             return False
         self.current = None
-        if self.state is LaneState.WEDGED:
+        if self.state is _WEDGED:
             self.serve()
         return True
 
