@@ -30,6 +30,7 @@ from rlmesh_trio._transport._flood import (
     FRAMES_PER_TURN,
     HEADER_BLOCK_SECONDS,
     RESETS_BURST,
+    SERVER_BUDGETS,
 )
 
 pytestmark = [
@@ -402,7 +403,9 @@ def test_many_connections_each_under_its_limits_are_closed_and_a_bystander_serve
             for conn in conns:
                 conn.close()
         closed = [c for c in conns if c.closed is not None]
-        assert len(closed) >= 0.9 * DISTRIBUTED, len(closed)
+        # those left fit in the server's rate together (one alone is always served)
+        survivors = int(SERVER_BUDGETS["control"][1] // (0.9 * CONTROL_FRAMES_PER_SECOND))
+        assert len(closed) >= DISTRIBUTED - survivors, len(closed)
         assert {c.goaway_code for c in closed} <= {h2raw.ENHANCE_YOUR_CALM, None}
         assert not report.failures and report.worst < BYSTANDER_BOUND, report
         assert peak - rss_start < RSS_BOUND_MIB, (rss_start, peak)
