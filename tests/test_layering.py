@@ -308,7 +308,7 @@ def test_the_architecture_doc_names_every_module() -> None:
 def _layer_figure() -> list[list[str]]:
     """The units of docs/architecture.md's layer figure, one list per floor, the ground
     floor first (the fenced block after the ``<!-- layers`` line)."""
-    doc = ROOT.parents[1] / "docs" / "architecture.md"
+    doc = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
     lines = doc.read_text(encoding="utf-8").splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("<!-- layers"))
     assert lines[start + 1] == "```", lines[start + 1]
